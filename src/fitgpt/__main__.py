@@ -1,0 +1,3 @@
+from fitgpt.cli import main
+
+raise SystemExit(main())

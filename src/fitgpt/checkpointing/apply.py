@@ -1,0 +1,279 @@
+"""One mechanism for every policy: wrap blocks (and the head) in modules, never replace ``forward``.
+
+``apply_checkpointing(model, policy)`` finds the model's list of blocks, then puts a
+``CheckpointWrapper`` at each position of that list. The wrapper holds the block under the child
+name ``inner`` and hides that name from ``state_dict``, so checkpoints load with or without
+checkpointing. A group region of K blocks is one checkpoint call made by the wrapper at the group's
+first position; the wrappers at the other K-1 positions pass its result on. In eval mode or under
+``no_grad`` every wrapper simply calls its own block: generation and evaluation pay nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from fitgpt.checkpointing.policy import RECOMPUTE_FULL, RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, Policy, parse_policy
+from fitgpt.checkpointing.selective import selective_context_fn
+
+log = logging.getLogger(__name__)
+
+INNER = "inner"
+_STATE_ATTR = "_fitgpt_checkpointing"
+_warned_offload_on_cpu = False
+
+
+def _strip_inner(module, state_dict, prefix, local_metadata):
+    for key in [k for k in state_dict if k.startswith(prefix + INNER + ".")]:
+        state_dict[prefix + key[len(prefix) + len(INNER) + 1 :]] = state_dict.pop(key)
+
+
+def _add_inner(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + INNER + ".")]:
+        state_dict[prefix + INNER + "." + key[len(prefix) :]] = state_dict.pop(key)
+
+
+class _Wrapper(nn.Module):
+    """Holds one module as ``inner`` while keeping the inner module's state_dict keys."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_state_dict_post_hook(_strip_inner)
+        self.register_load_state_dict_pre_hook(_add_inner)
+
+    def _recording(self) -> bool:
+        return self.training and torch.is_grad_enabled()
+
+
+def _offload_context(args: tuple) -> object:
+    global _warned_offload_on_cpu
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    if device.type == "cpu":
+        if not _warned_offload_on_cpu:
+            log.warning("offload does nothing on CPU: activations already live in host memory")
+            _warned_offload_on_cpu = True
+        return nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+
+
+class _GroupState:
+    """What the first wrapper of a group hands to the other wrappers of the same group."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.output = None
+        self.pending = 0
+
+
+class CheckpointWrapper(_Wrapper):
+    """One position of the block list under a checkpointing region.
+
+    recompute: none, full or selective. offload: send what autograd saves to host memory.
+    group: shared with the other wrappers of a multi-block region; ``members`` are the blocks the
+    first wrapper runs (its own and the followers'), held as plain references, not submodules.
+    """
+
+    def __init__(self, inner: nn.Module, recompute: str, offload: bool = False, group: _GroupState | None = None,
+                 members: list[nn.Module] | None = None) -> None:
+        super().__init__(inner)
+        self.recompute = recompute
+        self.offload = offload
+        self._group = group
+        self._members = members  # set only on a group's first wrapper
+
+    def extra_repr(self) -> str:
+        role = "" if self._group is None else (f", group of {self._group.size}" if self._members else ", in group")
+        return f"recompute={self.recompute}, offload={self.offload}{role}"
+
+    def forward(self, *args, **kwargs):
+        if not self._recording():
+            return self.inner(*args, **kwargs)
+        if self._group is not None and self._members is None:
+            return self._follow()
+        run = self._run_members if self._members else self.inner
+        with _offload_context(args) if self.offload else nullcontext():
+            if self.recompute == RECOMPUTE_NONE:
+                out = run(*args, **kwargs)
+            else:
+                context_fn = selective_context_fn if self.recompute == RECOMPUTE_SELECTIVE else _noop_contexts
+                out = checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs)
+        if self._members:
+            self._group.output, self._group.pending = out, self._group.size - 1
+        return out
+
+    def _run_members(self, *args, **kwargs):
+        out = None
+        for i, block in enumerate(self._members):
+            if i == 0:
+                out = block(*args, **kwargs)
+            else:
+                # Blocks of other libraries may return tuples whose first item is the hidden state.
+                hidden = out[0] if isinstance(out, tuple) else out
+                out = block(hidden, *args[1:], **kwargs)
+        return out
+
+    def _follow(self):
+        group = self._group
+        if group.pending <= 0:
+            raise RuntimeError(
+                "a block inside a checkpointed group was called out of order; the model must call its "
+                "blocks in sequence, or use a per-block policy such as 'block' instead of group:K"
+            )
+        group.pending -= 1
+        out = group.output
+        if group.pending == 0:
+            group.output = None  # drop the reference so the last block's output is not kept alive
+        return out
+
+
+def _noop_contexts():
+    return nullcontext(), nullcontext()
+
+
+class ChunkedLossHead(_Wrapper):
+    """Head + cross-entropy over chunks of ``rows`` tokens, each chunk its own checkpoint region.
+
+    Only the head's input is kept for backward; a chunk's logits live only while that chunk is
+    computed (forward) or recomputed (backward), so the B x T x vocab logits are never held whole.
+    Returns ``(None, loss)``: the logits are not returned, since keeping them would defeat the point.
+    """
+
+    def __init__(self, inner: nn.Module, rows: int) -> None:
+        super().__init__(inner)
+        self.rows = rows
+
+    def extra_repr(self) -> str:
+        return f"rows={self.rows}"
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        if targets is None:
+            return self.inner(x)
+        x2 = x.reshape(-1, x.size(-1))  # (B*T, C)
+        t2 = targets.reshape(-1)  # (B*T,)
+        total = x2.new_zeros((), dtype=torch.float32)
+        use_ckpt = self._recording()
+        for s in range(0, x2.size(0), self.rows):
+            xc, tc = x2[s : s + self.rows], t2[s : s + self.rows]
+            if use_ckpt:
+                part = checkpoint(self._chunk_loss_sum, xc, tc, use_reentrant=False)
+            else:
+                part = self._chunk_loss_sum(xc, tc)
+            total = total + part
+        return None, total / t2.numel()
+
+    def _chunk_loss_sum(self, xc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(xc, self.inner.weight, self.inner.bias)  # (rows, vocab)
+        return F.cross_entropy(logits, tc.long(), reduction="sum").float()
+
+
+# ---- finding the blocks -------------------------------------------------------------------------
+
+KNOWN_BLOCK_PATHS = ("attn_blocks", "transformer.h", "model.layers", "layers", "h")
+
+
+def _get(model: nn.Module, path: str) -> nn.Module | None:
+    obj: object = model
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, nn.Module) else None
+
+
+def find_blocks(model: nn.Module, blocks: str | nn.ModuleList | None = None) -> tuple[str, nn.ModuleList]:
+    """The model's block list and its dotted path: a given path, a known name, else the longest
+    ``nn.ModuleList`` whose entries are all of one type."""
+    if isinstance(blocks, nn.ModuleList):
+        for name, mod in model.named_modules():
+            if mod is blocks:
+                return name, blocks
+        raise ValueError("the ModuleList passed as blocks is not part of the model")
+    if blocks is not None:
+        found = _get(model, blocks)
+        if not isinstance(found, nn.ModuleList):
+            raise ValueError(f"blocks={blocks!r} does not name an nn.ModuleList in {type(model).__name__}")
+        return blocks, found
+    for path in KNOWN_BLOCK_PATHS:
+        found = _get(model, path)
+        if isinstance(found, nn.ModuleList) and len(found) > 0:
+            return path, found
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            types = {type(m.inner if isinstance(m, _Wrapper) else m) for m in mod}
+            if len(types) == 1 and (best is None or len(mod) > len(best[1])):
+                best = (name, mod)
+    if best is None:
+        raise ValueError(
+            f"no list of blocks found in {type(model).__name__}: pass blocks='path.to.modulelist'"
+        )
+    return best
+
+
+# ---- apply and remove ---------------------------------------------------------------------------
+
+
+def apply_checkpointing(model: nn.Module, policy: str | Policy, blocks: str | nn.ModuleList | None = None) -> Policy:
+    """Apply ``policy`` to ``model`` in place and return the parsed policy.
+
+    Works on fitgpt's Transformer and on models we did not write (GPT-2 style ``transformer.h``,
+    or any model with a ModuleList of identical blocks). Re-applying replaces the earlier policy.
+    """
+    policy = parse_policy(policy)
+    if getattr(model, _STATE_ATTR, None) is not None:
+        remove_checkpointing(model)
+    path, block_list = find_blocks(model, blocks)
+    regions = policy.regions(len(block_list))  # validates the policy against this depth first
+    head_path = None
+    if policy.loss_chunk_rows:
+        head = getattr(model, "lm_head", None)
+        from fitgpt.model.transformer import LMHead
+
+        if not isinstance(head, LMHead):
+            raise ValueError(
+                f"chunked-loss needs a head that computes logits and loss in one call (fitgpt's LMHead as "
+                f"model.lm_head); {type(model).__name__} has {type(head).__name__}. Drop '+chunked-loss'."
+            )
+        model.lm_head = ChunkedLossHead(head, policy.loss_chunk_rows)
+        head_path = "lm_head"
+    for region in regions:
+        if region.recompute == RECOMPUTE_NONE and not region.offload:
+            continue
+        members = [block_list[i] for i in range(region.start, region.stop)]
+        if len(members) == 1:
+            block_list[region.start] = CheckpointWrapper(members[0], region.recompute, region.offload)
+            continue
+        group = _GroupState(len(members))
+        block_list[region.start] = CheckpointWrapper(members[0], region.recompute, region.offload, group, members)
+        for i in range(region.start + 1, region.stop):
+            block_list[i] = CheckpointWrapper(block_list[i], region.recompute, region.offload, group)
+    setattr(model, _STATE_ATTR, (policy, path, head_path))
+    log.info("checkpointing %s", policy.describe(len(block_list)))
+    return policy
+
+
+def remove_checkpointing(model: nn.Module) -> None:
+    """Undo ``apply_checkpointing``: the original modules go back to their places."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        return
+    _, path, head_path = state
+    block_list = _get(model, path)
+    for i, mod in enumerate(block_list):
+        if isinstance(mod, CheckpointWrapper):
+            block_list[i] = mod.inner
+    if head_path is not None and isinstance(getattr(model, head_path), ChunkedLossHead):
+        setattr(model, head_path, getattr(model, head_path).inner)
+    setattr(model, _STATE_ATTR, None)
+
+
+def applied_policy(model: nn.Module) -> Policy:
+    """The policy currently applied to ``model`` (``none`` if nothing is)."""
+    state = getattr(model, _STATE_ATTR, None)
+    return state[0] if state is not None else parse_policy("none")

@@ -1,0 +1,188 @@
+"""Checkpointing policies: a spec string parsed into one small object, resolved into regions.
+
+Grammar: terms joined by ``+``.
+
+    none                 no checkpointing (a real choice)
+    block | full         every block is its own region (the seed's Method 1)
+    group:K              each run of K consecutive blocks is one region (Method 2, done right)
+    every:K              only blocks 0, K, 2K, ... are checkpointed (partial recompute)
+    blocks:0,3,5         an explicit subset (what `fitgpt plan` emits)
+    sqrt                 round(sqrt(N)) groups of consecutive blocks (Chen et al. 2016)
+    selective[:i,j]      op-level: keep matmul/attention outputs, recompute the rest
+    offload[:i,j]        the blocks' saved tensors (or, under full recompute, their boundary) go to host memory
+    chunked-loss[:ROWS]  head + cross-entropy in chunks of ROWS tokens, never holding all logits
+
+At most one recompute selector covers a block; ``offload`` and ``chunked-loss`` compose with any.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+RECOMPUTE_NONE, RECOMPUTE_FULL, RECOMPUTE_SELECTIVE = "none", "full", "selective"
+DEFAULT_LOSS_CHUNK_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class Selector:
+    """Which blocks a term covers: kind is all, every, blocks, group or sqrt."""
+
+    kind: str
+    k: int = 0
+    ids: tuple[int, ...] = ()
+
+    def block_ids(self, n: int) -> list[int]:
+        if self.kind == "every":
+            return list(range(0, n, self.k))
+        if self.kind == "blocks":
+            bad = [i for i in self.ids if i >= n]
+            if bad:
+                raise ValueError(f"block ids {bad} are out of range for a model with {n} blocks (ids go 0..{n - 1})")
+            return sorted(self.ids)
+        return list(range(n))  # all, group, sqrt
+
+    def group_size(self, n: int) -> int:
+        if self.kind == "group":
+            return self.k
+        if self.kind == "sqrt":
+            return math.ceil(n / max(1, round(math.sqrt(n))))
+        return 1
+
+
+@dataclass(frozen=True)
+class Region:
+    """Blocks [start, stop) run as one checkpoint region with one recompute option."""
+
+    start: int
+    stop: int
+    recompute: str
+    offload: bool = False
+
+
+@dataclass(frozen=True)
+class Policy:
+    spec: str
+    full: Selector | None = None
+    selective: Selector | None = None
+    offload: Selector | None = None
+    loss_chunk_rows: int | None = None
+
+    @property
+    def is_none(self) -> bool:
+        return self.full is None and self.selective is None and self.offload is None and self.loss_chunk_rows is None
+
+    def regions(self, n_blocks: int) -> list[Region]:
+        """One region per block (or per group), in order, covering all n_blocks blocks."""
+        recompute = [RECOMPUTE_NONE] * n_blocks
+        for sel, option in ((self.full, RECOMPUTE_FULL), (self.selective, RECOMPUTE_SELECTIVE)):
+            if sel is not None:
+                for i in sel.block_ids(n_blocks):
+                    if recompute[i] != RECOMPUTE_NONE:
+                        raise ValueError(f"block {i} is covered by two recompute terms in {self.spec!r}; give each block one")
+                    recompute[i] = option
+        offload = set(self.offload.block_ids(n_blocks)) if self.offload else set()
+        k = self.full.group_size(n_blocks) if self.full else 1
+        if k > n_blocks:
+            raise ValueError(f"group size {k} is larger than the model's {n_blocks} blocks; use group:{n_blocks} or less")
+        if k > 1:
+            regions = []
+            for s in range(0, n_blocks, k):
+                stop = min(s + k, n_blocks)
+                if len({i in offload for i in range(s, stop)}) > 1:
+                    raise ValueError(f"offload must cover whole groups in {self.spec!r}: blocks {s}..{stop - 1} are one region")
+                regions.append(Region(s, stop, RECOMPUTE_FULL, s in offload))
+            return regions
+        return [Region(i, i + 1, recompute[i], i in offload) for i in range(n_blocks)]
+
+    def describe(self, n_blocks: int) -> str:
+        """A one-line account of which blocks the policy covers, for the training log."""
+        if self.is_none:
+            return "none: no block is checkpointed"
+        parts = []
+        regions = self.regions(n_blocks)
+        for option in (RECOMPUTE_FULL, RECOMPUTE_SELECTIVE):
+            hit = [r for r in regions if r.recompute == option]
+            if hit:
+                spans = [f"{r.start}" if r.stop - r.start == 1 else f"{r.start}-{r.stop - 1}" for r in hit]
+                parts.append(f"{option} recompute on {sum(r.stop - r.start for r in hit)}/{n_blocks} blocks [{', '.join(spans)}]")
+        off = [r.start if r.stop - r.start == 1 else f"{r.start}-{r.stop - 1}" for r in regions if r.offload]
+        if off:
+            parts.append(f"offload on {off}")
+        if self.loss_chunk_rows:
+            parts.append(f"head+loss in chunks of {self.loss_chunk_rows} tokens")
+        return f"{self.spec}: " + "; ".join(parts)
+
+
+def _int(text: str, term: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{term!r}: {text!r} is not an integer") from None
+    if value < minimum:
+        raise ValueError(f"{term!r}: the number must be at least {minimum}")
+    return value
+
+
+def _ids(text: str, term: str) -> tuple[int, ...]:
+    ids = tuple(_int(t.strip(), term, 0) for t in text.split(",") if t.strip())
+    if not ids:
+        raise ValueError(f"{term!r}: give at least one block id, for example blocks:0,2")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{term!r}: a block id is repeated")
+    return ids
+
+
+def parse_policy(spec: str | Policy) -> Policy:
+    """Parse a spec such as ``block``, ``every:2+chunked-loss`` or ``blocks:0,3+selective:1``."""
+    if isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"empty checkpointing policy {spec!r}; use 'none' for no checkpointing")
+    spec = spec.strip().lower()
+    terms = [t.strip() for t in spec.split("+")]
+    if "none" in terms:
+        if len(terms) > 1:
+            raise ValueError(f"'none' cannot be combined with other terms in {spec!r}")
+        return Policy(spec="none")
+    fields: dict[str, object] = {}
+
+    def put(name: str, value: object, term: str) -> None:
+        if name in fields:
+            clash = "recompute selector" if name == "full" else f"{name} term"
+            raise ValueError(f"{spec!r} has more than one {clash} ({term!r}); use one")
+        fields[name] = value
+
+    for term in terms:
+        head, _, arg = term.partition(":")
+        head = head.replace("_", "-")
+        if head in ("block", "full") and not arg:
+            put("full", Selector("all"), term)
+        elif head == "group":
+            put("full", Selector("group", k=_int(arg, term, 1)), term)
+        elif head == "every":
+            put("full", Selector("every", k=_int(arg, term, 1)), term)
+        elif head == "blocks":
+            put("full", Selector("blocks", ids=_ids(arg, term)), term)
+        elif head == "sqrt" and not arg:
+            put("full", Selector("sqrt"), term)
+        elif head in ("selective", "offload"):
+            put(head, Selector("blocks", ids=_ids(arg, term)) if arg else Selector("all"), term)
+        elif head == "chunked-loss":
+            put("loss_chunk_rows", _int(arg, term, 1) if arg else DEFAULT_LOSS_CHUNK_ROWS, term)
+        else:
+            raise ValueError(
+                f"unknown checkpointing term {term!r} in {spec!r}; expected none, block, group:K, every:K, "
+                "blocks:i,j, sqrt, selective[:i,j], offload[:i,j] or chunked-loss[:ROWS], joined by '+'"
+            )
+    full, selective = fields.get("full"), fields.get("selective")
+    if full is not None and selective is not None:
+        if full.kind in ("all", "group", "sqrt") or selective.kind == "all":
+            raise ValueError(
+                f"{spec!r} asks for full and selective recompute on the same blocks; "
+                "give them disjoint block lists, e.g. blocks:0,1+selective:2,3"
+            )
+        overlap = set(full.ids) & set(selective.ids) if full.kind == "blocks" else set()
+        if overlap:
+            raise ValueError(f"{spec!r}: blocks {sorted(overlap)} are both full and selective; give each block one")
+    return Policy(spec=spec, **fields)  # type: ignore[arg-type]
