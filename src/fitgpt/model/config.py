@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class ModelConfig:
     """Shape of the GPT model."""
 
-    vocab_size: int = 4096
+    vocab_size: int = 2048
     """Number of token ids the embedding and head cover (taken from the prepared data when training)."""
     context_length: int = 128
     """Longest sequence the model attends over (size of the position embedding)."""

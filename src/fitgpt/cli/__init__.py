@@ -1,0 +1,49 @@
+"""The `fitgpt` command: prepare, train, generate. Only this package prints."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+COMMANDS = {
+    "prepare": ("fitgpt.cli.prepare", "tokenize text (files, dirs, globs, or the built-in corpus) into train/val memmaps"),
+    "train": ("fitgpt.cli.train", "train a model (no arguments: the tiny preset on the built-in corpus)"),
+    "generate": ("fitgpt.cli.generate", "sample text from a trained run"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: fitgpt COMMAND [--help] [FLAGS]", "", "commands:"]
+    lines += [f"  {name:10s} {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname).1s %(name)s: %(message)s", force=True)
+    for noisy in ("matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from fitgpt import __version__
+
+        print(__version__)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"fitgpt: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    import importlib
+
+    module = importlib.import_module(COMMANDS[command][0])
+    setup_logging()
+    try:
+        return module.run(rest)
+    except ValueError as e:  # user errors: the message names what to change
+        print(f"fitgpt {command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,122 @@
+"""Where training text comes from: files, directories, globs, the built-in corpus, or a HF dataset.
+
+The built-in corpus is the source of the running Python's standard library (about 12 MB of real code
+and English docstrings): it is on every machine that runs fitgpt, so the first run needs no download.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+BUILTIN = "stdlib"
+_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+
+
+@dataclass
+class Document:
+    source: str
+    text: str
+    sha256: str
+
+
+@dataclass
+class CorpusStats:
+    files: int = 0
+    documents: int = 0
+    bytes: int = 0
+    skipped_binary: list[str] = field(default_factory=list)
+    skipped_not_utf8: list[str] = field(default_factory=list)
+    skipped_empty: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (
+            f"{self.files} files seen, {self.documents} documents used ({self.bytes / 1e6:.1f} MB); skipped "
+            f"{len(self.skipped_binary)} binary, {len(self.skipped_not_utf8)} not UTF-8, {len(self.skipped_empty)} empty"
+        )
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files, without tests and installed packages."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("test"))
+        files += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py") and not f.startswith("test_")]
+    return files
+
+
+def expand_inputs(inputs: list[str]) -> list[Path]:
+    """Files named by paths, directories (walked) and globs, in a stable order."""
+    files: list[Path] = []
+    for item in inputs:
+        if item == BUILTIN:
+            files += stdlib_files()
+            continue
+        matches = sorted(glob.glob(item, recursive=True)) if glob.has_magic(item) else [item]
+        if not matches:
+            raise ValueError(f"input {item!r} matches no file (check the --inputs pattern)")
+        for m in matches:
+            p = Path(m)
+            if p.is_dir():
+                files += sorted(q for q in p.rglob("*") if q.is_file() and not any(part.startswith(".") for part in q.relative_to(p).parts))
+            elif p.is_file():
+                files.append(p)
+            else:
+                raise ValueError(f"input {item!r}: {m} does not exist (check the --inputs path)")
+    return files
+
+
+def read_documents(inputs: list[str], stats: CorpusStats) -> Iterator[Document]:
+    """One document per usable text file; binary and non-UTF-8 files are skipped and counted."""
+    hf = [i for i in inputs if i.startswith("hf:")]
+    if hf:
+        yield from _hf_documents(hf, stats)
+    for path in expand_inputs([i for i in inputs if not i.startswith("hf:")]):
+        stats.files += 1
+        raw = path.read_bytes()
+        if b"\x00" in raw[:8192]:
+            stats.skipped_binary.append(str(path))
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            stats.skipped_not_utf8.append(str(path))
+            continue
+        if not text.strip():
+            stats.skipped_empty.append(str(path))
+            continue
+        stats.documents += 1
+        stats.bytes += len(raw)
+        yield Document(str(path), text, hashlib.sha256(raw).hexdigest())
+
+
+def _hf_documents(names: list[str], stats: CorpusStats) -> Iterator[Document]:
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError("hf: inputs need the [hf] extra: pip install 'fitgpt[hf]'") from None
+    for item in names:
+        name, _, column = item[3:].partition("#")
+        try:
+            ds = datasets.load_dataset(name, split="train")
+        except Exception as e:  # network or hub errors: say which input failed and why
+            raise ValueError(f"could not load Hugging Face dataset {name!r} (offline?): {e}") from e
+        column = column or "text"
+        if column not in ds.column_names:
+            raise ValueError(f"dataset {name!r} has no column {column!r}; use hf:{name}#COLUMN with one of {ds.column_names}")
+        for i, row in enumerate(ds):
+            text = row[column]
+            stats.files += 1
+            if isinstance(text, str) and text.strip():
+                stats.documents += 1
+                stats.bytes += len(text.encode())
+                yield Document(f"hf:{name}[{i}]", text, hashlib.sha256(text.encode()).hexdigest())

@@ -1,0 +1,79 @@
+"""Counting memory on any device: live tensor storages, and what autograd saves for backward.
+
+``LiveMemory`` is a ``TorchDispatchMode`` that sees every storage an op creates and notices when it
+is freed, so it gives the bytes alive at any moment and their peak, on CPU as on CUDA.
+``SavedTensors`` counts the unique storages packed by ``saved_tensors_hooks``: what autograd keeps
+outside checkpoint regions (the regions' boundaries included); a region's own internals are held
+by the checkpoint machinery and are counted by ``LiveMemory`` instead.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveMemory(TorchDispatchMode):
+    """Bytes of tensor storages created inside the mode and still alive; ``peak`` is their maximum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, int] = {}
+
+    def _free(self, key: int, nbytes: int) -> None:
+        if self._live.pop(key, None) is not None:
+            self.current -= nbytes
+
+    def _track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._live:
+            return
+        nbytes = st.nbytes()
+        self._live[key] = nbytes
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(st, self._free, key, nbytes)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._track(t)
+        return out
+
+
+class SavedTensors:
+    """Unique storages autograd saves for backward, parameters excluded."""
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self._exclude = {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
+        self.storages: dict[tuple, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in self._exclude and st.nbytes() > 0:
+            self.storages.setdefault((t.device.type, ptr), st.nbytes())
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def __enter__(self) -> SavedTensors:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)

@@ -1,0 +1,52 @@
+"""Load a trained run and sample text from it."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+from fitgpt.data.tokenizer import Tokenizer
+from fitgpt.model import ModelConfig, Transformer
+from fitgpt.train import checkpoint as ckpt
+from fitgpt.train.config import from_dict
+
+log = logging.getLogger(__name__)
+
+
+def load_run(run_dir: str | Path, checkpoint: str = "latest", device: torch.device | str = "cpu") -> tuple[Transformer, Tokenizer, dict]:
+    """The model of a run's checkpoint and the run's tokenizer, checked against each other."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {run_dir} does not exist (check --run)")
+    path, meta = ckpt.resolve_resume(run_dir, checkpoint)
+    model_dict = dict(meta["config"]["model"])
+    model_dict["checkpointing"] = "none"
+    model_cfg = from_dict(ModelConfig, model_dict, str(path / ckpt.META_FILE), "model.")
+    tok_path = run_dir / "tokenizer.json"
+    if not tok_path.is_file():
+        raise ValueError(f"{tok_path} is missing: this run directory was not written by fitgpt train")
+    expected = meta.get("data", {}).get("tokenizer_sha256")
+    if expected and hashlib.sha256(tok_path.read_bytes()).hexdigest() != expected:
+        raise ValueError(f"{tok_path} is not the tokenizer the checkpoint {path} was trained with")
+    tokenizer = Tokenizer.load(run_dir)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"{tok_path} has {tokenizer.vocab_size} tokens, more than the model's vocab_size {model_cfg.vocab_size}")
+    model = Transformer(model_cfg)
+    ckpt.load_weights(path, model)
+    model.to(device).eval()
+    log.info("loaded %s (step %d)", path, meta["step"])
+    return model, tokenizer, meta
+
+
+def sample_text(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, temperature: float,
+                top_k: int | None, seed: int, num_samples: int = 1) -> list[str]:
+    device = next(model.parameters()).device
+    ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
+    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)  # (n, T)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen)
+    start = len(ids) if prompt else 1
+    return [prompt + tokenizer.decode(row[start:].tolist()) for row in out]

@@ -1,0 +1,212 @@
+"""The training config: one typed dataclass tree that the CLI, presets and run directories share.
+
+Precedence: dataclass defaults < preset file < --config file < command-line flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from fitgpt.checkpointing.policy import parse_policy
+from fitgpt.data.prepare import DataConfig
+from fitgpt.model.config import ModelConfig
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with warmup, then cosine decay to min_lr."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 30
+    """Linear warmup steps from 0 to lr."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not to biases, norms)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr must be positive, got {self.lr} (set --optim.lr)")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr} (set --optim.min-lr)")
+        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"optim.{name} must not be negative (set --optim.{name.replace('_', '-')})")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optim.{name} must be in [0, 1) (set --optim.{name})")
+
+
+@dataclass
+class TrainConfig:
+    """Train a GPT from scratch. Flags override the preset, which --config overrides in turn."""
+
+    preset: str = "tiny"
+    """Named preset: tiny, small, medium or 3b (files in fitgpt/presets/)."""
+    config: Optional[str] = None
+    """A JSON config file (for example a run's config.json) applied over the preset."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    batch_size: int = 16
+    """Sequences per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    max_steps: int = 300
+    """Optimizer steps to train for (the cosine schedule ends here)."""
+    eval_interval: int = 100
+    """Evaluate on val every this many steps (and at the end)."""
+    eval_batches: int = 10
+    """Batches per evaluation."""
+    log_interval: int = 10
+    """Write a metrics line every this many steps."""
+    ckpt_interval: int = 100
+    """Save a checkpoint every this many steps (and at the end)."""
+    keep_last: int = 3
+    """Checkpoints to keep; older ones are deleted."""
+    seed: int = 1337
+    device: str = "auto"
+    """auto (CUDA, then MPS, then CPU), or a torch device such as cpu, cuda, cuda:1, mps."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """auto: bf16 autocast on CUDA, fp32 elsewhere; fp16 uses a GradScaler."""
+    compile: bool = False
+    """torch.compile the model (after checkpointing is applied)."""
+    checkpointing: str = "none"
+    """Activation checkpointing policy, e.g. none, block, group:2, every:2, selective, block+chunked-loss."""
+    out_dir: Optional[str] = None
+    """Run directory; default runs/<preset>."""
+    resume: Optional[str] = None
+    """'latest' or a checkpoint directory to continue from."""
+    progress: bool = True
+    """Show a progress bar."""
+    tensorboard: bool = True
+    """Also log to TensorBoard when it is installed."""
+    max_bad_steps: int = 0
+    """Skip up to this many steps whose loss is NaN/Inf before stopping (0: stop at the first)."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval", "ckpt_interval", "keep_last"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r} (set --{name.replace('_', '-')})")
+        if self.max_bad_steps < 0:
+            raise ValueError("max_bad_steps must not be negative (set --max-bad-steps)")
+        try:
+            parse_policy(self.checkpointing)
+        except ValueError as e:
+            raise ValueError(f"checkpointing: {e} (set --checkpointing)") from None
+        if self.checkpointing != "none" and self.model.checkpointing != "none" and self.checkpointing != self.model.checkpointing:
+            raise ValueError(
+                f"--checkpointing {self.checkpointing!r} and --model.checkpointing {self.model.checkpointing!r} disagree; set one"
+            )
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir or f"runs/{self.preset}")
+
+
+# ---- loading from dicts and files ----------------------------------------------------------------
+
+PRESETS = ("tiny", "small", "medium", "3b")
+
+
+def _check_type(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        for opt in options:
+            if opt is not type(None):
+                return _check_type(value, opt, where)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ValueError(f"{where} must be one of {list(typing.get_args(tp))}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{where} must be a list of strings, got {value!r}")
+        return tuple(value)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and (type(value) is not tp):
+        raise ValueError(f"{where} must be {tp.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: dict, source: str, section: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``: unknown keys and wrong types fail naming the key and file."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: {section or 'the top level'} must be a JSON object")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{section}{key}"
+        if key not in names:
+            raise ValueError(f"{source}: unknown key {where!r}; valid keys here: {', '.join(sorted(names))}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(tp, value, source, f"{where}.")
+        else:
+            kwargs[key] = _check_type(value, tp, f"{source}: {where}")
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_json(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file {p} does not exist (check --config)")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config file {p} is not valid JSON: {e}") from None
+
+
+def preset_dict(name: str) -> dict:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} (--preset)")
+    return json.loads(resources.files("fitgpt.presets").joinpath(f"{name}.json").read_text())
+
+
+def load_config(preset: str = "tiny", config: str | None = None, overrides: dict | None = None) -> TrainConfig:
+    """Defaults < preset < config file < overrides, as one validated TrainConfig."""
+    data: dict = {"preset": preset}
+    data = merge(data, preset_dict(preset))
+    source = f"preset {preset}"
+    if config:
+        file_data = read_json(config)
+        file_data.pop("preset", None)
+        data = merge(data, file_data)
+        data["config"] = str(config)
+        source = str(config)
+    data = merge(data, overrides or {})
+    return from_dict(TrainConfig, data, source)
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["data"]["inputs"] = list(d["data"]["inputs"])
+    return d

@@ -1,0 +1,27 @@
+"""AdamW with weight decay on matrices only, and the warmup + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from fitgpt.train.config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()  # tied weights once
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+
+
+def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """Linear warmup to cfg.lr over warmup_steps, then cosine decay to cfg.min_lr at max_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)

@@ -1,0 +1,302 @@
+"""The training loop: prepare the model (checkpointing, then compile), step, evaluate, checkpoint.
+
+One function, ``train(cfg)``, that a student can read top to bottom.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import resource
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from fitgpt.checkpointing import apply_checkpointing, parse_policy, remove_checkpointing
+from fitgpt.data import BatchSampler, TokenData, ensure_prepared
+from fitgpt.memory import measure_step_memory
+from fitgpt.model import Transformer
+from fitgpt.train import checkpoint as ckpt
+from fitgpt.train.config import TrainConfig, to_dict
+from fitgpt.train.metrics import MetricsWriter, plot_loss_curve
+from fitgpt.train.optim import build_optimizer, lr_at
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """Training stopped for a reason the user can act on (divergence, out of memory)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r} (set --device to auto, cpu, cuda or mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but this torch build sees no CUDA device; use --device cpu or auto")
+    return device
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for plain fp32."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    if precision == "fp16" and device.type == "cpu":
+        raise ValueError("--precision fp16 needs a GPU; on CPU use bf16 or fp32")
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS on Linux
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class _StopFlag:
+    """Ctrl-C or SIGTERM asks the loop to save and stop after the current step; a second one aborts."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._old: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+        log.warning("%s received: saving a checkpoint after this step (again to abort)", self.signal)
+
+    def __enter__(self) -> _StopFlag:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> Transformer:
+    torch.manual_seed(cfg.seed)
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab_size, checkpointing="none")
+    return Transformer(model_cfg).to(device)
+
+
+def log_activation_memory(model: nn.Module, policy_spec: str, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> dict:
+    """Measured activation bytes of one micro-batch under none and under the policy (RNG untouched)."""
+    rng = _rng_state(device)
+    result = {}
+    for spec in ("none", policy_spec) if policy_spec != "none" else ("none",):
+        apply_checkpointing(model, spec)
+        try:
+            result[spec] = measure_step_memory(model, x, y).activation_bytes
+        except torch.OutOfMemoryError:
+            result[spec] = None
+        model.zero_grad(set_to_none=True)
+    _set_rng_state(rng, device)
+    parts = [f"{k}: {v / 2**20:.1f} MiB" if v is not None else f"{k}: out of memory" for k, v in result.items()]
+    log.info("activation memory of one micro-batch (%d x %d): %s", x.size(0), x.size(1), ", ".join(parts))
+    return result
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: TokenData, cfg: TrainConfig, device: torch.device, amp) -> float:
+    """Mean val loss over cfg.eval_batches fixed batches (the same windows at every evaluation)."""
+    was_training = model.training
+    model.eval()
+    sampler = BatchSampler(data.splits["val"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + 1)
+    losses = []
+    for _ in range(cfg.eval_batches):
+        x, y = sampler.next_batch(device)
+        with amp():
+            _, loss = model(x, y)
+        losses.append(loss.item())
+    model.train(was_training)
+    return float(np.mean(losses))
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train per cfg and return a summary (steps, losses, time, run directory)."""
+    device = resolve_device(cfg.device)
+    dtype = autocast_dtype(cfg.precision, device)
+    meta = ensure_prepared(cfg.data, progress=cfg.progress)
+    data = TokenData(cfg.data.path)
+    data.check_context(cfg.model.context_length)
+    # The model's vocabulary comes from the data, rounded up to a multiple of 64 for fast matmuls.
+    vocab_size = int(math.ceil(data.vocab_size / 64) * 64)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    model = build_model(cfg, vocab_size, device)
+    optimizer = build_optimizer(model, cfg.optim, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    train_sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed)
+    start_step = 0
+    if cfg.resume:
+        path, ck_meta = ckpt.resolve_resume(run_dir, cfg.resume)
+        saved_model = ck_meta.get("config", {}).get("model", {})
+        for key in ("vocab_size", "context_length", "n_embed", "n_head", "n_blocks", "bias"):
+            if key in saved_model and saved_model[key] != getattr(cfg.model, key):
+                raise ValueError(
+                    f"--resume {path}: the checkpoint has model.{key}={saved_model[key]}, this run asks for "
+                    f"{getattr(cfg.model, key)}; resume with the run's own config (--config {run_dir / 'config.json'})"
+                )
+        if ck_meta.get("data", {}).get("tokenizer_sha256") not in (None, _tokenizer_hash(cfg.data.path)):
+            raise ValueError(f"--resume {path}: the checkpoint was trained with another tokenizer than {cfg.data.path}")
+        ckpt.load_weights(path, model)
+        state = ckpt.load_state(path)
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        _set_rng_state(state["rng"], device)
+        train_sampler.load_state_dict(ck_meta["sampler"])
+        start_step = int(ck_meta["step"])
+        log.info("resumed from %s at step %d", path, start_step)
+    (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+    # The run keeps its own tokenizer, so sampling works even if the data directory moves.
+    shutil.copyfile(cfg.data.path / "tokenizer.json", run_dir / "tokenizer.json")
+
+    # Preparation order: checkpointing, then compile (then DDP, when distributed).
+    policy = parse_policy(cfg.checkpointing if cfg.checkpointing != "none" else cfg.model.checkpointing)
+    x0, y0 = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + 2).next_batch(device)
+    act = log_activation_memory(model, policy.spec, x0, y0, device) if start_step == 0 else {}
+    apply_checkpointing(model, policy)  # logs which blocks the policy covers
+    step_model = torch.compile(model) if cfg.compile else model
+
+    def amp():
+        return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.model.context_length
+    log.info(
+        "training %s (%.2fM params) on %s, %s, %d tokens/step, steps %d -> %d, run dir %s",
+        cfg.preset, model.num_params() / 1e6, device, dtype or "fp32", tokens_per_step, start_step, cfg.max_steps, run_dir,
+    )
+    metrics = MetricsWriter(run_dir, cfg.tensorboard, resume_step=start_step)
+    tok_hash = _tokenizer_hash(cfg.data.path)
+
+    def save(step: int) -> Path:
+        state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "rng": _rng_state(device)}
+        meta_out = {"config": to_dict(cfg), "sampler": train_sampler.state_dict(), "data": {"dir": str(cfg.data.path), "tokenizer_sha256": tok_hash}}
+        path = ckpt.save_checkpoint(run_dir, step, model, state, meta_out, cfg.keep_last)
+        log.info("saved %s", path)
+        return path
+
+    from tqdm.auto import tqdm
+
+    # disable=None hides the bar when stderr is not a terminal (CI logs, pipes).
+    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if cfg.progress else True, dynamic_ncols=True)
+    step, loss_value, val_loss, bad_steps, last_ckpt = start_step, float("nan"), None, 0, None
+    t_start = time.perf_counter()
+    t_log = time.perf_counter()
+    model.train()
+    with _StopFlag() as stop:
+        while step < cfg.max_steps:
+            lr = lr_at(step, cfg.optim, cfg.max_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            total = 0.0
+            try:
+                for _ in range(cfg.grad_accum):
+                    x, y = train_sampler.next_batch(device)
+                    with amp():
+                        _, loss = step_model(x, y)
+                    scaler.scale(loss / cfg.grad_accum).backward()
+                    total += loss.item() / cfg.grad_accum
+            except torch.OutOfMemoryError:
+                raise TrainingError(
+                    f"out of memory at step {step} (batch {cfg.batch_size} x {cfg.model.context_length}, checkpointing "
+                    f"{policy.spec!r}). Try a stronger policy (--checkpointing block or block+chunked-loss), a smaller "
+                    "--batch-size with more --grad-accum, or plan one: fitgpt plan --memory-budget <your GPU memory>"
+                ) from None
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
+            if not math.isfinite(total) or (dtype != torch.float16 and not torch.isfinite(grad_norm)):
+                bad_steps += 1
+                optimizer.zero_grad(set_to_none=True)
+                message = (
+                    f"loss is {total} at step {step} (lr {lr:.3g}, grad norm {float(grad_norm):.3g}); "
+                    f"last good checkpoint: {last_ckpt or (ckpt.list_checkpoints(run_dir) or ['none'])[-1]}"
+                )
+                if bad_steps > cfg.max_bad_steps:
+                    metrics.close()
+                    raise TrainingError(message + ". Lower --optim.lr, or allow skips with --max-bad-steps")
+                log.warning("skipping bad step: %s", message)
+                step += 1
+                continue
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            loss_value = total
+            bar.update(1)
+            if step % cfg.log_interval == 0 or step == cfg.max_steps:
+                now = time.perf_counter()
+                tps = tokens_per_step * cfg.log_interval / max(now - t_log, 1e-9)
+                t_log = now
+                peak = peak_memory_bytes(device)
+                metrics.write({"step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps, "peak_mem": peak})
+                bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}", mem=f"{peak / 2**20:.0f}MiB")
+            if step % cfg.eval_interval == 0 or step == cfg.max_steps:
+                val_loss = evaluate(step_model, data, cfg, device, amp)
+                metrics.write({"step": step, "val_loss": val_loss})
+                log.info("step %d: train loss %.4f, val loss %.4f", step, loss_value, val_loss)
+            if step % cfg.ckpt_interval == 0 or step == cfg.max_steps or stop.signal:
+                last_ckpt = save(step)
+            if stop.signal:
+                log.warning("stopped by %s at step %d; resume with --resume latest", stop.signal, step)
+                break
+    bar.close()
+    metrics.close()
+    elapsed = time.perf_counter() - t_start
+    png = plot_loss_curve(metrics.path, run_dir / "loss.png")
+    remove_checkpointing(model)
+    summary = {
+        "run_dir": str(run_dir),
+        "steps": step,
+        "train_loss": loss_value,
+        "val_loss": val_loss,
+        "seconds": elapsed,
+        "interrupted": stop.signal,
+        "checkpoint": str(last_ckpt) if last_ckpt else None,
+        "loss_png": str(png) if png else None,
+        "activation_bytes": act,
+        "data_tokens": meta["train_tokens"],
+    }
+    return summary
+
+
+def _tokenizer_hash(data_dir: Path) -> str | None:
+    path = Path(data_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
