@@ -101,8 +101,9 @@ class CheckpointWrapper(_Wrapper):
             if self.recompute == RECOMPUTE_NONE:
                 out = run(*args, **kwargs)
             else:
-                context_fn = selective_context_fn if self.recompute == RECOMPUTE_SELECTIVE else _noop_contexts
-                out = checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs)
+                # torch.compile accepts a context_fn only if it yields dispatch modes: pass one for selective alone.
+                extra = {"context_fn": selective_context_fn} if self.recompute == RECOMPUTE_SELECTIVE else {}
+                out = checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
         if self._members:
             self._group.output, self._group.pending = out, self._group.size - 1
         return out
@@ -130,10 +131,6 @@ class CheckpointWrapper(_Wrapper):
         if group.pending == 0:
             group.output = None  # drop the reference so the last block's output is not kept alive
         return out
-
-
-def _noop_contexts():
-    return nullcontext(), nullcontext()
 
 
 class ChunkedLossHead(_Wrapper):

@@ -45,9 +45,13 @@ class LiveMemory(TorchDispatchMode):
         self.peak = self.current
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # Views and in-place results share an input's storage: nothing new was allocated
+        # (this is what keeps views of parameters, such as a weight's transpose, out of the count).
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and id(t.untyped_storage()) not in inputs:
                 self._track(t)
         return out
 

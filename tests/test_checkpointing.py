@@ -1,0 +1,385 @@
+"""Every policy is exact (same loss and gradients as `none`), saves the bytes it promises, and costs
+the FLOPs it promises. Memory and FLOPs are counted, not timed."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fitgpt.checkpointing.apply as apply_mod
+from fitgpt.checkpointing import (
+    CheckpointWrapper,
+    apply_checkpointing,
+    applied_policy,
+    find_blocks,
+    parse_policy,
+    remove_checkpointing,
+)
+from fitgpt.memory import measure_step_flops, measure_step_memory
+from fitgpt.model import Transformer
+from tests.conftest import tiny_model_config
+from tests.test_seed_snippets import Method2
+
+# Policies whose op order equals `none`: gradients must be bitwise equal.
+BITWISE = ["none", "block", "full", "group:2", "group:3", "every:2", "blocks:0,3", "sqrt", "selective", "selective:1,2",
+           "blocks:0+selective:1,2", "offload", "block+offload", "offload:0,1"]
+# Chunked loss sums per-chunk losses, then divides: a different summation order than one mean over
+# all tokens, so equality holds to float32 rounding (relative 1e-6), not bitwise.
+CHUNKED = ["chunked-loss:16", "every:2+chunked-loss:16", "block+chunked-loss", "selective+chunked-loss:7"]
+
+
+def _batch(cfg, B=2):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, cfg.vocab_size, (B, cfg.context_length), generator=g), torch.randint(0, cfg.vocab_size, (B, cfg.context_length), generator=g)
+
+
+def _loss_and_grads(model, idx, targets, seed=0, autocast=None):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    ctx = torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False)
+    with ctx:
+        _, loss = model(idx, targets)
+    loss.backward()
+    return loss.detach(), {n.replace(".inner", ""): p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _reference(cfg, idx, targets, **kw):
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    return model, _loss_and_grads(model, idx, targets, **kw)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("spec", BITWISE + CHUNKED)
+def test_policy_is_exact_fp32(spec, dropout):
+    cfg = tiny_model_config(dropout=dropout)
+    idx, targets = _batch(cfg)
+    model, (ref_loss, ref) = _reference(cfg, idx, targets)
+    apply_checkpointing(model, spec)
+    loss, grads = _loss_and_grads(model, idx, targets)  # same seed: dropout masks must be replayed
+    assert grads.keys() == ref.keys()
+    if spec in BITWISE:
+        assert torch.equal(loss, ref_loss)
+        for name in ref:
+            assert torch.equal(grads[name], ref[name]), name
+    else:
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        for name in ref:
+            torch.testing.assert_close(grads[name], ref[name], rtol=1e-5, atol=1e-8, msg=name)
+
+
+@pytest.mark.parametrize("spec", ["block", "group:2", "every:2", "selective", "block+chunked-loss:16"])
+def test_policy_is_exact_under_cpu_bf16_autocast(spec):
+    cfg = tiny_model_config(dropout=0.1)
+    idx, targets = _batch(cfg)
+    model, (ref_loss, ref) = _reference(cfg, idx, targets, autocast=torch.bfloat16)
+    apply_checkpointing(model, spec)
+    loss, grads = _loss_and_grads(model, idx, targets, autocast=torch.bfloat16)
+    if "chunked" in spec:
+        # The chunked head runs its matmuls on chunks, so bf16 rounding differs slightly.
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=0)
+        for name in ref:
+            torch.testing.assert_close(grads[name], ref[name], rtol=0.05, atol=2e-3, msg=name)
+    else:
+        assert torch.equal(loss, ref_loss)
+        for name in ref:
+            assert torch.equal(grads[name], ref[name]), name
+
+
+# ---- memory, counted ------------------------------------------------------------------------------
+
+B, T, C, N, V = 4, 64, 128, 8, 4096
+BOUNDARY = B * T * C * 4  # one fp32 (B, T, C) tensor
+
+
+@pytest.fixture(scope="module")
+def counted():
+    """Activation bytes and FLOPs of every policy on one 8-block model and batch."""
+    cfg = tiny_model_config(vocab_size=V, context_length=T, n_embed=C, n_head=4, n_blocks=N)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    g = torch.Generator().manual_seed(0)
+    idx, targets = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+    out = {}
+    for spec in ["none", "block", "group:2", "group:4", "every:2", "sqrt", "selective", "chunked-loss:64", "block+chunked-loss:64"]:
+        apply_checkpointing(model, spec)
+        mem = measure_step_memory(model, idx, targets, blocks=model.attn_blocks)
+        out[spec] = (mem, measure_step_flops(model, idx, targets))
+        remove_checkpointing(model)
+    seed = Method2(cfg)
+    seed.load_state_dict(model.state_dict())
+    out["seed-method-2"] = (measure_step_memory(seed, idx, targets, blocks=seed.attn_blocks), None)
+    return out
+
+
+def test_block_keeps_only_the_boundaries(counted):
+    none, block = counted["none"][0], counted["block"][0]
+    # Without checkpointing a block holds 16 (B, T, C) tensors and its norms' statistics.
+    assert none.block_bytes == [16 * BOUNDARY + 8192] * N
+    # With it, exactly one: its output, which is the next block's stored input.
+    assert block.block_bytes == [BOUNDARY] * N
+    assert sum(block.block_bytes) <= sum(none.block_bytes) / 5 + N * BOUNDARY
+    # Saved-tensor hooks see the same boundaries, plus idx and targets (int64, made before the
+    # forward) and minus the loss scalar (alive, but not saved for backward).
+    assert block.saved_bytes == block.activation_bytes + 2 * B * T * 8 - 4
+
+
+def test_every_2_sits_halfway(counted):
+    none, every = sum(counted["none"][0].block_bytes), sum(counted["every:2"][0].block_bytes)
+    assert every == (N // 2) * BOUNDARY + (N // 2) * (16 * BOUNDARY + 8192)
+    assert 0.45 < every / none < 0.6
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_group_stores_n_over_k_boundaries_and_peaks_higher(counted, k):
+    group = counted[f"group:{k}"][0]
+    assert sum(group.block_bytes) == (N // k) * BOUNDARY
+    assert group.block_bytes[0] == BOUNDARY and group.block_bytes[1] == 0
+    if k == 4:  # four blocks' internals alive at once during recompute
+        assert group.peak_bytes > counted["block"][0].peak_bytes
+
+
+def test_sqrt_uses_round_sqrt_n_segments(counted):
+    # round(sqrt(8)) = 3 segments of up to 3 blocks: boundaries at positions 0, 3, 6.
+    assert counted["sqrt"][0].block_bytes == [BOUNDARY if i in (0, 3, 6) else 0 for i in range(N)]
+
+
+def test_selective_drops_norm_and_activation_outputs(counted):
+    none, sel = counted["none"][0], counted["selective"][0]
+    # Kept: block input, qkv (3), attention out (1), two projections (2), fc (4) = 11 (B, T, C)
+    # tensors plus the attention logsumexp; recomputed: both norms, GELU, residual sums.
+    assert sel.block_bytes == [11 * BOUNDARY + B * 4 * T * 4] * N
+    assert sum(sel.block_bytes) < 0.7 * sum(none.block_bytes)
+
+
+def test_chunked_loss_removes_the_b_t_vocab_term(counted):
+    none, chunked = counted["none"][0], counted["chunked-loss:64"][0]
+    # The log-softmax of the logits, (B*T, V) fp32, is what cross-entropy keeps for backward.
+    assert none.activation_bytes - chunked.activation_bytes == B * T * V * 4 + 4
+    both = counted["block+chunked-loss:64"][0]
+    assert both.activation_bytes < 0.07 * none.activation_bytes
+
+
+def test_seed_method_2_keeps_half_the_blocks(counted):
+    none = sum(counted["none"][0].block_bytes)
+    seed = sum(counted["seed-method-2"][0].block_bytes)
+    block = sum(counted["block"][0].block_bytes)
+    # checkpoint_sequential never checkpoints its last segment: every second block keeps everything.
+    assert seed == (N // 2) * (16 * BOUNDARY + 8192) + (N // 2) * BOUNDARY
+    assert seed / none > 0.5 and block / none < 0.07
+
+
+# ---- compute, counted -----------------------------------------------------------------------------
+
+BT = B * T
+BLOCK_FWD = 2 * BT * 12 * C * C + 4 * B * T * T * C  # four matmuls + attention (QK^T and AV)
+LAST_MATMUL = 2 * BT * 4 * C * C  # the MLP's output projection
+HEAD_FWD = 2 * BT * C * V
+
+
+def test_recompute_flops_are_exact(counted):
+    none = counted["none"][1]
+    extra = {spec: flops - none for spec, (_, flops) in counted.items() if flops is not None}
+    # A region's recompute stops once backward has what it needs (PyTorch's early stop), so each
+    # region skips its trailing matmul: "one extra forward" minus one matmul per region.
+    assert extra["block"] == N * (BLOCK_FWD - LAST_MATMUL)
+    assert extra["every:2"] == extra["block"] // 2
+    assert extra["group:2"] == N * BLOCK_FWD - (N // 2) * LAST_MATMUL
+    assert extra["group:4"] == N * BLOCK_FWD - (N // 4) * LAST_MATMUL
+    # Selective recomputes only norms, GELU and element-wise ops: no matmul or attention FLOPs.
+    assert extra["selective"] == 0
+    # The chunked head recomputes each chunk's logits once.
+    assert extra["chunked-loss:64"] == HEAD_FWD
+    assert extra["block+chunked-loss:64"] == extra["block"] + HEAD_FWD
+    assert (none + extra["block"]) / none < 1.34
+
+
+# ---- the mechanism --------------------------------------------------------------------------------
+
+
+def test_state_dict_keys_unchanged_and_loadable_both_ways():
+    cfg = tiny_model_config()
+    plain = Transformer(cfg)
+    wrapped = copy.deepcopy(plain)
+    apply_checkpointing(wrapped, "group:2+chunked-loss:8")
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+    fresh_plain, fresh_wrapped = Transformer(cfg), Transformer(cfg)
+    apply_checkpointing(fresh_wrapped, "block")
+    fresh_plain.load_state_dict(wrapped.state_dict())
+    fresh_wrapped.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, cfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(fresh_plain(idx)[0], plain(idx)[0])
+        assert torch.equal(fresh_wrapped(idx)[0], plain(idx)[0])
+
+
+def test_remove_restores_the_module_tree_and_outputs():
+    cfg = tiny_model_config()
+    model = Transformer(cfg)
+    before = repr(model)
+    blocks = list(model.attn_blocks)
+    head = model.lm_head
+    idx = torch.randint(0, cfg.vocab_size, (2, 16))
+    ref = model(idx)[0]
+    apply_checkpointing(model, "group:3+chunked-loss")
+    assert isinstance(model.attn_blocks[0], CheckpointWrapper) and repr(model) != before
+    assert applied_policy(model).spec == "group:3+chunked-loss"
+    remove_checkpointing(model)
+    assert repr(model) == before and list(model.attn_blocks) == blocks and model.lm_head is head
+    assert torch.equal(model(idx)[0], ref)
+    assert applied_policy(model).is_none
+
+
+def test_no_recompute_wrapper_runs_in_eval_or_no_grad(monkeypatch):
+    calls = []
+    real = apply_mod.checkpoint
+    monkeypatch.setattr(apply_mod, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = tiny_model_config()
+    model = Transformer(cfg)
+    apply_checkpointing(model, "block+chunked-loss:8")
+    idx = torch.randint(0, cfg.vocab_size, (2, 32))
+    with torch.no_grad():
+        model(idx, idx)
+    model.eval()
+    model(idx, idx)[1].backward()
+    model.generate(idx[:, :4], 3)
+    assert calls == []
+    model.train()
+    model(idx, idx)
+    assert len(calls) == cfg.n_blocks + 64 // 8  # one per block and one per loss chunk
+
+
+def test_model_config_field_applies_the_same_mechanism():
+    model = Transformer(tiny_model_config(checkpointing="every:2"))
+    assert [isinstance(b, CheckpointWrapper) for b in model.attn_blocks] == [True, False, True, False]
+    assert applied_policy(model).spec == "every:2"
+
+
+def test_chunked_loss_returns_no_logits_with_targets_but_logits_without():
+    cfg = tiny_model_config()
+    model = Transformer(cfg)
+    apply_checkpointing(model, "chunked-loss:10")
+    idx = torch.randint(0, cfg.vocab_size, (2, 32))
+    logits, loss = model(idx, idx)
+    assert logits is None and loss.ndim == 0
+    logits, loss = model(idx)
+    assert logits.shape == (2, 32, cfg.vocab_size) and loss is None
+
+
+def test_find_blocks_knows_paths_and_falls_back_to_longest_modulelist():
+    class Other(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.ModuleList([nn.Linear(4, 4), nn.ReLU()])
+            self.trunk = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+        def forward(self, x):
+            for m in self.trunk:
+                x = m(x)
+            return x
+
+    assert find_blocks(Transformer(tiny_model_config()))[0] == "attn_blocks"
+    assert find_blocks(Other())[0] == "trunk"
+    assert find_blocks(Other(), "stem")[0] == "stem"
+    with pytest.raises(ValueError, match="does not name an nn.ModuleList"):
+        find_blocks(Other(), "nope")
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [("block+selective", "same blocks"), ("none+block", "cannot be combined"), ("group:0", "at least 1"),
+     ("every:x", "not an integer"), ("blocks:", "at least one block id"), ("block+every:2", "more than one"),
+     ("blocks:1,1", "repeated"), ("wat", "unknown checkpointing term"), ("", "empty"),
+     ("blocks:0,1+selective:1", r"\[1\] are both")],
+)
+def test_nonsense_policies_get_clear_errors(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_policy(spec)
+
+
+def test_policy_errors_that_need_the_depth():
+    model = Transformer(tiny_model_config(n_blocks=4))
+    with pytest.raises(ValueError, match="out of range"):
+        apply_checkpointing(model, "blocks:7")
+    with pytest.raises(ValueError, match="larger than the model's 4 blocks"):
+        apply_checkpointing(model, "group:5")
+    with pytest.raises(ValueError, match="whole groups"):
+        apply_checkpointing(model, "group:2+offload:1")
+    with pytest.raises(ValueError, match="covered by two"):
+        apply_checkpointing(model, "every:2+selective:2")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=40))
+def test_policy_parser_fuzz(text):
+    try:
+        policy = parse_policy(text)
+    except ValueError:
+        return
+    assert parse_policy(policy.spec) == policy
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["block", "group:2", "every:3", "blocks:0,2", "sqrt", "selective", "selective:1",
+                                 "offload", "offload:3", "chunked-loss", "chunked-loss:5", "none"]), min_size=1, max_size=3))
+def test_policy_combinations_fuzz(terms):
+    spec = "+".join(terms)
+    try:
+        policy = parse_policy(spec)
+        regions = policy.regions(6)
+    except ValueError:
+        return
+    covered = [i for r in regions for i in range(r.start, r.stop)]
+    assert covered == list(range(6))
+
+
+# ---- with compile, and on a model we did not write -------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["block", "selective"])
+def test_compiled_checkpointed_model_matches_eager(spec):
+    cfg = tiny_model_config(n_blocks=2)
+    idx, targets = _batch(cfg)
+    model, (ref_loss, ref) = _reference(cfg, idx, targets)
+    apply_checkpointing(model, spec)
+    compiled = torch.compile(model)
+    loss, grads = _loss_and_grads(compiled, idx, targets)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name in ref:
+        key = name if name in grads else "_orig_mod." + name
+        torch.testing.assert_close(grads[key], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_hf_gpt2_gets_equal_gradients_and_fewer_bytes():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=300, n_positions=64,
+                                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    idx = torch.randint(0, 300, (2, 64))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        # use_cache=False, as in any HF training loop: a KV cache is global state that recompute would grow again.
+        loss = model(idx, labels=idx, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), {n.replace(".inner", ""): p.grad.clone() for n, p in model.named_parameters()}
+
+    keys = list(model.state_dict())
+    ref_loss, ref = loss_and_grads()
+    none_bytes = measure_step_memory(model, idx, idx).activation_bytes
+    for spec in ("block", "group:2", "selective"):
+        apply_checkpointing(model, spec)
+        assert find_blocks(model)[0] == "transformer.h"
+        assert list(model.state_dict()) == keys
+        loss, grads = loss_and_grads()
+        assert torch.equal(loss, ref_loss), spec
+        for name in ref:
+            assert torch.equal(grads[name], ref[name]), (spec, name)
+        assert measure_step_memory(model, idx, idx).activation_bytes < none_bytes
+        remove_checkpointing(model)
+    with pytest.raises(ValueError, match="chunked-loss needs a head"):
+        apply_checkpointing(model, "block+chunked-loss")
