@@ -251,7 +251,7 @@ def apply_checkpointing(model: nn.Module, policy: str | Policy, blocks: str | nn
         for i in range(region.start + 1, region.stop):
             block_list[i] = CheckpointWrapper(block_list[i], region.recompute, region.offload, group)
     setattr(model, _STATE_ATTR, (policy, path, head_path))
-    log.info("checkpointing %s", policy.describe(len(block_list)))
+    log.debug("checkpointing %s", policy.describe(len(block_list)))
     return policy
 
 

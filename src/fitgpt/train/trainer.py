@@ -187,8 +187,9 @@ def train(cfg: TrainConfig) -> dict:
     # Preparation order: checkpointing, then compile (then DDP, when distributed).
     policy = parse_policy(cfg.checkpointing if cfg.checkpointing != "none" else cfg.model.checkpointing)
     x0, y0 = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + 2).next_batch(device)
-    act = log_activation_memory(model, policy.spec, x0, y0, device) if start_step == 0 else {}
-    apply_checkpointing(model, policy)  # logs which blocks the policy covers
+    act = log_activation_memory(model, policy.spec, x0, y0, device)
+    apply_checkpointing(model, policy)
+    log.info("checkpointing %s", policy.describe(cfg.model.n_blocks))
     step_model = torch.compile(model) if cfg.compile else model
 
     def amp():
