@@ -234,8 +234,8 @@ def train(cfg: TrainConfig) -> dict:
             except torch.OutOfMemoryError:
                 raise TrainingError(
                     f"out of memory at step {step} (batch {cfg.batch_size} x {cfg.model.context_length}, checkpointing "
-                    f"{policy.spec!r}). Try a stronger policy (--checkpointing block or block+chunked-loss), a smaller "
-                    "--batch-size with more --grad-accum, or plan one: fitgpt plan --memory-budget <your GPU memory>"
+                    f"{policy.spec!r}). Try a stronger policy (--checkpointing block, or block+chunked-loss for a large "
+                    "vocabulary), or a smaller --batch-size with a larger --grad-accum (the same tokens per step)"
                 ) from None
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
