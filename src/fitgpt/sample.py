@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
@@ -29,7 +28,7 @@ def load_run(run_dir: str | Path, checkpoint: str = "latest", device: torch.devi
     if not tok_path.is_file():
         raise ValueError(f"{tok_path} is missing: this run directory was not written by fitgpt train")
     expected = meta.get("data", {}).get("tokenizer_sha256")
-    if expected and hashlib.sha256(tok_path.read_bytes()).hexdigest() != expected:
+    if expected and ckpt.sha256_file(tok_path) != expected:
         raise ValueError(f"{tok_path} is not the tokenizer the checkpoint {path} was trained with")
     tokenizer = Tokenizer.load(run_dir)
     if tokenizer.vocab_size > model_cfg.vocab_size:

@@ -31,7 +31,7 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, corrupt, or not ours."""
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -61,7 +61,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, state: dict, met
     try:
         save_model(model, str(tmp / MODEL_FILE))
         torch.save(state, tmp / STATE_FILE)
-        files = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in (MODEL_FILE, STATE_FILE)}
+        files = {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size} for name in (MODEL_FILE, STATE_FILE)}
         with open(tmp / META_FILE, "w") as f:
             json.dump({**meta, "step": step, "files": files}, f, indent=1)
             f.flush()
@@ -107,7 +107,7 @@ def verify_checkpoint(path: Path) -> dict:
         rec = files.get(name, {})
         if f.stat().st_size != rec.get("bytes"):
             raise CheckpointError(f"{f} has {f.stat().st_size} bytes, {meta_path} records {rec.get('bytes')}: truncated or replaced")
-        if _sha256(f) != rec.get("sha256"):
+        if sha256_file(f) != rec.get("sha256"):
             raise CheckpointError(f"{f} does not match the sha256 in {meta_path}: the file is corrupt")
     return meta
 

@@ -161,6 +161,7 @@ def train(cfg: TrainConfig) -> dict:
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     train_sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed)
     start_step = 0
+    tok_hash = ckpt.sha256_file(cfg.data.path / "tokenizer.json")
     if cfg.resume:
         path, ck_meta = ckpt.resolve_resume(run_dir, cfg.resume)
         saved_model = ck_meta.get("config", {}).get("model", {})
@@ -170,7 +171,7 @@ def train(cfg: TrainConfig) -> dict:
                     f"--resume {path}: the checkpoint has model.{key}={saved_model[key]}, this run asks for "
                     f"{getattr(cfg.model, key)}; resume with the run's own config (--config {run_dir / 'config.json'})"
                 )
-        if ck_meta.get("data", {}).get("tokenizer_sha256") not in (None, _tokenizer_hash(cfg.data.path)):
+        if ck_meta.get("data", {}).get("tokenizer_sha256") not in (None, tok_hash):
             raise ValueError(f"--resume {path}: the checkpoint was trained with another tokenizer than {cfg.data.path}")
         ckpt.load_weights(path, model)
         state = ckpt.load_state(path)
@@ -201,7 +202,6 @@ def train(cfg: TrainConfig) -> dict:
         cfg.preset, model.num_params() / 1e6, device, dtype or "fp32", tokens_per_step, start_step, cfg.max_steps, run_dir,
     )
     metrics = MetricsWriter(run_dir, cfg.tensorboard, resume_step=start_step)
-    tok_hash = _tokenizer_hash(cfg.data.path)
 
     def save(step: int) -> Path:
         state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "rng": _rng_state(device)}
@@ -293,11 +293,3 @@ def train(cfg: TrainConfig) -> dict:
     }
     return summary
 
-
-def _tokenizer_hash(data_dir: Path) -> str | None:
-    path = Path(data_dir) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()
