@@ -5,6 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def require_positive_ints(obj: object, names: tuple[str, ...], section: str = "") -> None:
+    """Raise ValueError naming the field and its flag when one of ``names`` is not a positive int."""
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            flag = f"--{section}{name.replace('_', '-')}"
+            raise ValueError(f"{section}{name} must be a positive integer, got {value!r} (set {flag})")
+
+
 @dataclass
 class ModelConfig:
     """Shape of the GPT model."""
@@ -27,10 +36,7 @@ class ModelConfig:
     """Activation checkpointing policy applied when the model is built (see fitgpt.checkpointing)."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "context_length", "n_embed", "n_head", "n_blocks"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r} (set --model.{name.replace('_', '-')})")
+        require_positive_ints(self, ("vocab_size", "context_length", "n_embed", "n_head", "n_blocks"), "model.")
         if self.n_embed % self.n_head != 0:
             raise ValueError(
                 f"model.n_embed ({self.n_embed}) must be divisible by model.n_head ({self.n_head}); "

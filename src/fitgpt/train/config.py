@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional
 
 from fitgpt.checkpointing.policy import parse_policy
 from fitgpt.data.prepare import DataConfig
-from fitgpt.model.config import ModelConfig
+from fitgpt.model.config import ModelConfig, require_positive_ints
 
 
 @dataclass
@@ -97,10 +97,9 @@ class TrainConfig:
     """Skip up to this many steps whose loss is NaN/Inf before stopping (0: stop at the first)."""
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval", "ckpt_interval", "keep_last"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r} (set --{name.replace('_', '-')})")
+        require_positive_ints(
+            self, ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval", "ckpt_interval", "keep_last")
+        )
         if self.max_bad_steps < 0:
             raise ValueError("max_bad_steps must not be negative (set --max-bad-steps)")
         try:
