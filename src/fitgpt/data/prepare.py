@@ -6,7 +6,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -14,7 +14,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from fitgpt.data.corpus import BUILTIN, CorpusStats, read_documents
-from fitgpt.data.tokenizer import Tokenizer, gpt2_tokenizer, train_bpe
+from fitgpt.data.tokenizer import gpt2_tokenizer, train_bpe
 
 log = logging.getLogger(__name__)
 
