@@ -1,4 +1,4 @@
-"""The `fitgpt` command: prepare, train, generate. Only this package prints."""
+"""The `fitgpt` command: prepare, train, generate, bench, plan, fit. Only this package prints."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ COMMANDS = {
     "prepare": ("fitgpt.cli.prepare", "tokenize text (files, dirs, globs, or the built-in corpus) into train/val memmaps"),
     "train": ("fitgpt.cli.train", "train a model (no arguments: the tiny preset on the built-in corpus)"),
     "generate": ("fitgpt.cli.generate", "sample text from a trained run"),
+    "bench": ("fitgpt.cli.bench", "measure checkpointing policies side by side: peak memory, FLOPs, step time"),
+    "plan": ("fitgpt.cli.plan", "the cheapest checkpointing plan that fits --memory-budget"),
+    "fit": ("fitgpt.cli.fit", "the largest batch, context and depth that fit --memory-budget"),
 }
 
 

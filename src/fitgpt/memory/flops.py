@@ -8,7 +8,8 @@ for the CUDA kernels.
 from __future__ import annotations
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 _aten = torch.ops.aten
 
@@ -16,8 +17,6 @@ _aten = torch.ops.aten
 def _register_cpu_attention() -> None:
     fwd = _aten._scaled_dot_product_flash_attention_for_cpu
     bwd = _aten._scaled_dot_product_flash_attention_for_cpu_backward
-    from torch.utils.flop_counter import flop_registry
-
     if fwd.default in flop_registry:
         return
 
@@ -38,3 +37,24 @@ def count_flops(fn, *args, **kwargs) -> int:
     with FlopCounterMode(display=False) as mode:
         fn(*args, **kwargs)
     return mode.get_total_flops()
+
+
+class OpFlops(TorchDispatchMode):
+    """FLOPs of matmuls and attention seen by this mode, with ``FlopCounterMode``'s formulas.
+
+    ``FlopCounterMode`` also tracks modules, and that tracking keeps the graphs that checkpoint
+    recomputation builds in the backward pass alive until the mode exits. Measured together with
+    memory, it would inflate the very bytes checkpointing frees; this mode counts and holds nothing.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out

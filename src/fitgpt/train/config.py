@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional
 
 from fitgpt.checkpointing.policy import parse_policy
 from fitgpt.data.prepare import DataConfig
+from fitgpt.memory.units import parse_bytes
 from fitgpt.model.config import ModelConfig, require_positive_ints
 
 
@@ -84,7 +85,9 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the model (after checkpointing is applied)."""
     checkpointing: str = "none"
-    """Activation checkpointing policy, e.g. none, block, group:2, every:2, selective, block+chunked-loss."""
+    """Activation checkpointing policy, e.g. none, block, group:2, every:2, selective, block+chunked-loss, or auto (needs --memory-budget)."""
+    memory_budget: Optional[str] = None
+    """Peak memory of a training step to plan for with --checkpointing auto, e.g. 6GiB."""
     out_dir: Optional[str] = None
     """Run directory; default runs/<preset>."""
     resume: Optional[str] = None
@@ -102,10 +105,19 @@ class TrainConfig:
         )
         if self.max_bad_steps < 0:
             raise ValueError("max_bad_steps must not be negative (set --max-bad-steps)")
-        try:
-            parse_policy(self.checkpointing)
-        except ValueError as e:
-            raise ValueError(f"checkpointing: {e} (set --checkpointing)") from None
+        if self.checkpointing == "auto":
+            if not self.memory_budget:
+                raise ValueError("--checkpointing auto plans for a budget: add --memory-budget, e.g. --memory-budget 6GiB")
+        else:
+            try:
+                parse_policy(self.checkpointing)
+            except ValueError as e:
+                raise ValueError(f"checkpointing: {e} (set --checkpointing)") from None
+            if self.memory_budget:
+                raise ValueError("--memory-budget is for --checkpointing auto; set --checkpointing auto or drop --memory-budget "
+                                 "(fitgpt plan predicts the peak of any fixed policy)")
+        if self.memory_budget:
+            parse_bytes(self.memory_budget)
         if self.checkpointing != "none" and self.model.checkpointing != "none" and self.checkpointing != self.model.checkpointing:
             raise ValueError(
                 f"--checkpointing {self.checkpointing!r} and --model.checkpointing {self.model.checkpointing!r} disagree; set one"

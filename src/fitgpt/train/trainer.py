@@ -23,6 +23,8 @@ import torch.nn as nn
 from fitgpt.checkpointing import apply_checkpointing, parse_policy, remove_checkpointing
 from fitgpt.data import BatchSampler, TokenData, ensure_prepared
 from fitgpt.memory import measure_step_memory
+from fitgpt.memory.profile import PeakProbe
+from fitgpt.memory.units import format_bytes, parse_bytes
 from fitgpt.model import Transformer
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train.config import TrainConfig, to_dict
@@ -110,6 +112,20 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> Tran
     return Transformer(model_cfg).to(device)
 
 
+def plan_for_budget(cfg: TrainConfig, device: torch.device, dtype: torch.dtype | None) -> dict:
+    """--checkpointing auto: profile this config on this device, then solve for the cheapest plan."""
+    from fitgpt.plan import profile_model, solve
+
+    budget = parse_bytes(cfg.memory_budget)
+    profile = profile_model(cfg.model, cfg.batch_size, cfg.model.context_length, device, cfg.optim, cfg.grad_accum, dtype, seed=cfg.seed)
+    plan, pred = solve(profile, budget)
+    log.info("auto: %s, predicted peak %s of budget %s (in the %s; %.3fx FLOPs; profiled in %.1fs)", plan.spec(),
+             format_bytes(pred.peak), format_bytes(budget), pred.where, pred.flops_ratio, profile.seconds)
+    if cfg.compile:
+        log.info("auto: the plan was profiled in eager mode; compiled steps can differ (the measured peak is logged)")
+    return {"policy": plan.spec(), "budget": budget, "predicted_peak": pred.peak}
+
+
 def log_activation_memory(model: nn.Module, policy_spec: str, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> dict:
     """Measured activation bytes of one micro-batch under none and under the policy (RNG untouched)."""
     rng = _rng_state(device)
@@ -186,7 +202,8 @@ def train(cfg: TrainConfig) -> dict:
     shutil.copyfile(cfg.data.path / "tokenizer.json", run_dir / "tokenizer.json")
 
     # Preparation order: checkpointing, then compile (then DDP, when distributed).
-    policy = parse_policy(cfg.checkpointing if cfg.checkpointing != "none" else cfg.model.checkpointing)
+    planned = plan_for_budget(cfg, device, dtype) if cfg.checkpointing == "auto" else None
+    policy = parse_policy(planned["policy"] if planned else cfg.checkpointing if cfg.checkpointing != "none" else cfg.model.checkpointing)
     x0, y0 = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + 2).next_batch(device)
     act = log_activation_memory(model, policy.spec, x0, y0, device)
     apply_checkpointing(model, policy)
@@ -218,30 +235,46 @@ def train(cfg: TrainConfig) -> dict:
     t_start = time.perf_counter()
     t_log = time.perf_counter()
     model.train()
+    probe_step = start_step + 1 if cfg.max_steps > start_step + 1 else start_step
     with _StopFlag() as stop:
         while step < cfg.max_steps:
             lr = lr_at(step, cfg.optim, cfg.max_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            total = 0.0
-            try:
-                for _ in range(cfg.grad_accum):
-                    x, y = train_sampler.next_batch(device)
-                    with amp():
-                        _, loss = step_model(x, y)
-                    scaler.scale(loss / cfg.grad_accum).backward()
-                    total += loss.item() / cfg.grad_accum
-            except torch.OutOfMemoryError:
-                raise TrainingError(
-                    f"out of memory at step {step} (batch {cfg.batch_size} x {cfg.model.context_length}, checkpointing "
-                    f"{policy.spec!r}). Try a stronger policy (--checkpointing block, or block+chunked-loss for a large "
-                    "vocabulary), or a smaller --batch-size with a larger --grad-accum (the same tokens per step)"
-                ) from None
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
-            if not math.isfinite(total) or (dtype != torch.float16 and not torch.isfinite(grad_norm)):
-                bad_steps += 1
+            # With --checkpointing auto, the second step of this process is measured against the plan.
+            probe = PeakProbe(model, optimizer) if planned and step == probe_step else None
+            with probe or contextlib.nullcontext():
+                total = 0.0
+                try:
+                    for _ in range(cfg.grad_accum):
+                        x, y = train_sampler.next_batch(device)
+                        with amp():
+                            # Only the loss is kept: holding the B x T x vocab logits through backward costs memory.
+                            loss = step_model(x, y)[1]
+                        scaler.scale(loss / cfg.grad_accum).backward()
+                        total += loss.item() / cfg.grad_accum
+                        del loss
+                except torch.OutOfMemoryError:
+                    raise TrainingError(
+                        f"out of memory at step {step} (batch {cfg.batch_size} x {cfg.model.context_length}, checkpointing "
+                        f"{policy.spec!r}). Run `fitgpt plan --preset {cfg.preset} --batch-size {cfg.batch_size} --context "
+                        f"{cfg.model.context_length} --memory-budget <your GPU's memory>` for a plan that fits, or train with "
+                        "--checkpointing auto --memory-budget <size>; a smaller --batch-size with a larger --grad-accum "
+                        "keeps the tokens per step"
+                    ) from None
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
+                good = math.isfinite(total) and (dtype == torch.float16 or bool(torch.isfinite(grad_norm)))
+                if good:
+                    scaler.step(optimizer)
+                    scaler.update()
                 optimizer.zero_grad(set_to_none=True)
+            if probe is not None:
+                planned["measured_peak"] = probe.result.peak
+                log.info("auto: measured peak %s (%s) vs predicted %s, budget %s", format_bytes(probe.result.peak),
+                         probe.result.source, format_bytes(planned["predicted_peak"]), format_bytes(planned["budget"]))
+            if not good:
+                bad_steps += 1
                 message = (
                     f"loss is {total} at step {step} (lr {lr:.3g}, grad norm {float(grad_norm):.3g}); "
                     f"last good checkpoint: {last_ckpt or (ckpt.list_checkpoints(run_dir) or ['none'])[-1]}"
@@ -252,9 +285,6 @@ def train(cfg: TrainConfig) -> dict:
                 log.warning("skipping bad step: %s", message)
                 step += 1
                 continue
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
             step += 1
             loss_value = total
             bar.update(1)
@@ -289,6 +319,7 @@ def train(cfg: TrainConfig) -> dict:
         "checkpoint": str(last_ckpt) if last_ckpt else None,
         "loss_png": str(png) if png else None,
         "activation_bytes": act,
+        "memory_plan": planned,
         "data_tokens": meta["train_tokens"],
     }
     return summary

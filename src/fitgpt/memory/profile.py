@@ -1,0 +1,247 @@
+"""A training step cut into segments, with the bytes and FLOPs of each: what the planner composes.
+
+``profile_step`` runs one real step (forward, backward, optimizer step) under ``LiveMemory`` and
+``OpFlops`` and puts marks at the boundaries of every block, forward and backward:
+
+    forward:  embed | block 0 | block 1 | ... | block N-1 | head + loss
+    backward: head + loss | block N-1 | ... | block 0 | embed       then: optimizer step
+
+Forward boundaries come from module hooks on the block list's positions; backward boundaries
+from tensor hooks on each block's input and output (a tensor hook fires when that tensor's
+gradient is complete, i.e. exactly when the backward of the block that consumes it ends).
+For each segment we keep the live bytes at its start and end, its peak, and its FLOPs.
+``measure_train_step`` measures a real step the way the trainer runs it, to check predictions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from fitgpt.checkpointing.apply import find_blocks
+from fitgpt.memory.flops import OpFlops
+from fitgpt.memory.measure import default_loss
+from fitgpt.memory.tracker import LiveMemory
+
+
+@dataclass
+class Segment:
+    start: int
+    """Live bytes (above the step's baseline) when the segment began."""
+    end: int
+    peak: int
+    flops: int
+
+    @property
+    def rise(self) -> int:
+        """How far above its starting level the segment peaked."""
+        return self.peak - self.start
+
+    @property
+    def delta(self) -> int:
+        """Bytes the segment leaves behind (negative when it frees more than it allocates)."""
+        return self.end - self.start
+
+
+@dataclass
+class StepTimeline:
+    """The segments of one step. ``fwd_blocks[i]``/``bwd_blocks[i]`` belong to block i."""
+
+    fwd_embed: Segment
+    fwd_blocks: list[Segment]
+    fwd_head: Segment
+    bwd_head: Segment
+    bwd_blocks: list[Segment]
+    bwd_embed: Segment
+    optimizer: Segment
+    peak: int
+    """Peak live bytes of the whole step above its baseline."""
+    flops: int
+    baseline: int = 0
+    """Bytes already held when the step began (parameters, optimizer state, gradients if any)."""
+
+
+def _unique_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def param_bytes(model: nn.Module) -> int:
+    return _unique_bytes(model.parameters())
+
+
+def grad_bytes(model: nn.Module) -> int:
+    return _unique_bytes(p.grad for p in model.parameters() if p.grad is not None)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    if optimizer is None:
+        return 0
+    return _unique_bytes(v for state in optimizer.state.values() for v in state.values())
+
+
+class _Marks:
+    """Closes a segment at each mark: the live bytes then, the peak since the last mark, the FLOPs."""
+
+    def __init__(self, live: LiveMemory, flops: OpFlops) -> None:
+        self.live, self.flops = live, flops
+        self.points: dict[str, tuple[int, int, int]] = {}  # name -> (live, peak since previous mark, flops so far)
+
+    def __call__(self, name: str) -> None:
+        self.points[name] = (self.live.current, self.live.peak, self.flops.total)
+        self.live.reset_peak()
+
+    def segment(self, first: str, last: str) -> Segment:
+        a, b = self.points[first], self.points[last]
+        return Segment(start=a[0], end=b[0], peak=max(b[1], a[0]), flops=b[2] - a[2])
+
+
+def _hidden(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer | None = None,
+                 loss_fn: Callable[[], torch.Tensor] | None = None, blocks: str | nn.ModuleList | None = None,
+                 zero_grad: bool = True) -> StepTimeline:
+    """Run forward, backward and (if given) the optimizer step once, cut into segments.
+
+    ``zero_grad``: free the gradients after the step (the trainer's ``set_to_none``); False zeroes
+    them in place, as between the micro-batches of gradient accumulation.
+    """
+    loss_fn = loss_fn or default_loss(model, idx, targets)
+    _, block_list = find_blocks(model, blocks)
+    n = len(block_list)
+    baseline = param_bytes(model) + grad_bytes(model) + optimizer_state_bytes(optimizer)
+    handles = []
+    with OpFlops() as fc, LiveMemory() as live:
+        mark = _Marks(live, fc)
+
+        def pre(i):
+            def hook(module, args):
+                if i == 0:
+                    x = _hidden(args)
+                    if isinstance(x, torch.Tensor) and x.requires_grad:
+                        x.register_hook(lambda g: mark("bwd_in_0"))
+                mark(f"fwd_pre_{i}")
+            return hook
+
+        def post(i):
+            def hook(module, args, out):
+                mark(f"fwd_post_{i}")
+                h = _hidden(out)
+                if isinstance(h, torch.Tensor) and h.requires_grad:
+                    # grad of block i's output complete = block i's backward begins (= block i+1's ends)
+                    h.register_hook(lambda g: mark(f"bwd_out_{i}"))
+            return hook
+
+        for i, mod in enumerate(block_list):
+            handles.append(mod.register_forward_pre_hook(pre(i)))
+            handles.append(mod.register_forward_hook(post(i)))
+        try:
+            mark("start")
+            loss = loss_fn()
+            mark("fwd_end")
+            loss.backward()
+            mark("bwd_end")
+            if optimizer is not None:
+                optimizer.step()
+            if zero_grad:
+                model.zero_grad(set_to_none=True)
+            else:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.zero_()
+            del loss
+            mark("opt_end")
+        finally:
+            for h in handles:
+                h.remove()
+    missing = [f"bwd_out_{i}" for i in range(n) if f"bwd_out_{i}" not in mark.points] + (["bwd_in_0"] if "bwd_in_0" not in mark.points else [])
+    if missing:
+        raise ValueError(f"the step did not pass through every block as a chain (no {missing[0]}): "
+                         "profile_step needs blocks called in order, each on the previous one's output")
+    s = mark.segment
+    return StepTimeline(
+        fwd_embed=s("start", "fwd_pre_0"),
+        fwd_blocks=[s(f"fwd_pre_{i}", f"fwd_post_{i}") for i in range(n)],
+        fwd_head=s(f"fwd_post_{n - 1}", "fwd_end"),
+        bwd_head=s("fwd_end", f"bwd_out_{n - 1}"),
+        bwd_blocks=[s(f"bwd_out_{i}", f"bwd_out_{i - 1}" if i else "bwd_in_0") for i in range(n)],
+        bwd_embed=s("bwd_in_0", "bwd_end"),
+        optimizer=s("bwd_end", "opt_end"),
+        peak=max(p[1] for p in mark.points.values()),
+        flops=fc.total,
+        baseline=baseline,
+    )
+
+
+@dataclass
+class StepPeak:
+    """Measured memory of one optimizer step, in bytes. ``peak`` counts everything the step holds."""
+
+    peak: int
+    params: int
+    grads: int
+    optimizer: int
+    source: str
+    """``cuda-allocator`` (torch.cuda.max_memory_allocated) or ``tracker`` (live tensor storages)."""
+
+
+class PeakProbe:
+    """Measures the peak of the code it wraps, plus what parameters, gradients and optimizer state held
+    on entry: ``with PeakProbe(model, optimizer) as probe: ...``, then ``probe.result``.
+
+    On CUDA the allocator's peak; elsewhere the live-tensor tracker (the process RSS would count the
+    allocator's caches and the Python heap, not tensors).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.device = next(model.parameters()).device
+        self.result: StepPeak | None = None
+
+    def __enter__(self) -> PeakProbe:
+        self._params, self._opt = param_bytes(self.model), optimizer_state_bytes(self.optimizer)
+        self._held = self._params + self._opt + grad_bytes(self.model)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._live = LiveMemory().__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            rise, source = torch.cuda.max_memory_allocated(self.device) - self._base, "cuda-allocator"
+        else:
+            self._live.__exit__(*exc)
+            rise, source = self._live.peak, "tracker"
+        grads = _unique_bytes(p for p in self.model.parameters() if p.requires_grad)  # grads mirror the trainable params
+        self.result = StepPeak(peak=self._held + rise, params=self._params, grads=grads, optimizer=self._opt, source=source)
+
+
+def measure_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                       amp: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> StepPeak:
+    """One optimizer step as the trainer runs it (micro-batches, step, ``zero_grad(set_to_none)``).
+
+    Run it after a first step, so that the optimizer state exists as it does for the rest of training.
+    """
+    with PeakProbe(model, optimizer) as probe:
+        for x, y in batches:
+            with amp():
+                loss = model(x, y)[1]  # the logits are not kept: they would stay alive through backward
+            (loss / len(batches)).backward()
+            del loss
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+    return probe.result

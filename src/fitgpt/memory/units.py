@@ -1,0 +1,38 @@
+"""Byte sizes as people write them: ``6GiB``, ``512MB``, ``1.5g``, ``4096``."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
+}
+
+
+def parse_bytes(text: str | int, flag: str = "--memory-budget") -> int:
+    """Bytes from ``6GiB`` (binary), ``6GB`` (decimal), ``6g`` (binary) or a plain number of bytes."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(f"{flag} {text!r} is not a size; write it like 6GiB, 512MiB, 8GB or a number of bytes")
+        value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"{flag} must be positive, got {text!r}")
+    return value
+
+
+def format_bytes(n: float) -> str:
+    """``1.50 GiB``, ``12.0 MiB``, ``512 B``: binary units, three significant digits or so."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}" if unit == "GiB" else f"{sign}{n / size:.1f} {unit}"
+    return f"{sign}{int(n)} B"

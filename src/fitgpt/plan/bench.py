@@ -1,0 +1,245 @@
+"""`fitgpt bench`: every policy on one model and batch, measured side by side.
+
+Per policy: the peak of a whole training step (forward, backward, optimizer), the activation bytes
+held at the end of the forward pass, FLOPs, and the median step time. Timing is interleaved (one
+step of each policy in turn, repeated), so that machine noise falls on all policies alike.
+``auto:50%`` plans for a budget that frees half of ``none``'s activation memory; ``auto:6GiB``
+plans for that many bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fitgpt.checkpointing import apply_checkpointing, parse_policy, remove_checkpointing
+from fitgpt.memory.flops import OpFlops
+from fitgpt.memory.measure import measure_step_memory
+from fitgpt.memory.profile import measure_train_step
+from fitgpt.memory.units import parse_bytes
+from fitgpt.model import Transformer
+from fitgpt.plan.profile import StepProfile, profile_model
+from fitgpt.plan.solver import Plan, predict, solve
+from fitgpt.plan.workload import WorkloadConfig
+from fitgpt.train.optim import build_optimizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POLICIES = ("none", "block", "group:2", "every:2", "selective", "chunked-loss", "auto:50%")
+
+
+@dataclass
+class BenchConfig(WorkloadConfig):
+    """Measure checkpointing policies on one model and batch: memory, FLOPs, time."""
+
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    """Policies to compare (the first is the baseline); auto:50% frees half of none's activations, auto:6GiB plans for a budget."""
+    repeats: int = 5
+    """Timed steps per policy (medians are reported)."""
+    warmup: int = 1
+    """Untimed steps per policy before timing."""
+    out_dir: str = "bench"
+    """Where bench.json and bench.png go."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError("--repeats must be at least 1 and --warmup at least 0")
+        if not self.policies:
+            raise ValueError("--policies: give at least one policy")
+        for spec in self.policies:
+            if spec.startswith("auto"):
+                _auto_target(spec)
+            else:
+                parse_policy(spec)
+
+
+def _auto_target(spec: str) -> tuple[str, float]:
+    """``auto:50%`` -> ("fraction", 0.5); ``auto:6GiB`` -> ("bytes", ...)."""
+    _, _, arg = spec.partition(":")
+    arg = arg.strip() or "50%"
+    if arg.endswith("%"):
+        try:
+            frac = float(arg[:-1]) / 100
+        except ValueError:
+            frac = -1
+        if not 0 < frac <= 1:
+            raise ValueError(f"--policies {spec!r}: the percentage of none's activation memory must be in (0, 100]")
+        return "fraction", frac
+    return "bytes", float(parse_bytes(arg, flag=f"--policies {spec}"))
+
+
+@dataclass
+class BenchRow:
+    policy: str
+    spec: str
+    peak_bytes: int
+    activation_bytes: int
+    flops: int
+    step_seconds: float
+    tokens_per_s: float
+    times: list[float] = field(default_factory=list)
+    budget_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+
+
+def _resolve_auto(spec: str, profile: StepProfile) -> tuple[str, int, int]:
+    kind, value = _auto_target(spec)
+    none = predict(profile, Plan.uniform(profile.n_blocks, "none"))
+    budget = int(value) if kind == "bytes" else none.peak - int((1 - value) * none.activations_end_of_forward)
+    plan, pred = solve(profile, budget)
+    return plan.spec(), budget, pred.peak
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Measure every policy of ``cfg``; returns the rows and the setup (also written to bench.json)."""
+    tcfg = cfg.train_config()
+    device, dtype = cfg.torch_device(), cfg.dtype()
+    mcfg = cfg.model_config
+    B, T, accum = tcfg.batch_size, mcfg.context_length, tcfg.grad_accum
+    t_start = time.perf_counter()
+    profile = None
+    specs: dict[str, tuple[str, int | None, int | None]] = {}
+    for spec in cfg.policies:
+        if spec.startswith("auto"):
+            if profile is None:
+                profile = profile_model(mcfg, B, T, device, tcfg.optim, accum, dtype, seed=cfg.seed)
+                log.info("profiled for auto in %.1fs", profile.seconds)
+            specs[spec] = _resolve_auto(spec, profile)
+            log.info("%s -> %s", spec, specs[spec][0])
+        else:
+            specs[spec] = (spec, None, None)
+
+    torch.manual_seed(cfg.seed)
+    model = Transformer(mcfg).to(device)
+    optimizer = build_optimizer(model, tcfg.optim, device)
+    g = torch.Generator().manual_seed(cfg.seed)
+    idx = torch.randint(0, mcfg.vocab_size, (accum, B, T + 1), generator=g).to(device)
+    batches = [(idx[i, :, :-1].contiguous(), idx[i, :, 1:].contiguous()) for i in range(accum)]
+    amp = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
+
+    def step() -> None:
+        for x, y in batches:
+            with amp():
+                loss = model(x, y)[1]
+            (loss / accum).backward()
+            del loss
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+
+    measured: dict[str, dict] = {}
+    step()  # the optimizer state exists from here on, as in training
+    for name, (spec, _, _) in specs.items():
+        apply_checkpointing(model, spec)
+        with amp(), OpFlops() as fl:
+            act = measure_step_memory(model, *batches[0]).activation_bytes
+        model.zero_grad(set_to_none=True)
+        peak = measure_train_step(model, optimizer, batches, amp)
+        measured[name] = {"activation_bytes": act, "flops": fl.total * accum, "peak_bytes": peak.peak, "peak_source": peak.source}
+        remove_checkpointing(model)
+
+    times: dict[str, list[float]] = {name: [] for name in specs}
+    for r in range(cfg.warmup + cfg.repeats):
+        for name, (spec, _, _) in specs.items():  # interleaved: noise hits every policy alike
+            apply_checkpointing(model, spec)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if r >= cfg.warmup:
+                times[name].append(time.perf_counter() - t0)
+            remove_checkpointing(model)
+
+    rows = []
+    for name, (spec, budget, predicted) in specs.items():
+        med = statistics.median(times[name])
+        m = measured[name]
+        rows.append(BenchRow(policy=name, spec=spec, peak_bytes=m["peak_bytes"], activation_bytes=m["activation_bytes"],
+                             flops=m["flops"], step_seconds=med, tokens_per_s=B * T * accum / med, times=times[name],
+                             budget_bytes=budget, predicted_peak_bytes=predicted))
+    result = {
+        "setup": {
+            "workload": cfg.describe(), "preset": tcfg.preset, "batch_size": B, "context": T, "grad_accum": accum,
+            "device": str(device), "dtype": str(dtype or "fp32"), "params": sum(p.numel() for p in model.parameters()),
+            "repeats": cfg.repeats, "warmup": cfg.warmup, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": platform.platform(), "peak_source": next(iter(measured.values()))["peak_source"],
+            "profile_seconds": profile.seconds if profile else None, "seconds": time.perf_counter() - t_start,
+        },
+        "rows": [r.__dict__ for r in rows],
+    }
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    result["png"] = str(plot_bench(result, out / "bench.png"))
+    return result
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both axes (lower is better on both)."""
+    front = []
+    for i, (x, y) in enumerate(points):
+        if not any((x2 <= x and y2 <= y) and (x2 < x or y2 < y) for j, (x2, y2) in enumerate(points) if j != i):
+            front.append(i)
+    return sorted(front, key=lambda i: points[i])
+
+
+def plot_bench(result: dict, path: Path) -> Path | None:
+    """Peak memory against step time, a labelled point per policy, the Pareto front joined."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # plotting is a convenience; bench.json holds the numbers
+        log.warning("matplotlib is not installed: no %s", path)
+        return None
+    rows = result["rows"]
+    pts = [(r["step_seconds"] * 1e3, r["peak_bytes"] / 2**20) for r in rows]
+    front = pareto_front(pts)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="tab:gray", zorder=2)
+    ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "o-", color="tab:red", zorder=3, label="Pareto front")
+    for r, (x, y) in zip(rows, pts):
+        label = r["policy"] if r["policy"] == r["spec"] else f"{r['policy']}\n= {r['spec']}"
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+    ax.set_xlabel("median step time (ms)")
+    ax.set_ylabel("peak memory of a step (MiB)")
+    ax.set_title(result["setup"]["workload"], fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def format_table(result: dict) -> str:
+    rows = result["rows"]
+    base = rows[0]
+    lines = [
+        f"{result['setup']['workload']}; peak from the {result['setup']['peak_source']}, "
+        f"median of {result['setup']['repeats']} interleaved steps",
+        "",
+        f"| policy | peak (MiB) | activations (MiB) | GFLOPs/step | step (ms) | tokens/s | peak saved | activations saved | time vs {base['policy']} | FLOPs vs {base['policy']} |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        name = f"`{r['policy']}`" + (f" = `{r['spec']}`" if r["spec"] != r["policy"] else "")
+        lines.append(
+            f"| {name} | {r['peak_bytes'] / 2**20:.1f} | {r['activation_bytes'] / 2**20:.1f} | {r['flops'] / 1e9:.1f} | "
+            f"{r['step_seconds'] * 1e3:.0f} | {r['tokens_per_s']:.0f} | {1 - r['peak_bytes'] / base['peak_bytes']:.1%} | "
+            f"{1 - r['activation_bytes'] / base['activation_bytes']:.1%} | {r['step_seconds'] / base['step_seconds']:.2f}x | "
+            f"{r['flops'] / base['flops']:.3f}x |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""Profile a model config once per option: per-block bytes and FLOPs the planner composes into any plan.
+
+Three profiled steps cover every plan: all blocks ``none`` with the plain head, all blocks ``full``
+with the chunked loss, all blocks ``selective`` with the plain head. A block's segments do not
+depend on what the other blocks do (a block's output is held by its successor whatever the option),
+so block i under option o is read from the run where every block had option o.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from fitgpt.checkpointing import apply_checkpointing
+from fitgpt.memory.profile import StepTimeline, grad_bytes, optimizer_state_bytes, param_bytes, profile_step
+from fitgpt.model import ModelConfig, Transformer
+from fitgpt.train.config import OptimConfig
+from fitgpt.train.optim import build_optimizer
+
+log = logging.getLogger(__name__)
+
+BLOCK_OPTIONS = ("none", "selective", "full")
+HEAD_OPTIONS = ("plain", "chunked")
+# One profiled step per option; the head option of each run is read from the same run.
+_RUNS = {"none": ("none", "plain"), "full": ("block+chunked-loss", "chunked"), "selective": ("selective", None)}
+
+
+@dataclass(frozen=True)
+class BlockOption:
+    saved: int
+    """Bytes the block's forward leaves alive for backward (its output included)."""
+    fwd_rise: int
+    """Peak above the level at the block's start, during its forward."""
+    bwd_rise: int
+    """Peak above the level at the start of its backward (recompute and gradient temporaries)."""
+    recompute_flops: int
+    """FLOPs its backward runs beyond the backward of the same block under ``none``."""
+
+
+@dataclass(frozen=True)
+class HeadOption:
+    saved: int
+    fwd_rise: int
+    bwd_rise: int
+    bwd_delta: int
+    recompute_flops: int
+
+
+@dataclass
+class StepProfile:
+    """Everything the planner needs, in bytes and FLOPs, for one config, batch shape and device."""
+
+    batch_size: int
+    context: int
+    grad_accum: int
+    device: str
+    params: int
+    optimizer: int
+    grads: int
+    baseline: int
+    """Held before each micro-batch: params + optimizer state (+ gradients when accumulating)."""
+    embed_saved: int
+    embed_fwd_rise: int
+    embed_bwd_rise: int
+    embed_bwd_delta: int
+    optimizer_rise: int
+    blocks: list[dict[str, BlockOption]]
+    block_grads: list[int]
+    """Bytes each block's backward leaves behind once its saved bytes are freed: its new gradients."""
+    heads: dict[str, HeadOption]
+    block_flops: list[int]
+    """FLOPs of each block's forward + backward without checkpointing."""
+    block_param_bytes: int
+    step_flops: int
+    """FLOPs of one forward + backward without checkpointing."""
+    seconds: float = 0.0
+    """How long profiling took."""
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks)
+
+    def with_blocks(self, n: int) -> StepProfile:
+        """The same profile for a model with ``n`` blocks like its last one (fixed costs scaled to match)."""
+        extra = n - self.n_blocks
+        p = self.block_param_bytes
+        opt = int(p * self.optimizer / max(self.params, 1))  # AdamW: two moments per parameter
+        return dataclasses.replace(
+            self,
+            params=self.params + extra * p,
+            optimizer=self.optimizer + extra * opt,
+            grads=self.grads + extra * p,
+            baseline=self.baseline + extra * (p + opt + (p if self.grad_accum > 1 else 0)),
+            blocks=[self.blocks[min(i, self.n_blocks - 1)] for i in range(n)],
+            block_grads=[self.block_grads[min(i, self.n_blocks - 1)] for i in range(n)],
+            block_flops=[self.block_flops[min(i, self.n_blocks - 1)] for i in range(n)],
+            step_flops=self.step_flops + extra * self.block_flops[-1],
+        )
+
+
+def _block_option(tl: StepTimeline, base: StepTimeline, i: int) -> BlockOption:
+    f, b = tl.fwd_blocks[i], tl.bwd_blocks[i]
+    return BlockOption(saved=f.delta, fwd_rise=f.rise, bwd_rise=b.rise, recompute_flops=b.flops - base.bwd_blocks[i].flops)
+
+
+def _head_option(tl: StepTimeline, base: StepTimeline) -> HeadOption:
+    extra = tl.fwd_head.flops + tl.bwd_head.flops - base.fwd_head.flops - base.bwd_head.flops
+    return HeadOption(saved=tl.fwd_head.delta, fwd_rise=tl.fwd_head.rise, bwd_rise=tl.bwd_head.rise,
+                      bwd_delta=tl.bwd_head.delta, recompute_flops=extra)
+
+
+def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None = None, device: str | torch.device = "cpu",
+                  optim_cfg=None, grad_accum: int = 1, dtype: torch.dtype | None = None, seed: int = 0) -> StepProfile:
+    """Build the model on ``device`` and profile one training step per option (three in all)."""
+    t0 = time.perf_counter()
+    device = torch.device(device)
+    context = context or model_cfg.context_length
+    cfg = dataclasses.replace(model_cfg, context_length=max(context, model_cfg.context_length), checkpointing="none")
+    torch.manual_seed(seed)
+    model = Transformer(cfg).to(device)
+    model.train()
+    optimizer = build_optimizer(model, optim_cfg or OptimConfig(), device)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, cfg.vocab_size, (batch_size, context + 1), generator=g).to(device)
+    x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    amp = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
+
+    def loss_fn():
+        with amp():
+            return model(x, y)[1]
+
+    accumulate = grad_accum > 1
+    if accumulate:
+        loss_fn().backward()  # gradients stay allocated between micro-batches
+    # The first run (none) also creates the optimizer state, as any first step does: its forward and
+    # backward segments are unaffected, and the optimizer's workspace is read from the later runs.
+    timelines: dict[str, StepTimeline] = {}
+    for option, (spec, _) in _RUNS.items():
+        apply_checkpointing(model, spec)
+        timelines[option] = profile_step(model, x, y, optimizer, loss_fn=loss_fn, zero_grad=not accumulate)
+    base = timelines["none"]
+    blocks = [{o: _block_option(timelines[o], base, i) for o in BLOCK_OPTIONS} for i in range(cfg.n_blocks)]
+    heads = {head: _head_option(timelines[o], base) for o, (_, head) in _RUNS.items() if head}
+    # What a block's backward leaves behind besides freeing its saved bytes: the same under every option.
+    block_grads = [max(timelines[o].fwd_blocks[i].delta + timelines[o].bwd_blocks[i].delta for o in BLOCK_OPTIONS)
+                   for i in range(cfg.n_blocks)]
+    params = param_bytes(model)
+    profile = StepProfile(
+        batch_size=batch_size, context=context, grad_accum=grad_accum, device=str(device),
+        params=params, optimizer=optimizer_state_bytes(optimizer), grads=params if not accumulate else grad_bytes(model),
+        baseline=params + optimizer_state_bytes(optimizer) + (grad_bytes(model) if accumulate else 0),
+        embed_saved=base.fwd_embed.delta, embed_fwd_rise=base.fwd_embed.rise,
+        embed_bwd_rise=base.bwd_embed.rise, embed_bwd_delta=base.bwd_embed.delta,
+        optimizer_rise=max(timelines[o].optimizer.rise for o in list(_RUNS)[1:]),
+        blocks=blocks, block_grads=block_grads, heads=heads,
+        block_flops=[f.flops + b.flops for f, b in zip(base.fwd_blocks, base.bwd_blocks)],
+        block_param_bytes=param_bytes(model.attn_blocks[-1]),
+        step_flops=base.fwd_embed.flops + base.fwd_head.flops + base.bwd_head.flops + base.bwd_embed.flops
+        + sum(f.flops + b.flops for f, b in zip(base.fwd_blocks, base.bwd_blocks)), seconds=time.perf_counter() - t0,
+    )
+    log.debug("profiled %d blocks at batch %d x %d in %.1fs", cfg.n_blocks, batch_size, context, profile.seconds)
+    return profile

@@ -1,0 +1,238 @@
+"""Predict the peak of any plan from a profile, and find the cheapest plan under a memory budget.
+
+A plan gives every block an option (none, selective, full) and the head one (plain, chunked).
+``predict`` walks the step as the profile cut it: the level of live bytes moves by each segment's
+measured delta, and each segment adds its measured rise on top.
+
+``solve`` is exact. Every constraint of the walk has the form ``S(i) + term_i(option_i) <= budget``,
+where ``S(i)`` is the bytes the blocks before i saved: the forward of block i runs on top of
+``S(i)``, and so does its backward (what the later blocks saved is freed by then, but their
+gradients are not, and those do not depend on the options). So a dynamic programme over blocks whose
+state is ``S`` suffices, and a state with both more saved bytes and more recompute than another can
+be dropped: nothing after it can prefer it. The cost is lexicographic: recomputed FLOPs first, then
+the number of blocks that recompute anything (selective recomputes only cheap element-wise ops).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from fitgpt.memory.units import format_bytes
+from fitgpt.plan.profile import BLOCK_OPTIONS, HEAD_OPTIONS, StepProfile
+
+
+class PlanError(ValueError):
+    """No plan fits the budget; the message says by how much, and what to change."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    blocks: tuple[str, ...]
+    head: str = "plain"
+
+    def spec(self) -> str:
+        """The plan as a ``--checkpointing`` policy string."""
+        n = len(self.blocks)
+        terms = []
+        for option, whole in (("full", "block"), ("selective", "selective")):
+            ids = [i for i, o in enumerate(self.blocks) if o == option]
+            if len(ids) == n:
+                terms.append(whole)
+            elif ids:
+                terms.append(("blocks:" if option == "full" else "selective:") + ",".join(map(str, ids)))
+        if self.head == "chunked":
+            terms.append("chunked-loss")
+        return "+".join(terms) or "none"
+
+    @classmethod
+    def uniform(cls, n: int, option: str, head: str = "plain") -> Plan:
+        return cls(tuple([option] * n), head)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    peak: int
+    where: str
+    """The segment of the step where the peak falls."""
+    params: int
+    optimizer: int
+    grads: int
+    """Gradient bytes alive at the peak."""
+    activations: int
+    """Saved activation bytes alive at the peak."""
+    temporaries: int
+    """Workspace of the segment at the peak (recompute, backward temporaries)."""
+    activations_end_of_forward: int
+    recompute_flops: int
+    step_flops: int
+
+    @property
+    def flops_ratio(self) -> float:
+        return (self.step_flops + self.recompute_flops) / self.step_flops
+
+    def breakdown(self) -> dict[str, int]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "temporaries": self.temporaries}
+
+
+def predict(profile: StepProfile, plan: Plan) -> Prediction:
+    """The peak of one micro-batch and optimizer step under ``plan``, by category at the peak."""
+    p = profile
+    if len(plan.blocks) != p.n_blocks:
+        raise ValueError(f"the plan has {len(plan.blocks)} block options, the model {p.n_blocks} blocks")
+    head = p.heads[plan.head]
+    events: list[tuple[int, str, int, int, int]] = []  # (total, where, activations, grads, temporaries)
+
+    def event(where: str, level: int, rise: int, activations: int) -> None:
+        events.append((level + rise, where, activations, level - activations, rise))
+
+    level = 0
+    event("embed forward", 0, p.embed_fwd_rise, 0)
+    level += p.embed_saved
+    for i, o in enumerate(plan.blocks):
+        event(f"block {i} forward", level, p.blocks[i][o].fwd_rise, level)
+        level += p.blocks[i][o].saved
+    event("head forward", level, head.fwd_rise, level)
+    level += head.saved
+    end_of_forward = level
+    event("head backward", level, head.bwd_rise, level)
+    level += head.bwd_delta
+    saved_prefix = p.embed_saved + sum(p.blocks[i][o].saved for i, o in enumerate(plan.blocks))
+    for i in reversed(range(p.n_blocks)):
+        o = plan.blocks[i]
+        event(f"block {i} backward", level, p.blocks[i][o].bwd_rise, saved_prefix)
+        saved_prefix -= p.blocks[i][o].saved
+        level += p.block_grads[i] - p.blocks[i][o].saved
+    event("embed backward", level, p.embed_bwd_rise, p.embed_saved)
+    level += p.embed_bwd_delta
+    event("optimizer step", level, p.optimizer_rise, 0)
+    total, where, activations, grads, temporaries = max(events)
+    recompute = head.recompute_flops + sum(p.blocks[i][o].recompute_flops for i, o in enumerate(plan.blocks))
+    held_grads = p.baseline - p.params - p.optimizer
+    return Prediction(
+        peak=p.baseline + total, where=where, params=p.params, optimizer=p.optimizer, grads=held_grads + grads,
+        activations=activations, temporaries=temporaries, activations_end_of_forward=end_of_forward,
+        recompute_flops=recompute, step_flops=p.step_flops,
+    )
+
+
+def _cost(profile: StepProfile, plan: Plan) -> tuple[int, int]:
+    head = profile.heads[plan.head]
+    flops = head.recompute_flops + sum(profile.blocks[i][o].recompute_flops for i, o in enumerate(plan.blocks))
+    return flops, sum(o != "none" for o in plan.blocks) + (plan.head != "plain")
+
+
+def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[int, int], tuple[str, ...]] | None:
+    """Cheapest block options with this head within ``room`` bytes above the baseline, or None."""
+    head = p.heads[head_name]
+    c_head = p.embed_saved + head.saved + head.bwd_delta  # the level after the head's backward, less S(N)
+    grads_after = [sum(p.block_grads[i + 1 :]) for i in range(p.n_blocks)]
+    grads_all = sum(p.block_grads)
+    if max(p.embed_fwd_rise, c_head + grads_all + p.embed_bwd_rise,
+           c_head + grads_all + p.embed_bwd_delta + p.optimizer_rise) > room:
+        return None
+    # state: saved bytes so far -> (cost, options); pruned to the Pareto front over (bytes, cost)
+    states: list[tuple[int, tuple[int, int], tuple[str, ...]]] = [(p.embed_saved, (0, 0), ())]
+    for i in range(p.n_blocks):
+        nxt: dict[int, tuple[tuple[int, int], tuple[str, ...]]] = {}
+        for s, cost, opts in states:
+            for o in BLOCK_OPTIONS:
+                b = p.blocks[i][o]
+                if s + b.fwd_rise > room or c_head - p.embed_saved + grads_after[i] + s + b.saved + b.bwd_rise > room:
+                    continue
+                s2, c2 = s + b.saved, (cost[0] + b.recompute_flops, cost[1] + (o != "none"))
+                if s2 not in nxt or c2 < nxt[s2][0]:
+                    nxt[s2] = (c2, opts + (o,))
+        front, best = [], None
+        for s2 in sorted(nxt):
+            c2, opts = nxt[s2]
+            if best is None or c2 < best:
+                front.append((s2, c2, opts))
+                best = c2
+        states = front
+    done = [(cost, opts) for s, cost, opts in states
+            if s + head.fwd_rise <= room and s + head.saved + head.bwd_rise <= room]
+    if not done:
+        return None
+    cost, opts = min(done)
+    return (cost[0] + head.recompute_flops, cost[1] + (head_name != "plain")), opts
+
+
+def _cheapest(profile: StepProfile, budget: int) -> Plan | None:
+    room = budget - profile.baseline
+    found = []
+    for head in HEAD_OPTIONS:
+        r = _solve_head(profile, head, room) if room >= 0 else None
+        if r is not None:
+            found.append((r[0], Plan(r[1], head)))
+    return min(found, key=lambda cp: cp[0])[1] if found else None
+
+
+def solve(profile: StepProfile, budget: int) -> tuple[Plan, Prediction]:
+    """The plan with the least recompute whose predicted peak is within ``budget`` bytes."""
+    plan = _cheapest(profile, budget)
+    if plan is None:
+        raise PlanError(_no_fit_message(profile, budget))
+    return plan, predict(profile, plan)
+
+
+def solve_exhaustive(profile: StepProfile, budget: int) -> tuple[Plan, Prediction] | None:
+    """Try every plan (3^N x 2): the reference the dynamic programme is tested against."""
+    best = None
+    for opts in itertools.product(BLOCK_OPTIONS, repeat=profile.n_blocks):
+        for head in HEAD_OPTIONS:
+            plan = Plan(opts, head)
+            pred = predict(profile, plan)
+            if pred.peak <= budget and (best is None or _cost(profile, plan) < best[0]):
+                best = (_cost(profile, plan), plan, pred)
+    return None if best is None else best[1:]
+
+
+def min_peak(profile: StepProfile) -> tuple[Plan, Prediction]:
+    """The plan with the lowest predicted peak (the most aggressive one that exists)."""
+    candidates = [Plan.uniform(profile.n_blocks, o, h) for o in BLOCK_OPTIONS for h in HEAD_OPTIONS]
+    # The best uniform plan bounds it from above; a mixed plan can be lower (full recompute has the
+    # larger backward workspace). Bisect on the budget, each probe an exact solve; hi always fits.
+    hi, lo = min(predict(profile, c).peak for c in candidates), profile.baseline
+    while hi - lo > max(1, hi // 10_000):
+        mid = (lo + hi) // 2
+        if _cheapest(profile, mid) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return solve(profile, hi)
+
+
+def _no_fit_message(p: StepProfile, budget: int) -> str:
+    # Fixed costs first: what no checkpointing policy can touch.
+    fixed = p.params + p.grads + p.optimizer
+    lines = [f"nothing fits in {format_bytes(budget)} at batch {p.batch_size} x context {p.context}."]
+    if fixed >= budget:
+        lines.append(
+            f"Parameters ({format_bytes(p.params)}), gradients ({format_bytes(p.grads)}) and AdamW state "
+            f"({format_bytes(p.optimizer)}) alone take {format_bytes(fixed)}, {format_bytes(fixed - budget)} over: "
+            "no checkpointing can help. Use fewer blocks (--model.n-blocks), a narrower model (--model.n-embed), "
+            "or shard the weights over GPUs (--parallel fsdp)."
+        )
+        return " ".join(lines)
+    plan, pred = min_peak(p)
+    over = pred.peak - budget
+    act = pred.peak - fixed
+    room = budget - fixed
+    lines.append(
+        f"The most aggressive plan ({plan.spec()}) needs {format_bytes(pred.peak)}, {format_bytes(over)} over "
+        f"(parameters + gradients + AdamW state: {format_bytes(fixed)}; activations and workspace at the peak, "
+        f"in the {pred.where}: {format_bytes(act)})."
+    )
+    scale = room / act
+    knobs = []
+    if p.batch_size > 1:
+        b = max(1, int(p.batch_size * scale))
+        knobs.append(f"a smaller batch (about --batch-size {b}, with --grad-accum to keep the tokens per step)")
+    knobs.append(f"a shorter context (about --model.context-length {max(1, int(p.context * scale))})")
+    knobs.append("fewer blocks (--model.n-blocks)")
+    if p.device.startswith("cuda"):
+        knobs.append("offloading saved activations to host memory (add +offload to --checkpointing)")
+    lines.append("To fit, try " + "; or ".join(knobs) + ".")
+    return " ".join(lines)

@@ -1,0 +1,64 @@
+"""What `fitgpt plan`, `bench` and `fit` measure: a preset or config, a batch shape, a device, a precision."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+
+from fitgpt.model import ModelConfig
+from fitgpt.train.config import TrainConfig, load_config
+from fitgpt.train.trainer import autocast_dtype, resolve_device
+
+
+@dataclass
+class WorkloadConfig:
+    preset: str = "tiny"
+    """Named preset: tiny, small, medium or 3b."""
+    config: Optional[str] = None
+    """A JSON config file (for example a run's config.json) applied over the preset."""
+    batch_size: Optional[int] = None
+    """Sequences per micro-batch (default: the preset's)."""
+    context: Optional[int] = None
+    """Tokens per sequence (default: the preset's model.context_length)."""
+    grad_accum: Optional[int] = None
+    """Micro-batches per step (default: the preset's); above 1, gradients stay allocated between them."""
+    device: str = "auto"
+    """auto, cpu, cuda, cuda:1, mps."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """As for fitgpt train: auto is bf16 on CUDA, fp32 elsewhere."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "context", "grad_accum"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+    def train_config(self) -> TrainConfig:
+        cfg = load_config(self.preset, self.config)
+        model = cfg.model
+        if self.context is not None:
+            model = dataclasses.replace(model, context_length=self.context)
+        return dataclasses.replace(
+            cfg, model=model, batch_size=self.batch_size or cfg.batch_size, grad_accum=self.grad_accum or cfg.grad_accum,
+            device=self.device, precision=self.precision,
+        )
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return dataclasses.replace(self.train_config().model, checkpointing="none")
+
+    def torch_device(self) -> torch.device:
+        return resolve_device(self.device)
+
+    def dtype(self) -> torch.dtype | None:
+        return autocast_dtype(self.precision, self.torch_device())
+
+    def describe(self) -> str:
+        cfg = self.train_config()
+        m = cfg.model
+        accum = f", grad accum {cfg.grad_accum}" if cfg.grad_accum > 1 else ""
+        return (f"{cfg.preset} ({m.n_blocks} blocks x {m.n_embed} wide, vocab {m.vocab_size}), batch {cfg.batch_size} x "
+                f"context {m.context_length}{accum}, {self.torch_device()}, {self.dtype() or 'fp32'}")
