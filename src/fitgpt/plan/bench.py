@@ -27,7 +27,7 @@ from fitgpt.memory.profile import measure_train_step
 from fitgpt.memory.units import parse_bytes
 from fitgpt.model import Transformer
 from fitgpt.plan.profile import StepProfile, profile_model
-from fitgpt.plan.solver import Plan, predict, solve
+from fitgpt.plan.solver import Plan, PlanError, predict, solve
 from fitgpt.plan.workload import WorkloadConfig
 from fitgpt.train.optim import build_optimizer
 
@@ -42,7 +42,7 @@ class BenchConfig(WorkloadConfig):
 
     policies: tuple[str, ...] = DEFAULT_POLICIES
     """Policies to compare (the first is the baseline); auto:50% frees half of none's activations, auto:6GiB plans for a budget."""
-    repeats: int = 5
+    repeats: int = 10
     """Timed steps per policy (medians are reported)."""
     warmup: int = 1
     """Untimed steps per policy before timing."""
@@ -109,12 +109,18 @@ def run_bench(cfg: BenchConfig) -> dict:
     t_start = time.perf_counter()
     profile = None
     specs: dict[str, tuple[str, int | None, int | None]] = {}
+    skipped: dict[str, str] = {}
     for spec in cfg.policies:
         if spec.startswith("auto"):
             if profile is None:
                 profile = profile_model(mcfg, B, T, device, tcfg.optim, accum, dtype, seed=cfg.seed)
                 log.info("profiled for auto in %.1fs", profile.seconds)
-            specs[spec] = _resolve_auto(spec, profile)
+            try:
+                specs[spec] = _resolve_auto(spec, profile)
+            except PlanError as e:
+                log.warning("%s: %s", spec, e)
+                skipped[spec] = str(e)
+                continue
             log.info("%s -> %s", spec, specs[spec][0])
         else:
             specs[spec] = (spec, None, None)
@@ -175,6 +181,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             "repeats": cfg.repeats, "warmup": cfg.warmup, "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.platform(), "peak_source": next(iter(measured.values()))["peak_source"],
             "profile_seconds": profile.seconds if profile else None, "seconds": time.perf_counter() - t_start,
+            "skipped": skipped,
         },
         "rows": [r.__dict__ for r in rows],
     }
