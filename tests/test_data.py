@@ -115,3 +115,28 @@ def test_data_errors_name_the_file(data_dir, tmp_path):
         TokenData(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="fewer than one context window"):
         TokenData(data_dir).check_context(10**7)
+
+
+def test_a_tokenizer_that_did_not_produce_the_data_is_refused(data_dir, corpus_dir, tmp_path):
+    import shutil
+
+    other = tmp_path / "other"
+    prepare(DataConfig(dir=str(other), inputs=(str(corpus_dir),), vocab_size=300), progress=False)
+    bad = tmp_path / "bad"
+    shutil.copytree(data_dir, bad)
+    shutil.copy(other / "tokenizer.json", bad / "tokenizer.json")
+    with pytest.raises(ValueError, match=r"tokenizer.json is not the tokenizer that produced .*train.bin"):
+        TokenData(bad)
+    (bad / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="tokenizer.json is missing"):
+        TokenData(bad)
+
+
+def test_empty_and_missing_inputs_fail_naming_the_path(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="no usable text.*1 empty"):
+        prepare(DataConfig(dir=str(tmp_path / "d"), inputs=(str(empty),), vocab_size=300), progress=False)
+    with pytest.raises(ValueError, match=r"missing\.txt.*does not exist"):
+        prepare(DataConfig(dir=str(tmp_path / "d"), inputs=(str(tmp_path / "missing.txt"),), vocab_size=300), progress=False)
+    assert not (tmp_path / "d" / "meta.json").exists()

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from fitgpt.data.prepare import META_FILE
+from fitgpt.utils import sha256_file
 
 
 class TokenData:
@@ -41,6 +42,19 @@ class TokenData:
                 raise ValueError(f"{path} is empty; give `fitgpt prepare` more text")
             self.splits[split] = np.memmap(path, dtype=dtype, mode="r")
         self._check_ids()
+        self._check_tokenizer()
+
+    def _check_tokenizer(self) -> None:
+        """The tokenizer.json beside the data must be the one that produced it (meta.json records its hash)."""
+        tok = self.dir / "tokenizer.json"
+        expected = self.meta.get("tokenizer_sha256")
+        if not tok.is_file():
+            raise ValueError(f"{tok} is missing; re-run `fitgpt prepare --dir {self.dir}`")
+        if expected and sha256_file(tok) != expected:
+            raise ValueError(
+                f"{tok} is not the tokenizer that produced {self.dir / 'train.bin'} (its sha256 differs from "
+                f"{self.dir / META_FILE}); the data and its tokenizer do not match: re-run `fitgpt prepare --dir {self.dir}`"
+            )
 
     def _check_ids(self, samples: int = 64, window: int = 4096) -> None:
         """Token ids must be below vocab_size: a scan of sampled windows, cheap on any size."""

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from fitgpt.data.corpus import BUILTIN, CorpusStats, read_documents
 from fitgpt.data.tokenizer import gpt2_tokenizer, train_bpe
+from fitgpt.utils import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ def prepare(cfg: DataConfig, progress: bool = True) -> dict:
         "tokenizer": tok.kind,
         "vocab_size": tok.vocab_size,
         "eot_id": tok.eot_id,
+        "tokenizer_sha256": sha256_file(out / "tokenizer.json"),
         "dtype": dtype.name,
         "train_tokens": int(len(train)),
         "val_tokens": int(len(val)),

@@ -9,7 +9,6 @@ that ``latest`` could pick.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -21,6 +20,8 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_model, save_model
 
+from fitgpt.utils import sha256_file
+
 log = logging.getLogger(__name__)
 
 CKPT_DIR = "checkpoints"
@@ -31,12 +32,8 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, corrupt, or not ours."""
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written (disk full, permissions, I/O error); older ones are untouched."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -55,10 +52,13 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, state: dict, met
     root = Path(run_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
+    # One process writes a run's checkpoints: temporary directories left here were cut off by a crash.
+    for stale in root.glob(".tmp_step_*"):
+        log.warning("removing %s, a checkpoint whose writing was interrupted", stale)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         save_model(model, str(tmp / MODEL_FILE))
         torch.save(state, tmp / STATE_FILE)
         files = {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size} for name in (MODEL_FILE, STATE_FILE)}
@@ -73,6 +73,14 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, state: dict, met
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        good = list_checkpoints(run_dir)
+        raise CheckpointSaveError(
+            e.errno, f"could not write checkpoint step {step} to {root}: {e.strerror or e}. Nothing older was touched "
+            f"(newest intact: {good[-1] if good else 'none'}). Free disk space or use another --out-dir, then resume "
+            "with --resume latest"
+        ) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

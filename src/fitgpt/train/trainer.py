@@ -223,7 +223,11 @@ def train(cfg: TrainConfig) -> dict:
     def save(step: int) -> Path:
         state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "rng": _rng_state(device)}
         meta_out = {"config": to_dict(cfg), "sampler": train_sampler.state_dict(), "data": {"dir": str(cfg.data.path), "tokenizer_sha256": tok_hash}}
-        path = ckpt.save_checkpoint(run_dir, step, model, state, meta_out, cfg.keep_last)
+        try:
+            path = ckpt.save_checkpoint(run_dir, step, model, state, meta_out, cfg.keep_last)
+        except ckpt.CheckpointSaveError as e:
+            metrics.close()
+            raise TrainingError(str(e)) from e
         log.info("saved %s", path)
         return path
 

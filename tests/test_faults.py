@@ -1,0 +1,254 @@
+"""Fault injection: kills, kills mid-save, full disks, corrupt files, OOM, and fuzzed input."""
+
+import errno
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_train import small_cfg, weights
+
+from fitgpt.checkpointing import parse_policy
+from fitgpt.cli import main
+from fitgpt.memory.units import parse_bytes
+from fitgpt.train import checkpoint as ckpt
+from fitgpt.train import train
+from fitgpt.train.config import TrainConfig, from_dict
+from fitgpt.train.trainer import TrainingError
+
+
+def train_args(data_dir, corpus_dir, out, steps=12):
+    return ["train", "--data.dir", str(data_dir), "--data.inputs", str(corpus_dir), "--data.vocab-size", "512",
+            "--model.context-length", "32", "--model.n-embed", "32", "--model.n-head", "4", "--model.n-blocks", "2",
+            "--model.dropout", "0.1", "--batch-size", "4", "--max-steps", str(steps), "--ckpt-interval", "2",
+            "--log-interval", "1", "--eval-interval", "100", "--eval-batches", "2", "--out-dir", str(out),
+            "--no-progress", "--no-tensorboard"]
+
+
+def run_script(body: str, args: list, **kw) -> subprocess.Popen:
+    """``python -c`` with ``body`` run first (to plant a fault), then the fitgpt CLI on ``args``."""
+    code = textwrap.dedent(body) + f"\nimport sys\nfrom fitgpt.cli import main\nsys.exit(main({args!r}))\n"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def final_weights(run):
+    return weights(ckpt.list_checkpoints(run)[-1])
+
+
+@pytest.mark.slow
+def test_sigkill_at_a_random_step_then_resume_equals_an_uninterrupted_run(data_dir, corpus_dir, tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    p = run_script("", train_args(data_dir, corpus_dir, straight))
+    assert p.wait(timeout=300) == 0, p.stderr.read()
+    kill_after = random.Random(os.getpid()).randint(3, 9)
+    # Steps slowed (not changed) so that the kill lands mid-run on any machine.
+    slow = """
+        import time
+        from fitgpt.data import loader
+        real = loader.BatchSampler.next_batch
+        def slow_next_batch(self, *a, **kw):
+            time.sleep(0.1)
+            return real(self, *a, **kw)
+        loader.BatchSampler.next_batch = slow_next_batch
+    """
+    p = run_script(slow, train_args(data_dir, corpus_dir, killed))
+    metrics = killed / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        if metrics.is_file() and metrics.read_text().count('"loss"') >= kill_after:
+            break
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+    assert p.returncode == -signal.SIGKILL, f"the run ended before it could be killed (step {kill_after})"
+    last = ckpt.list_checkpoints(killed)[-1]
+    assert json.loads((last / "meta.json").read_text())["step"] < 12
+    p = run_script("", [*train_args(data_dir, corpus_dir, killed), "--resume", "latest"])
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert f"resumed from {last}" in err
+    a, b = final_weights(straight), final_weights(killed)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.slow
+def test_sigkill_mid_save_leaves_the_previous_checkpoint_as_latest(data_dir, corpus_dir, tmp_path):
+    run = tmp_path / "run"
+    # On the second save, write half the weights file, then die as a SIGKILL would have it.
+    plant = """
+        import os, signal
+        import fitgpt.train.checkpoint as c
+        real, calls = c.save_model, []
+        def dying(model, path):
+            calls.append(path)
+            real(model, path)
+            if len(calls) == 2:
+                size = os.path.getsize(path)
+                with open(path, "r+b") as f:
+                    f.truncate(size // 2)
+                os.kill(os.getpid(), signal.SIGKILL)
+        c.save_model = dying
+    """
+    p = run_script(plant, train_args(data_dir, corpus_dir, run))
+    p.communicate(timeout=300)
+    assert p.returncode == -signal.SIGKILL
+    root = run / "checkpoints"
+    assert [d.name for d in ckpt.list_checkpoints(run)] == ["step_000002"]
+    assert any(d.name.startswith(".tmp_step_000004") for d in root.iterdir())  # the half-written one
+    path, meta = ckpt.resolve_resume(run, "latest")
+    assert path.name == "step_000002" and meta["step"] == 2
+    p = run_script("", [*train_args(data_dir, corpus_dir, run, steps=6), "--resume", "latest"])
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert "checkpoint whose writing was interrupted" in err
+    assert not any(d.name.startswith(".tmp") for d in root.iterdir())
+    assert ckpt.list_checkpoints(run)[-1].name == "step_000006"
+
+
+def test_full_disk_during_save_is_a_clear_error_and_keeps_older_checkpoints(data_dir, corpus_dir, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    real, calls = ckpt.torch.save, []
+
+    def full_disk(obj, f, *a, **kw):
+        calls.append(f)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *a, **kw)
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disk)
+    with pytest.raises(TrainingError, match=r"could not write checkpoint step 6 .*No space left on device.*step_000003.*--out-dir"):
+        train(small_cfg(data_dir, corpus_dir, run, max_steps=9))
+    monkeypatch.undo()
+    assert [d.name for d in ckpt.list_checkpoints(run)] == ["step_000003"]
+    ckpt.verify_checkpoint(run / "checkpoints" / "step_000003")
+    assert not [d for d in (run / "checkpoints").iterdir() if d.name.startswith(".tmp")]
+    summary = train(small_cfg(data_dir, corpus_dir, run, max_steps=9, resume="latest"))
+    assert summary["steps"] == 9
+
+
+def test_truncated_files_and_missing_sidecars_name_the_file_and_latest_falls_back(data_dir, corpus_dir, tmp_path, caplog):
+    run = tmp_path / "run"
+    train(small_cfg(data_dir, corpus_dir, run, max_steps=9, keep_last=3))
+    s3, s6, s9 = ckpt.list_checkpoints(run)
+    with open(s9 / ckpt.STATE_FILE, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(ckpt.CheckpointError, match=r"state.pt has 10 bytes, .*meta.json records .*truncated"):
+        ckpt.verify_checkpoint(s9)
+    (s6 / ckpt.META_FILE).unlink()
+    with pytest.raises(ckpt.CheckpointError, match=r"step_000006/meta.json is missing"):
+        ckpt.verify_checkpoint(s6)
+    path, _ = ckpt.resolve_resume(run, "latest")
+    assert path == s3
+    assert caplog.text.count("skipping bad checkpoint") == 2
+    (s3 / ckpt.MODEL_FILE).unlink()
+    with pytest.raises(ckpt.CheckpointError, match="every checkpoint .* is corrupt"):
+        ckpt.resolve_resume(run, "latest")
+    with pytest.raises(ckpt.CheckpointError, match=r"model.safetensors is missing"):
+        train(small_cfg(data_dir, corpus_dir, run, max_steps=12, resume=str(s3)))
+
+
+def test_out_of_memory_names_the_plan_command(data_dir, corpus_dir, tmp_path, monkeypatch):
+    import fitgpt.train.trainer as trainer
+
+    real_build = trainer.build_model
+
+    def oom_model(cfg, vocab_size, device):
+        model = real_build(cfg, vocab_size, device)
+
+        def boom(*a, **kw):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        model.forward = boom
+        return model
+
+    monkeypatch.setattr(trainer, "build_model", oom_model)
+    monkeypatch.setattr(trainer, "log_activation_memory", lambda *a, **kw: {})
+    with pytest.raises(TrainingError, match=r"out of memory at step 0 .*fitgpt plan --preset tiny --batch-size 4 --context 32"):
+        train(small_cfg(data_dir, corpus_dir, tmp_path / "run"))
+
+
+def test_generate_refuses_a_run_whose_config_or_tokenizer_does_not_match(data_dir, corpus_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(small_cfg(data_dir, corpus_dir, run, max_steps=3))
+    last = ckpt.list_checkpoints(run)[-1]
+    meta = json.loads((last / "meta.json").read_text())
+    meta["config"]["model"]["n_embed"] = 64
+    (last / "meta.json").write_text(json.dumps(meta))
+    assert main(["generate", "--run", str(run), "--max-new-tokens", "2"]) == 2
+    assert "model.safetensors does not fit this model" in capsys.readouterr().err
+    meta["config"]["model"]["n_embed"] = 32
+    (last / "meta.json").write_text(json.dumps(meta))
+    shutil.copy(corpus_dir / "bisect.py", run / "tokenizer.json")
+    assert main(["generate", "--run", str(run), "--max-new-tokens", "2"]) == 2
+    assert "is not the tokenizer the checkpoint" in capsys.readouterr().err
+
+
+def test_train_auto_with_a_budget_below_the_fixed_costs_is_a_user_error(data_dir, corpus_dir, tmp_path, capsys):
+    args = train_args(data_dir, corpus_dir, tmp_path / "run", steps=2) + ["--checkpointing", "auto", "--memory-budget", "64KiB"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "nothing fits in 64.0 KiB" in err and "alone take" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ---- fuzzing: arbitrary input gives a valid object or a ValueError, never a crash --------------------
+
+text = st.text(alphabet=st.characters(codec="utf-8"), max_size=40)
+specs = st.one_of(text, st.lists(st.sampled_from(["block", "group", "every", "blocks", "sqrt", "selective", "offload",
+                                                  "chunked-loss", "none", ":", ",", "+", "0", "3", "-1", "x", " "]),
+                                 max_size=8).map("".join))
+
+
+@settings(max_examples=300, deadline=None)
+@given(specs)
+def test_policy_parser_fuzz(spec):
+    try:
+        policy = parse_policy(spec)
+    except ValueError:
+        return
+    for n in (1, 4, 12):
+        try:
+            policy.regions(n)
+        except ValueError:
+            pass
+
+
+json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True), text),
+                           lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(text, inner, max_size=3)),
+                           max_leaves=8)
+keys = st.sampled_from(["batch_size", "grad_accum", "max_steps", "checkpointing", "memory_budget", "precision", "device",
+                        "model", "optim", "data", "seed", "bogus", "keep_last", "resume"])
+model_keys = st.sampled_from(["n_embed", "n_head", "n_blocks", "context_length", "vocab_size", "dropout", "bias", "checkpointing"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(keys, json_values, max_size=4), st.dictionaries(model_keys, json_values, max_size=3))
+def test_config_parsing_fuzz(top, model):
+    data = dict(top)
+    if model:
+        data["model"] = model
+    try:
+        cfg = from_dict(TrainConfig, data, "fuzz.json")
+    except ValueError:
+        return
+    assert isinstance(cfg, TrainConfig)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text)
+def test_budget_parser_fuzz(s):
+    try:
+        assert parse_bytes(s) > 0
+    except ValueError:
+        pass
