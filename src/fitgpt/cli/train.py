@@ -30,6 +30,8 @@ def run(args: list[str]) -> int:
     except TrainingError as e:
         print(f"fitgpt train: {e}")
         return 1
+    if summary["rank"] != 0:  # under torchrun, rank 0 reports for all
+        return 0
     print(f"run: {summary['run_dir']}  steps: {summary['steps']}  train loss: {summary['train_loss']:.4f}  "
           f"val loss: {summary['val_loss'] if summary['val_loss'] is None else round(summary['val_loss'], 4)}  "
           f"time: {summary['seconds']:.1f}s")

@@ -69,6 +69,7 @@ def _unique_bytes(tensors) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
+            t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor shard: this rank's bytes
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())

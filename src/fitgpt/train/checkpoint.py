@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file, save_model
 
 from fitgpt.utils import sha256_file
 
@@ -47,8 +47,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(run_dir: Path, step: int, model: nn.Module, state: dict, meta: dict, keep_last: int) -> Path:
-    """Write checkpoint ``step`` atomically, then delete all but the newest ``keep_last``."""
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module | dict, state: dict, meta: dict, keep_last: int) -> Path:
+    """Write checkpoint ``step`` atomically, then delete all but the newest ``keep_last``.
+
+    ``model``: the module, or its full weights already gathered (sharded training), tied names left out.
+    """
     root = Path(run_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -59,7 +62,10 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, state: dict, met
     tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
     try:
         tmp.mkdir()
-        save_model(model, str(tmp / MODEL_FILE))
+        if isinstance(model, dict):
+            save_file(model, str(tmp / MODEL_FILE))
+        else:
+            save_model(model, str(tmp / MODEL_FILE))
         torch.save(state, tmp / STATE_FILE)
         files = {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size} for name in (MODEL_FILE, STATE_FILE)}
         with open(tmp / META_FILE, "w") as f:

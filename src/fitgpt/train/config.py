@@ -86,6 +86,10 @@ class TrainConfig:
     """torch.compile the model (after checkpointing is applied)."""
     checkpointing: str = "none"
     """Activation checkpointing policy, e.g. none, block, group:2, every:2, selective, block+chunked-loss, or auto (needs --memory-budget)."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """Under torchrun: ddp (a full replica per process) or fsdp (weights, gradients and optimizer state sharded)."""
+    dist_timeout: float = 600.0
+    """Seconds a collective waits for the other processes before the run fails (a crashed rank never hangs the rest)."""
     memory_budget: Optional[str] = None
     """Peak memory of a training step to plan for with --checkpointing auto, e.g. 6GiB."""
     out_dir: Optional[str] = None
@@ -103,6 +107,8 @@ class TrainConfig:
         require_positive_ints(
             self, ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval", "ckpt_interval", "keep_last")
         )
+        if not self.dist_timeout > 0:
+            raise ValueError("dist_timeout must be positive (set --dist-timeout)")
         if self.max_bad_steps < 0:
             raise ValueError("max_bad_steps must not be negative (set --max-bad-steps)")
         if self.checkpointing == "auto":

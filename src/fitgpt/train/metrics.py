@@ -9,12 +9,20 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+def _step(line: str) -> int | None:
+    """The step of a metrics line; None for a line cut off by a crash."""
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+        return None
+
+
 class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool, resume_step: int = 0) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         if self.path.exists():
             # On resume, drop lines past the checkpoint so the file describes one consistent run.
-            kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            kept = [line for line in self.path.read_text().splitlines() if _step(line) is not None and _step(line) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a")
         self._tb = None

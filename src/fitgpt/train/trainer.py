@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
+from safetensors.torch import _remove_duplicate_names
 
 from fitgpt.checkpointing import apply_checkpointing, parse_policy, remove_checkpointing
 from fitgpt.data import BatchSampler, TokenData, ensure_prepared
@@ -27,6 +28,7 @@ from fitgpt.memory.profile import PeakProbe
 from fitgpt.memory.units import format_bytes, parse_bytes
 from fitgpt.model import Transformer
 from fitgpt.train import checkpoint as ckpt
+from fitgpt.train import distributed as dist_utils
 from fitgpt.train.config import TrainConfig, to_dict
 from fitgpt.train.metrics import MetricsWriter, plot_loss_curve
 from fitgpt.train.optim import build_optimizer, lr_at
@@ -91,8 +93,13 @@ class _StopFlag:
 
     def _handle(self, signum, frame) -> None:
         if self.signal is not None:
-            raise KeyboardInterrupt
+            # A launcher (torchrun) forwards the user's Ctrl-C as a SIGTERM within milliseconds: only a
+            # second signal that comes later is a person asking to abort without saving.
+            if time.monotonic() - self._first > 2.0:
+                raise KeyboardInterrupt
+            return
         self.signal = signal.Signals(signum).name
+        self._first = time.monotonic()
         log.warning("%s received: saving a checkpoint after this step (again to abort)", self.signal)
 
     def __enter__(self) -> _StopFlag:
@@ -160,23 +167,46 @@ def evaluate(model: nn.Module, data: TokenData, cfg: TrainConfig, device: torch.
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Train per cfg and return a summary (steps, losses, time, run directory)."""
-    device = resolve_device(cfg.device)
+    """Train per cfg and return a summary (steps, losses, time, run directory).
+
+    Under torchrun every rank runs this function; rank 0 alone logs, writes metrics and checkpoints.
+    """
+    info = dist_utils.init_distributed(cfg.device, cfg.dist_timeout)
+    try:
+        return _train(cfg, info)
+    finally:
+        dist_utils.shutdown(info)
+
+
+def _train(cfg: TrainConfig, info: dist_utils.DistInfo) -> dict:
+    device = dist_utils.local_device(info, resolve_device(cfg.device))
     dtype = autocast_dtype(cfg.precision, device)
-    meta = ensure_prepared(cfg.data, progress=cfg.progress)
+    main = info.is_main
+    if not main:
+        logging.getLogger("fitgpt").setLevel(logging.WARNING)  # one log, from rank 0
+    if info.enabled and cfg.parallel == "fsdp" and cfg.compile:
+        raise ValueError("--compile with --parallel fsdp is not supported yet; drop --compile or use --parallel ddp")
+    if main:
+        meta = ensure_prepared(cfg.data, progress=cfg.progress)
+    if info.enabled:
+        torch.distributed.barrier()  # the other ranks wait while rank 0 prepares the data on first use
     data = TokenData(cfg.data.path)
+    meta = data.meta
     data.check_context(cfg.model.context_length)
     # The model's vocabulary comes from the data, rounded up to a multiple of 64 for fast matmuls.
     vocab_size = int(math.ceil(data.vocab_size / 64) * 64)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
 
     model = build_model(cfg, vocab_size, device)
-    optimizer = build_optimizer(model, cfg.optim, device)
+    # Names that share one tensor (the tied head): safetensors stores one of them.
+    tied = [name for names in _remove_duplicate_names(model.state_dict()).values() for name in names]
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    train_sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed)
-    start_step = 0
+    # Each rank samples its own windows; rank 0 draws exactly what a single process would.
+    train_sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + info.rank)
+    start_step, state = 0, None
     tok_hash = ckpt.sha256_file(cfg.data.path / "tokenizer.json")
     if cfg.resume:
         path, ck_meta = ckpt.resolve_resume(run_dir, cfg.resume)
@@ -189,73 +219,103 @@ def train(cfg: TrainConfig) -> dict:
                 )
         if ck_meta.get("data", {}).get("tokenizer_sha256") not in (None, tok_hash):
             raise ValueError(f"--resume {path}: the checkpoint was trained with another tokenizer than {cfg.data.path}")
-        ckpt.load_weights(path, model)
+        ckpt.load_weights(path, model)  # full weights, on every rank, before any sharding
         state = ckpt.load_state(path)
-        optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
-        _set_rng_state(state["rng"], device)
-        train_sampler.load_state_dict(ck_meta["sampler"])
+        ranks = ck_meta.get("world_size", 1)
+        if ranks != info.world:
+            log.warning("resuming a %d-process run on %d processes: the data order differs from the original run", ranks, info.world)
+        samplers, rngs = ck_meta.get("sampler_ranks", [ck_meta["sampler"]]), state.get("rng_ranks", [state["rng"]])
+        if info.rank < len(samplers):
+            train_sampler.load_state_dict(samplers[info.rank])
+        _set_rng_state(rngs[info.rank] if info.rank < len(rngs) else rngs[0], device)
         start_step = int(ck_meta["step"])
         log.info("resumed from %s at step %d", path, start_step)
-    (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-    # The run keeps its own tokenizer, so sampling works even if the data directory moves.
-    shutil.copyfile(cfg.data.path / "tokenizer.json", run_dir / "tokenizer.json")
+    if main:
+        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+        # The run keeps its own tokenizer, so sampling works even if the data directory moves.
+        shutil.copyfile(cfg.data.path / "tokenizer.json", run_dir / "tokenizer.json")
 
-    # Preparation order: checkpointing, then compile (then DDP, when distributed).
+    # Preparation order, the same on every rank: checkpointing, then compile, then DDP or FSDP.
     planned = plan_for_budget(cfg, device, dtype) if cfg.checkpointing == "auto" else None
     policy = parse_policy(planned["policy"] if planned else cfg.checkpointing if cfg.checkpointing != "none" else cfg.model.checkpointing)
-    x0, y0 = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + 2).next_batch(device)
-    act = log_activation_memory(model, policy.spec, x0, y0, device)
+    act = None
+    if main:
+        x0, y0 = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + 2).next_batch(device)
+        act = log_activation_memory(model, policy.spec, x0, y0, device)
     apply_checkpointing(model, policy)
     log.info("checkpointing %s", policy.describe(cfg.model.n_blocks))
     step_model = torch.compile(model) if cfg.compile else model
+    step_model = dist_utils.wrap(step_model, info, cfg.parallel, device, dtype if cfg.parallel == "fsdp" else None)
+    # Built after sharding: under FSDP the optimizer holds only this rank's shard of every state.
+    optimizer = build_optimizer(model, cfg.optim, device)
+    if state is not None:
+        dist_utils.load_full_optimizer_state(optimizer, state["optimizer"])
 
     def amp():
         return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.model.context_length
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.model.context_length * info.world
     log.info(
-        "training %s (%.2fM params) on %s, %s, %d tokens/step, steps %d -> %d, run dir %s",
-        cfg.preset, model.num_params() / 1e6, device, dtype or "fp32", tokens_per_step, start_step, cfg.max_steps, run_dir,
+        "training %s (%.2fM params) on %s, %s, %d tokens/step (global batch %d = %d per micro-batch x %d accumulation x %d "
+        "process%s%s), steps %d -> %d, run dir %s",
+        cfg.preset, model.num_params() / 1e6, device, dtype or "fp32", tokens_per_step, cfg.batch_size * cfg.grad_accum * info.world,
+        cfg.batch_size, cfg.grad_accum, info.world, "es" if info.world > 1 else "", f", {cfg.parallel}" if info.enabled else "",
+        start_step, cfg.max_steps, run_dir,
     )
-    metrics = MetricsWriter(run_dir, cfg.tensorboard, resume_step=start_step)
+    metrics = MetricsWriter(run_dir, cfg.tensorboard, resume_step=start_step) if main else None
 
-    def save(step: int) -> Path:
-        state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "rng": _rng_state(device)}
-        meta_out = {"config": to_dict(cfg), "sampler": train_sampler.state_dict(), "data": {"dir": str(cfg.data.path), "tokenizer_sha256": tok_hash}}
-        try:
-            path = ckpt.save_checkpoint(run_dir, step, model, state, meta_out, cfg.keep_last)
-        except ckpt.CheckpointSaveError as e:
-            metrics.close()
-            raise TrainingError(str(e)) from e
-        log.info("saved %s", path)
+    def save(step: int) -> Path | None:
+        # Collectives first, on every rank: the full weights (FSDP), the optimizer state, every rank's data position.
+        weights = None
+        if info.enabled and cfg.parallel == "fsdp":
+            weights = {k: v for k, v in dist_utils.full_model_state(model).items() if k not in tied}
+        opt_state = dist_utils.full_optimizer_state(optimizer) if info.enabled else optimizer.state_dict()
+        samplers = dist_utils.gather_objects(info, train_sampler.state_dict())
+        rngs = dist_utils.gather_objects(info, _rng_state(device))
+        path, error = None, None
+        if main:
+            state_out = {"optimizer": opt_state, "scaler": scaler.state_dict(), "rng": rngs[0], "rng_ranks": rngs}
+            meta_out = {"config": to_dict(cfg), "sampler": samplers[0], "sampler_ranks": samplers, "world_size": info.world,
+                        "data": {"dir": str(cfg.data.path), "tokenizer_sha256": tok_hash}}
+            try:
+                path = ckpt.save_checkpoint(run_dir, step, weights if weights is not None else model, state_out, meta_out, cfg.keep_last)
+                log.info("saved %s", path)
+            except ckpt.CheckpointSaveError as e:
+                error = e
+        if dist_utils.any_rank(info, error is not None, device):
+            if metrics:
+                metrics.close()
+            raise TrainingError(str(error) if error else "rank 0 could not write a checkpoint (see its log)") from error
         return path
 
     from tqdm.auto import tqdm
 
     # disable=None hides the bar when stderr is not a terminal (CI logs, pipes).
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if cfg.progress else True, dynamic_ncols=True)
+    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if cfg.progress and main else True, dynamic_ncols=True)
     step, loss_value, val_loss, bad_steps, last_ckpt = start_step, float("nan"), None, 0, None
     t_start = time.perf_counter()
     t_log = time.perf_counter()
     model.train()
     probe_step = start_step + 1 if cfg.max_steps > start_step + 1 else start_step
+    stopping = False
     with _StopFlag() as stop:
         while step < cfg.max_steps:
             lr = lr_at(step, cfg.optim, cfg.max_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # With --checkpointing auto, the second step of this process is measured against the plan.
-            probe = PeakProbe(model, optimizer) if planned and step == probe_step else None
+            probe = PeakProbe(model, optimizer) if planned and step == probe_step and not info.enabled else None
             with probe or contextlib.nullcontext():
                 total = 0.0
                 try:
-                    for _ in range(cfg.grad_accum):
+                    for micro in range(cfg.grad_accum):
                         x, y = train_sampler.next_batch(device)
-                        with amp():
+                        # Gradients are reduced across ranks once, on the last micro-batch.
+                        with dist_utils.sync_context(step_model, cfg.parallel, micro == cfg.grad_accum - 1), amp():
                             # Only the loss is kept: holding the B x T x vocab logits through backward costs memory.
                             loss = step_model(x, y)[1]
-                        scaler.scale(loss / cfg.grad_accum).backward()
+                            scaler.scale(loss / cfg.grad_accum).backward()
                         total += loss.item() / cfg.grad_accum
                         del loss
                 except torch.OutOfMemoryError:
@@ -266,6 +326,7 @@ def train(cfg: TrainConfig) -> dict:
                         "--checkpointing auto --memory-budget <size>; a smaller --batch-size with a larger --grad-accum "
                         "keeps the tokens per step"
                     ) from None
+                total = dist_utils.all_mean(info, total, device)  # every rank decides on the same numbers
                 scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
                 good = math.isfinite(total) and (dtype == torch.float16 or bool(torch.isfinite(grad_norm)))
@@ -284,7 +345,8 @@ def train(cfg: TrainConfig) -> dict:
                     f"last good checkpoint: {last_ckpt or (ckpt.list_checkpoints(run_dir) or ['none'])[-1]}"
                 )
                 if bad_steps > cfg.max_bad_steps:
-                    metrics.close()
+                    if metrics:
+                        metrics.close()
                     raise TrainingError(message + ". Lower --optim.lr, or allow skips with --max-bad-steps")
                 log.warning("skipping bad step: %s", message)
                 step += 1
@@ -292,7 +354,7 @@ def train(cfg: TrainConfig) -> dict:
             step += 1
             loss_value = total
             bar.update(1)
-            if step % cfg.log_interval == 0 or step == cfg.max_steps:
+            if main and (step % cfg.log_interval == 0 or step == cfg.max_steps):
                 now = time.perf_counter()
                 tps = tokens_per_step * cfg.log_interval / max(now - t_log, 1e-9)
                 t_log = now
@@ -301,17 +363,22 @@ def train(cfg: TrainConfig) -> dict:
                 bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}", mem=f"{peak / 2**20:.0f}MiB")
             if step % cfg.eval_interval == 0 or step == cfg.max_steps:
                 val_loss = evaluate(step_model, data, cfg, device, amp)
-                metrics.write({"step": step, "val_loss": val_loss})
+                if main:
+                    metrics.write({"step": step, "val_loss": val_loss})
                 log.info("step %d: train loss %.4f, val loss %.4f", step, loss_value, val_loss)
-            if step % cfg.ckpt_interval == 0 or step == cfg.max_steps or stop.signal:
+            # A signal may reach one rank only: all of them stop, and save, at the same step.
+            stopping = dist_utils.any_rank(info, stop.signal is not None, device)
+            if step % cfg.ckpt_interval == 0 or step == cfg.max_steps or stopping:
                 last_ckpt = save(step)
-            if stop.signal:
-                log.warning("stopped by %s at step %d; resume with --resume latest", stop.signal, step)
+            if stopping:
+                log.warning("stopped by %s at step %d; resume with --resume latest", stop.signal or "a signal on another rank", step)
                 break
     bar.close()
-    metrics.close()
     elapsed = time.perf_counter() - t_start
-    png = plot_loss_curve(metrics.path, run_dir / "loss.png")
+    png = None
+    if main:
+        metrics.close()
+        png = plot_loss_curve(metrics.path, run_dir / "loss.png")
     remove_checkpointing(model)
     summary = {
         "run_dir": str(run_dir),
@@ -319,12 +386,13 @@ def train(cfg: TrainConfig) -> dict:
         "train_loss": loss_value,
         "val_loss": val_loss,
         "seconds": elapsed,
-        "interrupted": stop.signal,
+        "interrupted": stop.signal or ("SIGNAL" if stopping and step < cfg.max_steps else None),
         "checkpoint": str(last_ckpt) if last_ckpt else None,
         "loss_png": str(png) if png else None,
         "activation_bytes": act,
         "memory_plan": planned,
         "data_tokens": meta["train_tokens"],
+        "world_size": info.world,
+        "rank": info.rank,
     }
     return summary
-

@@ -1,0 +1,169 @@
+"""More than one process: torch.distributed set up from torchrun's environment, DDP or FSDP2 around the model.
+
+Launched by ``torchrun --nproc-per-node N -m fitgpt train ...`` the trainer finds RANK, WORLD_SIZE
+and LOCAL_RANK in the environment; without them everything here is a no-op for one process.
+Checkpoints keep one format whatever the world size: full weights in safetensors and a full
+optimizer state, written by rank 0, so a run can move between 1, 2 or N processes and back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fitgpt.checkpointing.apply import CheckpointWrapper, find_blocks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_name: str, timeout_s: float) -> DistInfo:
+    """Join the process group torchrun describes (gloo on CPU, NCCL on CUDA); one process: nothing to do."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or "RANK" not in os.environ:
+        return DistInfo()
+    info = DistInfo(rank=int(os.environ["RANK"]), world=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    use_cuda = torch.cuda.is_available() and device_name in ("auto", "cuda") or device_name.startswith("cuda")
+    if use_cuda:
+        torch.cuda.set_device(info.local_rank)
+    if not dist.is_initialized():
+        # The timeout bounds every collective: a rank that died never leaves the others waiting forever.
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return info
+
+
+def shutdown(info: DistInfo) -> None:
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def local_device(info: DistInfo, device: torch.device) -> torch.device:
+    """Each rank its own GPU under CUDA; CPU ranks share the CPU."""
+    if info.enabled and device.type == "cuda":
+        return torch.device("cuda", info.local_rank)
+    return device
+
+
+def all_mean(info: DistInfo, value: float, device: torch.device) -> float:
+    if not info.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item()) / info.world
+
+
+def any_rank(info: DistInfo, flag: bool, device: torch.device) -> bool:
+    """True on every rank if it is true on any (so that all ranks take the same branch)."""
+    if not info.enabled:
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def gather_objects(info: DistInfo, obj) -> list:
+    """Every rank's ``obj``, in rank order (on every rank)."""
+    if not info.enabled:
+        return [obj]
+    out: list = [None] * info.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def wrap(model: nn.Module, info: DistInfo, parallel: str, device: torch.device, param_dtype: torch.dtype | None) -> nn.Module:
+    """DDP around the (checkpointed, maybe compiled) model, or FSDP2 per block and then the root."""
+    if not info.enabled:
+        return model
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # Gradients as views into the all-reduce buckets: no second copy of every gradient.
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype is not None else MixedPrecisionPolicy()
+    _, blocks = find_blocks(model)
+    for block in blocks:
+        # Shard the block itself, not its checkpoint wrapper: a group's first wrapper runs the
+        # other blocks of its group directly, and their own hooks must gather their weights.
+        fully_shard(block.inner if isinstance(block, CheckpointWrapper) else block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def sync_context(step_model: nn.Module, parallel: str, last_micro_batch: bool):
+    """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP) on all but the last micro-batch."""
+    if last_micro_batch:
+        return contextlib.nullcontext()
+    if hasattr(step_model, "no_sync"):  # DDP
+        return step_model.no_sync()
+    if hasattr(step_model, "set_requires_gradient_sync"):  # FSDP2
+        return _fsdp_no_sync(step_model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+# ---- full state for checkpoints ---------------------------------------------------------------------
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on CPU (a collective under FSDP: call it on every rank)."""
+    return {k: _full(v).detach().cpu() for k, v in model.state_dict().items()}
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` with sharded states gathered whole: the single-process format."""
+    sd = optimizer.state_dict()
+    sd["state"] = {i: {k: _full(v).cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()} for i, s in sd["state"].items()}
+    return sd
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict) -> None:
+    """Load a single-process optimizer state into an optimizer over (maybe sharded) parameters."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for i, s in sd["state"].items():
+        p = params[int(i)]
+        state[i] = {
+            k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
+            if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0 else v
+            for k, v in s.items()
+        }
+    optimizer.load_state_dict({**sd, "state": state})
