@@ -16,7 +16,10 @@ from conftest import tiny_model_config
 from safetensors.torch import load_file
 
 from fitgpt.checkpointing import apply_checkpointing
+from fitgpt.memory.profile import measure_train_step
 from fitgpt.model import Transformer
+from fitgpt.plan import Plan, predict, profile_model
+from fitgpt.plan.profile import per_rank
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as du
 from fitgpt.train.config import OptimConfig
@@ -107,6 +110,44 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(distributed_results, mod
     ref_state = opt.state_dict()["state"]
     for i, s in ref_state.items():
         torch.testing.assert_close(got["exp_avg"][i], s["exp_avg"], rtol=1e-5, atol=1e-7)
+
+
+def _memory_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    info = du.init_distributed("cpu", timeout_s=120)
+    try:
+        B, T = 8, 128
+        cfg = tiny_model_config(context_length=T, n_embed=128, vocab_size=2048)
+        x = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(rank))
+        rows = []
+        for parallel in ("ddp", "fsdp"):
+            profile = per_rank(profile_model(cfg, B, T, persistent_grads=parallel == "ddp"), world, parallel)
+            for plan in (Plan.uniform(4, "none"), Plan.uniform(4, "full", "chunked"), Plan(("full", "none", "selective", "full"))):
+                torch.manual_seed(0)
+                model = Transformer(cfg)
+                apply_checkpointing(model, plan.spec())
+                step_model = du.wrap(model, info, parallel, CPU, None)
+                opt = build_optimizer(model, OPTIM, CPU)
+                measure_train_step(step_model, opt, [(x, x)])  # the optimizer state exists from here on
+                rows.append((parallel, plan.spec(), predict(profile, plan).peak, measure_train_step(step_model, opt, [(x, x)]).peak))
+        if rank == 0:
+            torch.save(rows, os.path.join(out_dir, "memory.pt"))
+    finally:
+        du.shutdown(info)
+
+
+@pytest.mark.timeout(300)
+def test_plan_predicts_the_per_rank_peak_under_ddp_and_fsdp(tmp_path):
+    mp.spawn(_memory_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    rows = torch.load(tmp_path / "memory.pt")
+    assert len(rows) == 6
+    for parallel, spec, predicted, measured in rows:
+        assert abs(measured - predicted) <= 0.10 * predicted, (parallel, spec, predicted, measured)
+        if parallel == "ddp":  # gradients live in DDP's buckets, as profiled: exact
+            assert abs(measured - predicted) <= 0.01 * predicted
+    ddp = {spec: m for par, spec, _, m in rows if par == "ddp"}
+    fsdp = {spec: m for par, spec, _, m in rows if par == "fsdp"}
+    assert all(fsdp[k] < ddp[k] for k in ddp)  # sharded weights, gradients and optimizer state
 
 
 # ---- through torchrun and the real command ---------------------------------------------------------------

@@ -7,28 +7,19 @@ from dataclasses import dataclass
 
 import tyro
 
-from fitgpt.memory.units import format_bytes, parse_bytes
+from fitgpt.memory.units import format_bytes
 from fitgpt.plan.fit import POLICIES, fit
-from fitgpt.plan.workload import WorkloadConfig
+from fitgpt.plan.workload import BudgetConfig
 
 
 @dataclass
-class FitConfig(WorkloadConfig):
+class FitConfig(BudgetConfig):
     """How large a batch, context or model fits in a budget, without and with checkpointing."""
-
-    memory_budget: str = ""
-    """Peak memory of a training step to fit in, e.g. 6GiB (required)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.memory_budget:
-            raise ValueError("--memory-budget is required, e.g. --memory-budget 6GiB")
-        parse_bytes(self.memory_budget)
 
 
 def run(args: list[str]) -> int:
     cfg = tyro.cli(FitConfig, args=args, prog="fitgpt fit")
-    result = fit(cfg, parse_bytes(cfg.memory_budget))
+    result = fit(cfg, cfg.budget)
     a, cur = result["answers"], result["current"]
     print(f"{result['workload']}; budget {format_bytes(result['budget'])}\n")
     print("| largest that fits | " + " | ".join(POLICIES) + " | block vs none | auto vs none |")

@@ -54,6 +54,9 @@ class BenchConfig(WorkloadConfig):
         super().__post_init__()
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError("--repeats must be at least 1 and --warmup at least 0")
+        if self.world_size != 1:
+            raise ValueError("fitgpt bench measures one process; for per-rank memory under DDP or FSDP use "
+                             "fitgpt plan --world-size N --parallel ddp|fsdp")
         if not self.policies:
             raise ValueError("--policies: give at least one policy")
         for spec in self.policies:
@@ -218,8 +221,10 @@ def plot_bench(result: dict, path: Path) -> Path | None:
     ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="tab:gray", zorder=2)
     ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "o-", color="tab:red", zorder=3, label="Pareto front")
     for r, (x, y) in zip(rows, pts):
-        label = r["policy"] if r["policy"] == r["spec"] else f"{r['policy']}\n= {r['spec']}"
+        spec = r["spec"] if len(r["spec"]) <= 32 else r["spec"][:31] + "…"
+        label = r["policy"] if r["policy"] == r["spec"] else f"{r['policy']}\n= {spec}"
         ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+    ax.margins(x=0.25, y=0.08)
     ax.set_xlabel("median step time (ms)")
     ax.set_ylabel("peak memory of a step (MiB)")
     ax.set_title(result["setup"]["workload"], fontsize=8)

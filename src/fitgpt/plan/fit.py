@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
-from fitgpt.plan.profile import BlockOption, HeadOption, StepProfile, profile_model
+from fitgpt.checkpointing.policy import DEFAULT_LOSS_CHUNK_ROWS
+from fitgpt.plan.profile import BlockOption, HeadOption, StepProfile
 from fitgpt.plan.solver import Plan, PlanError, predict, solve
 from fitgpt.plan.workload import WorkloadConfig
 
@@ -88,14 +90,16 @@ def fit(w: WorkloadConfig, budget: int, max_batch: int = 4096, max_context: int 
     """For none, block and auto: the largest batch, context and number of blocks within ``budget``."""
     tcfg = w.train_config()
     mcfg = w.model_config
-    device, dtype = w.torch_device(), w.dtype()
-    B, T, accum = tcfg.batch_size, mcfg.context_length, tcfg.grad_accum
+    B, T = tcfg.batch_size, mcfg.context_length
 
     def prof(batch: int, context: int) -> StepProfile:
-        return profile_model(mcfg, batch, context, device, tcfg.optim, accum, dtype)
+        return w.profile(batch, context)
 
-    by_batch = [(b, prof(b, T)) for b in (1, 2)]
-    c0 = max(8, T // 8)
+    # The chunked loss holds one chunk of logits at a time: its bytes are affine in the tokens only
+    # once there is at least one full chunk, so every profile point has that many tokens.
+    b0 = max(4, math.ceil(DEFAULT_LOSS_CHUNK_ROWS / T))  # below a few rows per batch, bytes are not yet affine
+    by_batch = [(b, prof(b, T)) for b in (b0, 2 * b0)]
+    c0 = max(8, T // 8, math.ceil(DEFAULT_LOSS_CHUNK_ROWS / B))
     by_context = [(c, prof(B, c)) for c in (c0, 2 * c0, 3 * c0)]
     here = prof(B, T)
     answers: dict[str, dict[str, int]] = {}
@@ -108,6 +112,6 @@ def fit(w: WorkloadConfig, budget: int, max_batch: int = 4096, max_context: int 
     return {
         "workload": w.describe(), "budget": budget, "answers": answers,
         "current": {"batch_size": B, "context": T, "n_blocks": mcfg.n_blocks},
-        "note": "batch and context extrapolated from profiles at batch 1, 2 and at contexts "
+        "note": f"batch and context extrapolated from profiles at batch {b0}, {2 * b0} and at contexts "
                 f"{c0}, {2 * c0}, {3 * c0}; depth from the profile at batch {B} x {T}",
     }

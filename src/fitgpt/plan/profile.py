@@ -58,6 +58,8 @@ class StepProfile:
     batch_size: int
     context: int
     grad_accum: int
+    persistent_grads: bool
+    """Gradients stay allocated across steps (accumulation, or DDP's gradient buckets)."""
     device: str
     params: int
     optimizer: int
@@ -95,7 +97,7 @@ class StepProfile:
             params=self.params + extra * p,
             optimizer=self.optimizer + extra * opt,
             grads=self.grads + extra * p,
-            baseline=self.baseline + extra * (p + opt + (p if self.grad_accum > 1 else 0)),
+            baseline=self.baseline + extra * (p + opt + (p if self.persistent_grads else 0)),
             blocks=[self.blocks[min(i, self.n_blocks - 1)] for i in range(n)],
             block_grads=[self.block_grads[min(i, self.n_blocks - 1)] for i in range(n)],
             block_flops=[self.block_flops[min(i, self.n_blocks - 1)] for i in range(n)],
@@ -115,7 +117,8 @@ def _head_option(tl: StepTimeline, base: StepTimeline) -> HeadOption:
 
 
 def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None = None, device: str | torch.device = "cpu",
-                  optim_cfg=None, grad_accum: int = 1, dtype: torch.dtype | None = None, seed: int = 0) -> StepProfile:
+                  optim_cfg=None, grad_accum: int = 1, dtype: torch.dtype | None = None, seed: int = 0,
+                  persistent_grads: bool = False) -> StepProfile:
     """Build the model on ``device`` and profile one training step per option (three in all)."""
     t0 = time.perf_counter()
     device = torch.device(device)
@@ -134,7 +137,7 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
         with amp():
             return model(x, y)[1]
 
-    accumulate = grad_accum > 1
+    accumulate = grad_accum > 1 or persistent_grads
     if accumulate:
         loss_fn().backward()  # gradients stay allocated between micro-batches
     # The first run (none) also creates the optimizer state, as any first step does: its forward and
@@ -151,7 +154,7 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
                    for i in range(cfg.n_blocks)]
     params = param_bytes(model)
     profile = StepProfile(
-        batch_size=batch_size, context=context, grad_accum=grad_accum, device=str(device),
+        batch_size=batch_size, context=context, grad_accum=grad_accum, persistent_grads=accumulate, device=str(device),
         params=params, optimizer=optimizer_state_bytes(optimizer), grads=params if not accumulate else grad_bytes(model),
         baseline=params + optimizer_state_bytes(optimizer) + (grad_bytes(model) if accumulate else 0),
         embed_saved=base.fwd_embed.delta, embed_fwd_rise=base.fwd_embed.rise,
@@ -165,3 +168,36 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
     )
     log.debug("profiled %d blocks at batch %d x %d in %.1fs", cfg.n_blocks, batch_size, context, profile.seconds)
     return profile
+
+
+def per_rank(profile: StepProfile, world: int, parallel: str) -> StepProfile:
+    """The profile of one rank out of ``world`` under DDP or FSDP (profile DDP with persistent_grads=True).
+
+    DDP: every rank holds the whole model; gradients live in the all-reduce buckets for the whole run,
+    which is what ``persistent_grads`` profiled. FSDP: parameters, gradients and optimizer state are
+    divided by ``world``; a block's weights are gathered whole while it runs (plus the next one,
+    prefetched) and its gradients are whole until reduce-scattered; the root's (embeddings, head)
+    stay gathered through the step.
+    """
+    if world <= 1 or parallel == "ddp":
+        return profile
+    n, p = world, profile
+    block = p.block_param_bytes
+    root = max(0, p.params - block * p.n_blocks)
+    held_grads = p.baseline - p.params - p.optimizer  # only with persistent gradients
+    fwd_extra, bwd_extra = 2 * block, 3 * block
+
+    def shard(o: BlockOption) -> BlockOption:
+        return dataclasses.replace(o, fwd_rise=o.fwd_rise + fwd_extra, bwd_rise=o.bwd_rise + bwd_extra)
+
+    params = p.params // n + root - root // n  # this rank's shard, and the root gathered whole
+    return dataclasses.replace(
+        p,
+        params=params,
+        optimizer=p.optimizer // n,
+        grads=p.grads // n,
+        baseline=params + p.optimizer // n + held_grads // n,
+        blocks=[{k: shard(o) for k, o in b.items()} for b in p.blocks],
+        block_grads=[g // n for g in p.block_grads],
+        optimizer_rise=p.optimizer_rise // n,
+    )

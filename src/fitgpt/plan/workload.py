@@ -8,7 +8,9 @@ from typing import Literal, Optional
 
 import torch
 
+from fitgpt.memory.units import parse_bytes
 from fitgpt.model import ModelConfig
+from fitgpt.plan.profile import StepProfile, per_rank, profile_model
 from fitgpt.train.config import TrainConfig, load_config
 from fitgpt.train.trainer import autocast_dtype, resolve_device
 
@@ -29,9 +31,13 @@ class WorkloadConfig:
     """auto, cpu, cuda, cuda:1, mps."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """As for fitgpt train: auto is bf16 on CUDA, fp32 elsewhere."""
+    world_size: int = 1
+    """Processes (GPUs) to plan for: memory is reported per rank, --batch-size is per rank."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """With --world-size > 1: ddp (whole model per rank) or fsdp (weights, gradients, optimizer state sharded)."""
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "context", "grad_accum"):
+        for name in ("batch_size", "context", "grad_accum", "world_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -56,9 +62,34 @@ class WorkloadConfig:
     def dtype(self) -> torch.dtype | None:
         return autocast_dtype(self.precision, self.torch_device())
 
+    def profile(self, batch_size: int | None = None, context: int | None = None) -> StepProfile:
+        """Profile this workload (or another batch/context of it), per rank when world_size > 1."""
+        tcfg = self.train_config()
+        ddp = self.world_size > 1 and self.parallel == "ddp"
+        prof = profile_model(self.model_config, batch_size or tcfg.batch_size, context or tcfg.model.context_length,
+                             self.torch_device(), tcfg.optim, tcfg.grad_accum, self.dtype(), persistent_grads=ddp)
+        return per_rank(prof, self.world_size, self.parallel)
+
     def describe(self) -> str:
         cfg = self.train_config()
         m = cfg.model
         accum = f", grad accum {cfg.grad_accum}" if cfg.grad_accum > 1 else ""
+        ranks = f", per rank of {self.world_size} under {self.parallel}" if self.world_size > 1 else ""
         return (f"{cfg.preset} ({m.n_blocks} blocks x {m.n_embed} wide, vocab {m.vocab_size}), batch {cfg.batch_size} x "
-                f"context {m.context_length}{accum}, {self.torch_device()}, {self.dtype() or 'fp32'}")
+                f"context {m.context_length}{accum}, {self.torch_device()}, {self.dtype() or 'fp32'}{ranks}")
+
+
+@dataclass
+class BudgetConfig(WorkloadConfig):
+    memory_budget: str = ""
+    """Peak memory of a training step to fit in, e.g. 6GiB, 512MiB, 8GB (required)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.memory_budget:
+            raise ValueError("--memory-budget is required, e.g. --memory-budget 6GiB")
+        parse_bytes(self.memory_budget)
+
+    @property
+    def budget(self) -> int:
+        return parse_bytes(self.memory_budget)
