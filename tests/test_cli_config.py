@@ -9,7 +9,7 @@ from fitgpt.cli.train import parse
 from fitgpt.train.config import TrainConfig, from_dict
 
 
-@pytest.mark.parametrize("cmd", [[], ["prepare"], ["train"], ["generate"]])
+@pytest.mark.parametrize("cmd", [[], ["prepare"], ["train"], ["generate"], ["bench"], ["plan"], ["fit"]])
 def test_help_works(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main(cmd + ["--help"]) if cmd else sys.exit(main(["--help"]))

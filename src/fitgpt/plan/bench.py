@@ -42,9 +42,9 @@ class BenchConfig(WorkloadConfig):
 
     policies: tuple[str, ...] = DEFAULT_POLICIES
     """Policies to compare (the first is the baseline); auto:50% frees half of none's activations, auto:6GiB plans for a budget."""
-    repeats: int = 10
+    repeats: int = 25
     """Timed steps per policy (medians are reported)."""
-    warmup: int = 1
+    warmup: int = 2
     """Untimed steps per policy before timing."""
     out_dir: str = "bench"
     """Where bench.json and bench.png go."""
