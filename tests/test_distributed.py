@@ -197,7 +197,10 @@ def test_torchrun_ddp_trains_and_resumes_exactly(data_dir, corpus_dir, tmp_path)
 @pytest.mark.timeout(600)
 def test_torchrun_fsdp_checkpoints_move_to_one_process_and_back(data_dir, corpus_dir, tmp_path):
     run = tmp_path / "run"
-    finish(torchrun(train_flags(data_dir, corpus_dir, run, 3, "--parallel", "fsdp", "--checkpointing", "selective"), tmp_path))
+    # FSDP with its mixed-precision policy (bf16 compute, fp32 weights and reductions)
+    finish(torchrun(train_flags(data_dir, corpus_dir, run, 3, "--parallel", "fsdp", "--checkpointing", "selective",
+                                "--precision", "bf16"), tmp_path))
+    assert load_file(str(run / "checkpoints/step_000003" / ckpt.MODEL_FILE))["lm_head.weight"].dtype == torch.float32
     ckpt.verify_checkpoint(run / "checkpoints/step_000003")
     # One process picks up the sharded run's checkpoint ...
     single = subprocess.run([sys.executable, "-m", "fitgpt", *train_flags(data_dir, corpus_dir, run, 6, "--resume", "latest")],
