@@ -91,7 +91,7 @@ class TrainConfig:
     dist_timeout: float = 600.0
     """Seconds a collective waits for the other processes before the run fails (a crashed rank never hangs the rest)."""
     memory_budget: Optional[str] = None
-    """Peak memory of a training step to plan for with --checkpointing auto, e.g. 6GiB."""
+    """Peak memory of a training step to plan for with --checkpointing auto, e.g. 6GiB (per process under torchrun)."""
     out_dir: Optional[str] = None
     """Run directory; default runs/<preset>."""
     resume: Optional[str] = None

@@ -119,12 +119,16 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> Tran
     return Transformer(model_cfg).to(device)
 
 
-def plan_for_budget(cfg: TrainConfig, device: torch.device, dtype: torch.dtype | None) -> dict:
-    """--checkpointing auto: profile this config on this device, then solve for the cheapest plan."""
+def plan_for_budget(cfg: TrainConfig, device: torch.device, dtype: torch.dtype | None, world: int = 1) -> dict:
+    """--checkpointing auto: profile this config on this device, then solve for the cheapest plan (per rank)."""
     from fitgpt.plan import profile_model, solve
+    from fitgpt.plan.profile import per_rank
 
     budget = parse_bytes(cfg.memory_budget)
-    profile = profile_model(cfg.model, cfg.batch_size, cfg.model.context_length, device, cfg.optim, cfg.grad_accum, dtype, seed=cfg.seed)
+    ddp = world > 1 and cfg.parallel == "ddp"  # DDP keeps every gradient in its buckets
+    profile = profile_model(cfg.model, cfg.batch_size, cfg.model.context_length, device, cfg.optim, cfg.grad_accum, dtype,
+                            seed=cfg.seed, persistent_grads=ddp)
+    profile = per_rank(profile, world, cfg.parallel)
     plan, pred = solve(profile, budget)
     log.info("auto: %s, predicted peak %s of budget %s (in the %s; %.3fx FLOPs; profiled in %.1fs)", plan.spec(),
              format_bytes(pred.peak), format_bytes(budget), pred.where, pred.flops_ratio, profile.seconds)
@@ -187,7 +191,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo) -> dict:
     if info.enabled and cfg.parallel == "fsdp" and cfg.compile:
         raise ValueError("--compile with --parallel fsdp is not supported yet; drop --compile or use --parallel ddp")
     if main:
-        meta = ensure_prepared(cfg.data, progress=cfg.progress)
+        ensure_prepared(cfg.data, progress=cfg.progress)
     if info.enabled:
         torch.distributed.barrier()  # the other ranks wait while rank 0 prepares the data on first use
     data = TokenData(cfg.data.path)
@@ -237,7 +241,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo) -> dict:
         shutil.copyfile(cfg.data.path / "tokenizer.json", run_dir / "tokenizer.json")
 
     # Preparation order, the same on every rank: checkpointing, then compile, then DDP or FSDP.
-    planned = plan_for_budget(cfg, device, dtype) if cfg.checkpointing == "auto" else None
+    planned = plan_for_budget(cfg, device, dtype, info.world) if cfg.checkpointing == "auto" else None
     policy = parse_policy(planned["policy"] if planned else cfg.checkpointing if cfg.checkpointing != "none" else cfg.model.checkpointing)
     act = None
     if main:
