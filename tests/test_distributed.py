@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -153,16 +154,17 @@ def test_plan_predicts_the_per_rank_peak_under_ddp_and_fsdp(tmp_path):
 # ---- through torchrun and the real command ---------------------------------------------------------------
 
 
-def torchrun(args, cwd, nproc=2, **kw):
+def torchrun(args, cwd, nproc=2, script=None, **kw):
+    target = [script] if script else ["-m", "fitgpt"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
-           "-m", "fitgpt", *args]
+           *target, *args]
     return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kw)
 
 
 def train_flags(data_dir, corpus_dir, out, steps, *extra):
+    """The tiny preset itself (4 blocks x 128, context 128), with dropout, on the test corpus."""
     return ["train", "--data.dir", str(data_dir), "--data.inputs", str(corpus_dir), "--data.vocab-size", "512",
-            "--model.context-length", "32", "--model.n-embed", "32", "--model.n-head", "4", "--model.n-blocks", "2",
             "--model.dropout", "0.1", "--batch-size", "4", "--max-steps", str(steps), "--ckpt-interval", "3",
             "--log-interval", "1", "--eval-interval", "3", "--eval-batches", "2", "--out-dir", str(out),
             "--no-progress", "--no-tensorboard", *extra]
@@ -228,6 +230,30 @@ def test_ctrl_c_under_torchrun_saves_once_and_every_rank_exits_zero(data_dir, co
     ckpt.verify_checkpoint(saved[0])
     assert "stopped by SIGINT" in err
     assert "exitcode  : 1" not in err and "Traceback" not in err.split("stopped by SIGINT")[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_that_crashes_never_leaves_the_other_hanging(data_dir, corpus_dir, tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        from fitgpt.data import loader
+        real, calls = loader.BatchSampler.next_batch, []
+        def crash_on_rank_1(self, *a, **kw):
+            calls.append(1)
+            if os.environ["RANK"] == "1" and len(calls) == 4:
+                raise RuntimeError("planted crash on rank 1")
+            return real(self, *a, **kw)
+        loader.BatchSampler.next_batch = crash_on_rank_1
+        from fitgpt.cli import main
+        sys.exit(main(sys.argv[1:]))
+    """))
+    t0 = time.time()
+    p = torchrun(train_flags(data_dir, corpus_dir, tmp_path / "run", 1000, "--dist-timeout", "30"), tmp_path, script=str(script))
+    out, err = p.communicate(timeout=240)
+    assert p.returncode != 0 and "planted crash on rank 1" in err
+    assert time.time() - t0 < 200  # bounded by torchrun's teardown and --dist-timeout, not forever
 
 
 def test_fsdp_with_compile_is_refused_with_a_clear_message(data_dir, corpus_dir, tmp_path, monkeypatch):
