@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 import fitgpt.checkpointing.apply as apply_mod
 from fitgpt.checkpointing import (
     CheckpointWrapper,
-    apply_checkpointing,
     applied_policy,
+    apply_checkpointing,
     find_blocks,
     parse_policy,
     remove_checkpointing,

@@ -18,7 +18,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from fitgpt.checkpointing.policy import RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, Policy, parse_policy
+from fitgpt.checkpointing.policy import (
+    RECOMPUTE_NONE,
+    RECOMPUTE_SELECTIVE,
+    Policy,
+    parse_policy,
+)
 from fitgpt.checkpointing.selective import selective_context_fn
 
 log = logging.getLogger(__name__)

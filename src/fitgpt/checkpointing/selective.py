@@ -12,7 +12,10 @@ out of 24 C^2 in the block's forward matmuls: under 1.10x the FLOPs of a GPT-2-s
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+)
 
 _aten = torch.ops.aten
 

@@ -1,7 +1,18 @@
-"""Measuring memory and compute: live bytes, saved bytes, FLOPs."""
+"""Measuring memory and compute: live bytes, saved bytes, FLOPs, and a training step cut into segments."""
 
-from fitgpt.memory.flops import count_flops
+from fitgpt.memory.flops import OpFlops, count_flops
 from fitgpt.memory.measure import StepMemory, measure_step_flops, measure_step_memory
+from fitgpt.memory.profile import (
+    PeakProbe,
+    StepPeak,
+    StepTimeline,
+    measure_train_step,
+    profile_step,
+)
 from fitgpt.memory.tracker import LiveMemory, SavedTensors
+from fitgpt.memory.units import format_bytes, parse_bytes
 
-__all__ = ["LiveMemory", "SavedTensors", "StepMemory", "count_flops", "measure_step_flops", "measure_step_memory"]
+__all__ = [
+    "LiveMemory", "OpFlops", "PeakProbe", "SavedTensors", "StepMemory", "StepPeak", "StepTimeline", "count_flops",
+    "format_bytes", "measure_step_flops", "measure_step_memory", "measure_train_step", "parse_bytes", "profile_step",
+]

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    flop_registry,
+    register_flop_formula,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
 _aten = torch.ops.aten
 

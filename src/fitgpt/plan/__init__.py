@@ -1,6 +1,14 @@
 """Plan memory: profile a config per option, predict any plan's peak, solve for the cheapest that fits."""
 
 from fitgpt.plan.profile import StepProfile, profile_model
-from fitgpt.plan.solver import Plan, PlanError, Prediction, min_peak, predict, solve, solve_exhaustive
+from fitgpt.plan.solver import (
+    Plan,
+    PlanError,
+    Prediction,
+    min_peak,
+    predict,
+    solve,
+    solve_exhaustive,
+)
 
 __all__ = ["Plan", "PlanError", "Prediction", "StepProfile", "min_peak", "predict", "profile_model", "solve", "solve_exhaustive"]

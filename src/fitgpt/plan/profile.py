@@ -17,7 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from fitgpt.checkpointing import apply_checkpointing
-from fitgpt.memory.profile import StepTimeline, grad_bytes, optimizer_state_bytes, param_bytes, profile_step
+from fitgpt.memory.profile import (
+    StepTimeline,
+    grad_bytes,
+    optimizer_state_bytes,
+    param_bytes,
+    profile_step,
+)
 from fitgpt.model import ModelConfig, Transformer
 from fitgpt.train.config import OptimConfig
 from fitgpt.train.optim import build_optimizer

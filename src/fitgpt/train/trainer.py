@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
+
+# safetensors' own rule for which name of a tied tensor it writes, so gathered FSDP weights match save_model's files.
 from safetensors.torch import _remove_duplicate_names
 
 from fitgpt.checkpointing import apply_checkpointing, parse_policy, remove_checkpointing
