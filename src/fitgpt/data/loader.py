@@ -50,7 +50,8 @@ class TokenData:
         expected = self.meta.get("tokenizer_sha256")
         if not tok.is_file():
             raise ValueError(f"{tok} is missing; re-run `fitgpt prepare --dir {self.dir}`")
-        if expected and sha256_file(tok) != expected:
+        self.tokenizer_sha256 = sha256_file(tok)
+        if expected and self.tokenizer_sha256 != expected:
             raise ValueError(
                 f"{tok} is not the tokenizer that produced {self.dir / 'train.bin'} (its sha256 differs from "
                 f"{self.dir / META_FILE}); the data and its tokenizer do not match: re-run `fitgpt prepare --dir {self.dir}`"

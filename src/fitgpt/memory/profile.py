@@ -231,18 +231,22 @@ class PeakProbe:
         self.result = StepPeak(peak=self._held + rise, params=self._params, grads=grads, optimizer=self._opt, source=source)
 
 
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
+               amp: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+    """One optimizer step as the trainer runs it: the micro-batches, the step, ``zero_grad(set_to_none)``."""
+    for x, y in batches:
+        with amp():
+            loss = model(x, y)[1]  # the logits are not kept: they would stay alive through backward
+        (loss / len(batches)).backward()
+        del loss
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+
+
 def measure_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
                        amp: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> StepPeak:
-    """One optimizer step as the trainer runs it (micro-batches, step, ``zero_grad(set_to_none)``).
-
-    Run it after a first step, so that the optimizer state exists as it does for the rest of training.
-    """
+    """The peak of ``train_step``. Run it after a first step, so that the optimizer state exists as it
+    does for the rest of training."""
     with PeakProbe(model, optimizer) as probe:
-        for x, y in batches:
-            with amp():
-                loss = model(x, y)[1]  # the logits are not kept: they would stay alive through backward
-            (loss / len(batches)).backward()
-            del loss
-        optimizer.step()
-        model.zero_grad(set_to_none=True)
+        train_step(model, optimizer, batches, amp)
     return probe.result

@@ -23,7 +23,7 @@ import torch
 from fitgpt.checkpointing import apply_checkpointing, parse_policy, remove_checkpointing
 from fitgpt.memory.flops import OpFlops
 from fitgpt.memory.measure import measure_step_memory
-from fitgpt.memory.profile import measure_train_step
+from fitgpt.memory.profile import measure_train_step, train_step
 from fitgpt.memory.units import parse_bytes
 from fitgpt.model import Transformer
 from fitgpt.plan.profile import StepProfile, profile_model
@@ -136,17 +136,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     batches = [(idx[i, :, :-1].contiguous(), idx[i, :, 1:].contiguous()) for i in range(accum)]
     amp = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
 
-    def step() -> None:
-        for x, y in batches:
-            with amp():
-                loss = model(x, y)[1]
-            (loss / accum).backward()
-            del loss
-        optimizer.step()
-        model.zero_grad(set_to_none=True)
-
     measured: dict[str, dict] = {}
-    step()  # the optimizer state exists from here on, as in training
+    train_step(model, optimizer, batches, amp)  # the optimizer state exists from here on, as in training
     for name, (spec, _, _) in specs.items():
         apply_checkpointing(model, spec)
         with amp(), OpFlops() as fl:
@@ -163,7 +154,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            step()
+            train_step(model, optimizer, batches, amp)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if r >= cfg.warmup:

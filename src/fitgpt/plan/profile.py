@@ -169,8 +169,7 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
         blocks=blocks, block_grads=block_grads, heads=heads,
         block_flops=[f.flops + b.flops for f, b in zip(base.fwd_blocks, base.bwd_blocks)],
         block_param_bytes=param_bytes(model.attn_blocks[-1]),
-        step_flops=base.fwd_embed.flops + base.fwd_head.flops + base.bwd_head.flops + base.bwd_embed.flops
-        + sum(f.flops + b.flops for f, b in zip(base.fwd_blocks, base.bwd_blocks)), seconds=time.perf_counter() - t0,
+        step_flops=base.flops, seconds=time.perf_counter() - t0,
     )
     log.debug("profiled %d blocks at batch %d x %d in %.1fs", cfg.n_blocks, batch_size, context, profile.seconds)
     return profile

@@ -108,7 +108,7 @@ def predict(profile: StepProfile, plan: Plan) -> Prediction:
     level += p.embed_bwd_delta
     event("optimizer step", level, p.optimizer_rise, 0)
     total, where, activations, grads, temporaries = max(events)
-    recompute = head.recompute_flops + sum(p.blocks[i][o].recompute_flops for i, o in enumerate(plan.blocks))
+    recompute = _cost(p, plan)[0]
     held_grads = p.baseline - p.params - p.optimizer
     return Prediction(
         peak=p.baseline + total, where=where, params=p.params, optimizer=p.optimizer, grads=held_grads + grads,

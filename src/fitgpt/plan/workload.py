@@ -10,6 +10,7 @@ import torch
 
 from fitgpt.memory.units import parse_bytes
 from fitgpt.model import ModelConfig
+from fitgpt.model.config import require_positive_ints
 from fitgpt.plan.profile import StepProfile, per_rank, profile_model
 from fitgpt.train.config import TrainConfig, load_config
 from fitgpt.train.trainer import autocast_dtype, resolve_device
@@ -37,10 +38,8 @@ class WorkloadConfig:
     """With --world-size > 1: ddp (whole model per rank) or fsdp (weights, gradients, optimizer state sharded)."""
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "context", "grad_accum", "world_size"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        names = ("batch_size", "context", "grad_accum", "world_size")
+        require_positive_ints(self, tuple(n for n in names if getattr(self, n) is not None))
 
     def train_config(self) -> TrainConfig:
         cfg = load_config(self.preset, self.config)

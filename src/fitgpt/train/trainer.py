@@ -213,7 +213,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo) -> dict:
     # Each rank samples its own windows; rank 0 draws exactly what a single process would.
     train_sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + info.rank)
     start_step, state = 0, None
-    tok_hash = ckpt.sha256_file(cfg.data.path / "tokenizer.json")
+    tok_hash = data.tokenizer_sha256
     if cfg.resume:
         path, ck_meta = ckpt.resolve_resume(run_dir, cfg.resume)
         saved_model = ck_meta.get("config", {}).get("model", {})
