@@ -20,7 +20,7 @@ def load_run(run_dir: str | Path, checkpoint: str = "latest", device: torch.devi
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist (check --run)")
-    path, meta = ckpt.resolve_resume(run_dir, checkpoint)
+    path, meta = ckpt.resolve_resume(run_dir, checkpoint, flag="--checkpoint")
     model_dict = dict(meta["config"]["model"])
     model_dict["checkpointing"] = "none"
     model_cfg = from_dict(ModelConfig, model_dict, str(path / ckpt.META_FILE), "model.")

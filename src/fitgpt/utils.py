@@ -1,8 +1,11 @@
-"""Small helpers shared across the package."""
+"""Small helpers shared across the package: file hashes, processes, directory locks."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import os
+import shutil
 from pathlib import Path
 
 
@@ -13,3 +16,66 @@ def sha256_file(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def write_error(e: BaseException, where: str | Path) -> str:
+    """A one-line reason for a failed write. Writers report a full disk differently (numpy: "N requested and M
+    written", torch.save: a RuntimeError from its zip writer), so the free space is looked at too."""
+    reason = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+    if "No space left" not in reason:
+        try:
+            if shutil.disk_usage(where).free < (1 << 20):
+                reason = f"No space left on device ({reason})"
+        except OSError:
+            pass
+    return reason
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by someone else
+        return True
+    return True
+
+
+class DirLock:
+    """An exclusive OS-level lock on a directory, held while fitgpt writes into it.
+
+    ``flock`` is released by the kernel when the holder exits, however it dies, so a crashed run
+    never blocks the next one. The lock file holds the holder's pid for the message.
+    """
+
+    FILE = ".fitgpt-lock"
+
+    def __init__(self, directory: str | Path, flag: str) -> None:
+        self.dir = Path(directory)
+        self.flag = flag
+        self._fd: int | None = None
+
+    def __enter__(self) -> DirLock:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.dir / self.FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ValueError(f"cannot write to {self.dir} ({e.strerror}); choose a writable {self.flag}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ValueError(f"{self.dir} is in use by another fitgpt process (pid {holder}); wait for it to end, "
+                             f"or use another {self.flag}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None

@@ -50,3 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # user errors: the message names what to change
         print(f"fitgpt {command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside the training loop (which saves and exits 0): temporary files are cleaned up
+        print(f"fitgpt {command}: interrupted; nothing half-written was left behind", file=sys.stderr)
+        return 130

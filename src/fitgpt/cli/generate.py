@@ -31,10 +31,14 @@ class GenerateConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
+        try:
+            self.prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("--prompt is not valid UTF-8 text; pass the prompt as UTF-8") from None
         if self.max_new_tokens <= 0:
             raise ValueError("max_new_tokens must be positive (set --max-new-tokens)")
-        if self.temperature < 0:
-            raise ValueError("temperature must not be negative (set --temperature)")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature} (set --temperature)")
         if self.top_k is not None and self.top_k <= 0:
             raise ValueError("top_k must be positive (set --top-k)")
         if self.num_samples <= 0:

@@ -1,31 +1,41 @@
 """Crash-safe checkpoints: written to a temporary directory, checksummed, then renamed into place.
 
-A checkpoint is a directory ``step_000100/`` holding ``model.safetensors`` (weights),
+A checkpoint is a directory ``step_00000100/`` holding ``model.safetensors`` (weights),
 ``state.pt`` (optimizer, scaler, RNG tensors; loaded with ``weights_only=True``) and ``meta.json``
 (step, config, sampler state and a sha256 of each file). ``meta.json`` is written last and the
 directory is renamed only when complete, so a process killed mid-save never leaves a checkpoint
-that ``latest`` could pick.
+that ``latest`` could pick. Checkpoints are ordered by the step number in their names (checked
+against ``meta.json``), never by text, so step 1,000,000 sorts after step 999,999.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import pickle
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_file, save_model
 
-from fitgpt.utils import sha256_file
+from fitgpt.utils import pid_alive, sha256_file, write_error
 
 log = logging.getLogger(__name__)
 
 CKPT_DIR = "checkpoints"
 MODEL_FILE, STATE_FILE, META_FILE = "model.safetensors", "state.pt", "meta.json"
+# Eight digits sort for people up to step 99,999,999; ordering itself always uses the number.
+_NAME = re.compile(r"step_(\d+)")
+_TMP = re.compile(r"\.tmp_step_\d+_(\d+)")
+T = TypeVar("T")
 
 
 class CheckpointError(ValueError):
@@ -47,6 +57,45 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(path: Path) -> int | None:
+    """The step a checkpoint directory's name says, or None for a name that is not a checkpoint's."""
+    m = _NAME.fullmatch(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def _remove_dead_temps(root: Path) -> None:
+    """Temporary directories whose writer is dead were cut off by a crash; a live writer's are left alone."""
+    for stale in root.glob(".tmp_step_*"):
+        m = _TMP.fullmatch(stale.name)
+        pid = int(m.group(1)) if m else None
+        if pid is not None and pid != os.getpid() and pid_alive(pid):
+            log.warning("leaving %s: its writer (pid %d) is still running", stale, pid)
+            continue
+        log.warning("removing %s, a checkpoint whose writing was interrupted", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _write(tmp: Path, model: nn.Module | dict, state: dict, meta: dict, step: int) -> None:
+    tmp.mkdir()
+    if isinstance(model, dict):
+        save_file(model, str(tmp / MODEL_FILE))
+    else:
+        save_model(model, str(tmp / MODEL_FILE))
+    torch.save(state, tmp / STATE_FILE)
+    files = {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size} for name in (MODEL_FILE, STATE_FILE)}
+    with open(tmp / META_FILE, "w") as f:
+        json.dump({**meta, "step": step, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    for name in (MODEL_FILE, STATE_FILE):
+        with open(tmp / name, "rb") as f:
+            os.fsync(f.fileno())
+
+
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module | dict, state: dict, meta: dict, keep_last: int) -> Path:
     """Write checkpoint ``step`` atomically, then delete all but the newest ``keep_last``.
 
@@ -54,91 +103,118 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module | dict, state: di
     """
     root = Path(run_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    # One process writes a run's checkpoints: temporary directories left here were cut off by a crash.
-    for stale in root.glob(".tmp_step_*"):
-        log.warning("removing %s, a checkpoint whose writing was interrupted", stale)
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
+    final = root / checkpoint_name(step)
+    if final.exists() and not final.is_dir():
+        raise CheckpointSaveError(errno.EEXIST, f"{final} is a file, not a checkpoint, and stands where checkpoint step {step} "
+                                  "goes; move it out of the run directory, then resume with --resume latest")
+    _remove_dead_temps(root)
+    tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
     try:
-        tmp.mkdir()
-        if isinstance(model, dict):
-            save_file(model, str(tmp / MODEL_FILE))
-        else:
-            save_model(model, str(tmp / MODEL_FILE))
-        torch.save(state, tmp / STATE_FILE)
-        files = {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size} for name in (MODEL_FILE, STATE_FILE)}
-        with open(tmp / META_FILE, "w") as f:
-            json.dump({**meta, "step": step, "files": files}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        for name in (MODEL_FILE, STATE_FILE):
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
+        _write(tmp, model, state, meta, step)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
-    except OSError as e:
+    except (OSError, RuntimeError, SafetensorError) as e:
+        # torch.save reports a full disk as a RuntimeError from its zip writer, safetensors as its own error.
         shutil.rmtree(tmp, ignore_errors=True)
         good = list_checkpoints(run_dir)
+        reason = write_error(e, root)
         raise CheckpointSaveError(
-            e.errno, f"could not write checkpoint step {step} to {root}: {e.strerror or e}. Nothing older was touched "
-            f"(newest intact: {good[-1] if good else 'none'}). Free disk space or use another --out-dir, then resume "
+            getattr(e, "errno", None) or errno.EIO, f"could not write checkpoint step {step} to {root}: {reason}. Nothing older "
+            f"was touched (newest intact: {good[-1] if good else 'none'}). Free disk space or use another --out-dir, then resume "
             "with --resume latest"
         ) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for old in list_checkpoints(run_dir)[:-keep_last]:
+    # The new checkpoint and the keep_last - 1 before it stay; nothing newer than it is ever deleted here.
+    older = [p for p in list_checkpoints(run_dir) if step_of(p) < step]
+    for old in older[: max(0, len(older) - (keep_last - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete-looking checkpoint directories, oldest first (temporary directories are never listed)."""
+    """Complete-looking checkpoint directories, oldest first by step number (temporary directories are never listed)."""
     root = Path(run_dir) / CKPT_DIR
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
+    return sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
+
+
+def _check_meta(meta: object, meta_path: Path, path: Path) -> dict:
+    """The structure every reader relies on; anything else is a corrupt checkpoint, not a crash."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{meta_path} is corrupt ({what})")
+
+    if not isinstance(meta, dict):
+        raise bad("not a JSON object")
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise bad(f"step is {step!r}")
+    if step_of(path) is not None and step_of(path) != step:
+        raise bad(f"it records step {step}, but the directory is named for step {step_of(path)}")
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        raise bad("no 'files' table")
+    for name in (MODEL_FILE, STATE_FILE):
+        rec = files.get(name)
+        if not isinstance(rec, dict) or not isinstance(rec.get("bytes"), int) or not isinstance(rec.get("sha256"), str):
+            raise bad(f"no size and sha256 for {name}")
+    config = meta.get("config")
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise bad("no model config")
+    if not isinstance(meta.get("sampler"), dict):
+        raise bad("no sampler state")
+    for key in ("data",):
+        if key in meta and not isinstance(meta[key], dict):
+            raise bad(f"'{key}' is not an object")
+    return meta
 
 
 def verify_checkpoint(path: Path) -> dict:
-    """The checkpoint's meta, after checking every file against the sizes and hashes it records."""
+    """The checkpoint's meta, after checking its structure and every file against the sizes and hashes it records."""
     path = Path(path)
     meta_path = path / META_FILE
     if not meta_path.is_file():
         raise CheckpointError(f"{meta_path} is missing: {path} is incomplete or not a fitgpt checkpoint")
     try:
         meta = json.loads(meta_path.read_text())
-        files = meta["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{meta_path} is corrupt ({e})") from None
+    files = _check_meta(meta, meta_path, path)["files"]
     for name in (MODEL_FILE, STATE_FILE):
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{f} is missing")
-        rec = files.get(name, {})
-        if f.stat().st_size != rec.get("bytes"):
-            raise CheckpointError(f"{f} has {f.stat().st_size} bytes, {meta_path} records {rec.get('bytes')}: truncated or replaced")
-        if sha256_file(f) != rec.get("sha256"):
+        rec = files[name]
+        if f.stat().st_size != rec["bytes"]:
+            raise CheckpointError(f"{f} has {f.stat().st_size} bytes, {meta_path} records {rec['bytes']}: truncated or replaced")
+        if sha256_file(f) != rec["sha256"]:
             raise CheckpointError(f"{f} does not match the sha256 in {meta_path}: the file is corrupt")
     return meta
 
 
-def resolve_resume(run_dir: Path, resume: str) -> tuple[Path, dict]:
-    """The checkpoint to resume from: ``latest`` falls back past corrupt ones, saying so."""
+def resolve_resume(run_dir: Path, resume: str, load: Callable[[Path], T] = verify_checkpoint, flag: str = "--resume") -> tuple[Path, T]:
+    """The checkpoint to resume from and what ``load`` made of it; ``latest`` falls back past corrupt ones, saying so.
+
+    ``load`` raises CheckpointError for a checkpoint it cannot use (by default: verify files and structure).
+    """
     if resume != "latest":
-        return Path(resume), verify_checkpoint(Path(resume))
+        path = Path(resume)
+        if not path.is_dir():
+            raise CheckpointError(f"{flag} {resume}: no such checkpoint directory (use latest, or a checkpoints/step_* directory)")
+        return path, load(path)
     candidates = list_checkpoints(run_dir)
     if not candidates:
-        raise CheckpointError(f"--resume latest: no checkpoint in {Path(run_dir) / CKPT_DIR}")
+        raise CheckpointError(f"{flag} latest: no checkpoint in {Path(run_dir) / CKPT_DIR}")
     for path in reversed(candidates):
         try:
-            return path, verify_checkpoint(path)
+            return path, load(path)
         except CheckpointError as e:
             log.warning("skipping bad checkpoint: %s", e)
-    raise CheckpointError(f"--resume latest: every checkpoint in {Path(run_dir) / CKPT_DIR} is corrupt")
+    raise CheckpointError(f"{flag} latest: every checkpoint in {Path(run_dir) / CKPT_DIR} is corrupt")
 
 
 def load_weights(path: Path, model: nn.Module) -> None:
@@ -152,9 +228,26 @@ def load_weights(path: Path, model: nn.Module) -> None:
         )
 
 
-def load_state(path: Path) -> dict:
+def load_state(path: Path, param_shapes: list[torch.Size] | None = None) -> dict:
+    """``state.pt``, checked for the keys resume reads and, given the optimizer's parameter shapes, the moments' shapes."""
     f = Path(path) / STATE_FILE
     try:
-        return torch.load(f, map_location="cpu", weights_only=True)
+        state = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{f} holds objects other than tensors and plain data; refusing to load it ({e})") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"{f} is unreadable ({str(e).splitlines()[0]})") from None
+    opt = state.get("optimizer") if isinstance(state, dict) else None
+    if not isinstance(opt, dict) or not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
+        raise CheckpointError(f"{f} is corrupt (no optimizer state)")
+    if not isinstance(state.get("scaler"), dict) or not isinstance(state.get("rng"), dict) or "torch" not in state["rng"]:
+        raise CheckpointError(f"{f} is corrupt (no scaler or RNG state)")
+    if param_shapes is not None:
+        for i, s in opt["state"].items():
+            if not isinstance(i, int) or not 0 <= i < len(param_shapes) or not isinstance(s, dict):
+                raise CheckpointError(f"{f} is corrupt (optimizer state for parameter {i!r}, the model has {len(param_shapes)})")
+            for key, v in s.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != param_shapes[i]:
+                    raise CheckpointError(f"{f} is corrupt (optimizer {key} of parameter {i} has shape {tuple(v.shape)}, "
+                                          f"the parameter {tuple(param_shapes[i])})")
+    return state

@@ -96,6 +96,8 @@ class TrainConfig:
     """Run directory; default runs/<preset>."""
     resume: Optional[str] = None
     """'latest' or a checkpoint directory to continue from."""
+    overwrite: bool = False
+    """Start over in an --out-dir that holds an earlier run: removes that run's checkpoints, metrics and config (nothing else)."""
     progress: bool = True
     """Show a progress bar."""
     tensorboard: bool = True
@@ -107,6 +109,8 @@ class TrainConfig:
         require_positive_ints(
             self, ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval", "ckpt_interval", "keep_last")
         )
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in --out-dir and --overwrite removes it; drop one of them")
         if not self.dist_timeout > 0:
             raise ValueError("dist_timeout must be positive (set --dist-timeout)")
         if self.max_bad_steps < 0:

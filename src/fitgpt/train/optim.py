@@ -10,10 +10,19 @@ import torch.nn as nn
 from fitgpt.train.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def _groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     params = {id(p): p for p in model.parameters() if p.requires_grad}.values()  # tied weights once
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+
+
+def optimizer_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters in the optimizer's order: the indices of its saved state refer to this list."""
+    decay, no_decay = _groups(model)
+    return decay + no_decay
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    decay, no_decay = _groups(model)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
 

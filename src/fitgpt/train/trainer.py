@@ -31,9 +31,11 @@ from fitgpt.memory.units import format_bytes, parse_bytes
 from fitgpt.model import Transformer
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as dist_utils
-from fitgpt.train.config import TrainConfig, to_dict
+from fitgpt.train.config import OptimConfig, TrainConfig, to_dict
 from fitgpt.train.metrics import MetricsWriter, plot_loss_curve
-from fitgpt.train.optim import build_optimizer, lr_at
+from fitgpt.train.optim import build_optimizer, lr_at, optimizer_params
+from fitgpt.train.rundir import prepare_run_dir
+from fitgpt.utils import DirLock
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +158,41 @@ def log_activation_memory(model: nn.Module, policy_spec: str, x: torch.Tensor, y
     return result
 
 
+def _load_for_resume(path: Path, cfg: TrainConfig, model: nn.Module, tok_hash: str) -> tuple[dict, dict]:
+    """Meta and state of checkpoint ``path``, its weights loaded into ``model``; CheckpointError if it is corrupt."""
+    ck_meta = ckpt.verify_checkpoint(path)
+    saved_model = ck_meta["config"]["model"]
+    for key in ("vocab_size", "context_length", "n_embed", "n_head", "n_blocks", "bias"):
+        if key in saved_model and saved_model[key] != getattr(cfg.model, key):
+            raise ValueError(
+                f"--resume {path}: the checkpoint has model.{key}={saved_model[key]}, this run asks for "
+                f"{getattr(cfg.model, key)}; resume with the run's own config (--config {cfg.run_dir / 'config.json'})"
+            )
+    if ck_meta.get("data", {}).get("tokenizer_sha256") not in (None, tok_hash):
+        raise ValueError(f"--resume {path}: the checkpoint was trained with another tokenizer than {cfg.data.path}")
+    ckpt.load_weights(path, model)  # full weights, on every rank, before any sharding
+    state = ckpt.load_state(path, [p.shape for p in optimizer_params(model)])
+    return ck_meta, state
+
+
+# Settings whose change on resume makes the run differ from the uninterrupted one (the model's shape is checked apart).
+_TRAJECTORY = ("batch_size", "grad_accum", "max_steps", "seed", "precision", "model.dropout", "data.dir") + tuple(
+    f"optim.{f.name}" for f in dataclasses.fields(OptimConfig))
+
+
+def _warn_changed_settings(saved: dict, cfg: TrainConfig) -> None:
+    now = to_dict(cfg)
+    changed = []
+    for key in _TRAJECTORY:
+        a, b = saved, now
+        for part in key.split("."):
+            a, b = a.get(part) if isinstance(a, dict) else None, b.get(part) if isinstance(b, dict) else None
+        if a is not None and a != b:
+            changed.append(f"{key} {a} -> {b}")
+    if changed:
+        log.warning("resuming with changed settings (%s): the run is no longer bitwise the uninterrupted one", ", ".join(changed))
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, data: TokenData, cfg: TrainConfig, device: torch.device, amp) -> float:
     """Mean val loss over cfg.eval_batches fixed batches (the same windows at every evaluation)."""
@@ -179,7 +216,11 @@ def train(cfg: TrainConfig) -> dict:
     """
     info = dist_utils.init_distributed(cfg.device, cfg.dist_timeout)
     try:
-        return _train(cfg, info)
+        # One process writes a run directory: rank 0 holds its lock for the whole run.
+        with DirLock(cfg.run_dir, "--out-dir") if info.is_main else contextlib.nullcontext():
+            if info.is_main:
+                prepare_run_dir(cfg.run_dir, cfg.resume, cfg.overwrite)
+            return _train(cfg, info)
     finally:
         dist_utils.shutdown(info)
 
@@ -203,8 +244,6 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo) -> dict:
     vocab_size = int(math.ceil(data.vocab_size / 64) * 64)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
     run_dir = cfg.run_dir
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
 
     model = build_model(cfg, vocab_size, device)
     # Names that share one tensor (the tied head): safetensors stores one of them.
@@ -215,18 +254,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo) -> dict:
     start_step, state = 0, None
     tok_hash = data.tokenizer_sha256
     if cfg.resume:
-        path, ck_meta = ckpt.resolve_resume(run_dir, cfg.resume)
-        saved_model = ck_meta.get("config", {}).get("model", {})
-        for key in ("vocab_size", "context_length", "n_embed", "n_head", "n_blocks", "bias"):
-            if key in saved_model and saved_model[key] != getattr(cfg.model, key):
-                raise ValueError(
-                    f"--resume {path}: the checkpoint has model.{key}={saved_model[key]}, this run asks for "
-                    f"{getattr(cfg.model, key)}; resume with the run's own config (--config {run_dir / 'config.json'})"
-                )
-        if ck_meta.get("data", {}).get("tokenizer_sha256") not in (None, tok_hash):
-            raise ValueError(f"--resume {path}: the checkpoint was trained with another tokenizer than {cfg.data.path}")
-        ckpt.load_weights(path, model)  # full weights, on every rank, before any sharding
-        state = ckpt.load_state(path)
+        path, (ck_meta, state) = ckpt.resolve_resume(run_dir, cfg.resume, lambda p: _load_for_resume(p, cfg, model, tok_hash))
         scaler.load_state_dict(state["scaler"])
         ranks = ck_meta.get("world_size", 1)
         if ranks != info.world:
@@ -235,10 +263,15 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo) -> dict:
         if info.rank < len(samplers):
             train_sampler.load_state_dict(samplers[info.rank])
         _set_rng_state(rngs[info.rank] if info.rank < len(rngs) else rngs[0], device)
-        start_step = int(ck_meta["step"])
+        start_step = ck_meta["step"]
+        if start_step >= cfg.max_steps:
+            raise ValueError(f"--resume {path}: the checkpoint is at step {start_step} and --max-steps is {cfg.max_steps}, so "
+                             "there is nothing to train; raise --max-steps to continue (nothing was changed)")
+        _warn_changed_settings(ck_meta["config"], cfg)
         log.info("resumed from %s at step %d", path, start_step)
     if main:
-        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+        # resume and overwrite are what this invocation did, not settings of the run: `--config config.json` must not repeat them.
+        (run_dir / "config.json").write_text(json.dumps(to_dict(dataclasses.replace(cfg, resume=None, overwrite=False)), indent=1))
         # The run keeps its own tokenizer, so sampling works even if the data directory moves.
         shutil.copyfile(cfg.data.path / "tokenizer.json", run_dir / "tokenizer.json")
 
