@@ -36,6 +36,8 @@ class CorpusStats:
     skipped_binary: list[str] = field(default_factory=list)
     skipped_not_utf8: list[str] = field(default_factory=list)
     skipped_empty: list[str] = field(default_factory=list)
+    seen: dict[str, list[int]] = field(default_factory=dict)
+    """Every input file read, with its [size, mtime_ns]: what `ensure_prepared` compares to notice changed inputs."""
 
     def summary(self) -> str:
         return (
@@ -82,6 +84,8 @@ def read_documents(inputs: list[str], stats: CorpusStats) -> Iterator[Document]:
         yield from _hf_documents(hf, stats)
     for path in expand_inputs([i for i in inputs if not i.startswith("hf:")]):
         stats.files += 1
+        st = path.stat()
+        stats.seen[str(path)] = [st.st_size, st.st_mtime_ns]
         raw = path.read_bytes()
         if b"\x00" in raw[:8192]:
             stats.skipped_binary.append(str(path))
@@ -97,6 +101,24 @@ def read_documents(inputs: list[str], stats: CorpusStats) -> Iterator[Document]:
         stats.documents += 1
         stats.bytes += len(raw)
         yield Document(str(path), text, hashlib.sha256(raw).hexdigest())
+
+
+def changed_inputs(inputs: list[str], seen: dict[str, list[int]], sha256: dict[str, str]) -> list[str]:
+    """The files of ``inputs`` that differ from what a preparation read: new, removed, or with other contents.
+
+    Size and mtime decide cheaply; a file whose mtime alone moved is hashed and passes if its sha256 is unchanged.
+    """
+    now = {str(p): p for p in expand_inputs([i for i in inputs if not i.startswith("hf:")])}
+    changes = [f"{p} (new)" for p in sorted(now.keys() - seen.keys())]
+    changes += [f"{p} (removed)" for p in sorted(seen.keys() - now.keys())]
+    for name in sorted(now.keys() & seen.keys()):
+        st = now[name].stat()
+        if [st.st_size, st.st_mtime_ns] == seen[name]:
+            continue
+        if st.st_size == seen[name][0] and name in sha256 and hashlib.sha256(now[name].read_bytes()).hexdigest() == sha256[name]:
+            continue
+        changes.append(f"{name} (changed)")
+    return changes
 
 
 def _hf_documents(names: list[str], stats: CorpusStats) -> Iterator[Document]:

@@ -13,14 +13,15 @@ from typing import Literal, Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from fitgpt.data.corpus import BUILTIN, CorpusStats, read_documents
+from fitgpt.data.corpus import BUILTIN, CorpusStats, changed_inputs, read_documents
 from fitgpt.data.tokenizer import gpt2_tokenizer, train_bpe
-from fitgpt.utils import sha256_file
+from fitgpt.utils import DirLock, sha256_file, write_error
 
 log = logging.getLogger(__name__)
 
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
+DATA_FILES = ("train.bin", "val.bin", "tokenizer.json")
 
 
 @dataclass
@@ -62,16 +63,88 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def _atomic_write_array(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    arr.tofile(tmp)
-    os.replace(tmp, path)
+def _is_ours(directory: Path) -> bool:
+    """A data directory fitgpt wrote: it holds fitgpt's lock file, or a meta.json in fitgpt's format."""
+    if (directory / DirLock.FILE).exists():
+        return True
+    try:
+        meta = json.loads((directory / META_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "format_version" in meta and "tokenizer_sha256" in meta
+
+
+def _check_output_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--dir {out} is a file; choose a directory (new or empty, or one fitgpt prepared)")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if entries and not _is_ours(out):
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise ValueError(f"--dir {out} holds files fitgpt did not write ({shown}); prepare into a new or empty --dir")
+
+
+def _encode(tok, docs: list, dtype: np.dtype, bar, batch_chars: int = 4 << 20) -> np.ndarray:
+    """All documents' tokens, each followed by end-of-text. Encoded in batches (the library uses every core) of at
+    most ``batch_chars`` characters, long documents in pieces, so the encodings in flight stay bounded."""
+    chunks: list[np.ndarray] = []
+    eot = np.asarray([tok.eot_id], dtype=dtype)
+    batch: list[tuple[str, bool]] = []  # (text, ends a document)
+
+    def flush() -> None:
+        for (text, ends), ids in zip(batch, tok.encode_batch([t for t, _ in batch])):
+            chunks.append(np.asarray(ids, dtype=dtype))
+            if ends:
+                chunks.append(eot)  # end-of-text between documents
+        bar.update(sum(len(t.encode()) for t, _ in batch))
+        batch.clear()
+
+    size = 0
+    for d in docs:
+        pieces = tok.split_long(d.text)
+        for i, piece in enumerate(pieces):
+            batch.append((piece, i == len(pieces) - 1))
+            size += len(piece)
+            if size >= batch_chars or len(batch) >= 256:
+                flush()
+                size = 0
+    flush()
+    return np.concatenate(chunks)
+
+
+def _write_all(out: Path, arrays: dict[str, np.ndarray], tok, meta: dict) -> None:
+    """Stage every file as ``*.tmp``, then rename into place, meta.json last: a failure or Ctrl-C at any point
+    leaves the previous preparation (or nothing) and no temporary file."""
+    tmps = [out / f"{name}.tmp" for name in (*DATA_FILES, META_FILE)]
+    try:
+        for name, arr in arrays.items():
+            arr.tofile(out / f"{name}.tmp")
+        tok.save_as(out / "tokenizer.json.tmp")
+        meta["tokenizer_sha256"] = sha256_file(out / "tokenizer.json.tmp")
+        (out / f"{META_FILE}.tmp").write_text(json.dumps(meta, indent=1))
+        (out / META_FILE).unlink(missing_ok=True)  # no moment where an old meta describes new files
+        for name in DATA_FILES:
+            os.replace(out / f"{name}.tmp", out / name)
+        os.replace(out / f"{META_FILE}.tmp", out / META_FILE)  # meta last: its presence marks a complete preparation
+    except Exception as e:  # OSError, or the tokenizers library's own error, for a full disk or a read-only folder
+        reason = write_error(e, out)
+        raise ValueError(f"could not write the prepared data to {out}: {reason}; free disk space or choose another --dir") from e
+    finally:
+        for t in tmps:
+            t.unlink(missing_ok=True)
 
 
 def prepare(cfg: DataConfig, progress: bool = True) -> dict:
-    """Tokenize cfg.inputs into cfg.dir and return the meta dict that was written."""
+    """Tokenize cfg.inputs into cfg.dir and return the meta dict that was written.
+
+    Writes only into a new or empty directory, or one fitgpt prepared before; holds the directory's lock meanwhile.
+    """
     out = cfg.path
-    out.mkdir(parents=True, exist_ok=True)
+    _check_output_dir(out)
+    with DirLock(out, "--dir"):
+        return _prepare(cfg, out, progress)
+
+
+def _prepare(cfg: DataConfig, out: Path, progress: bool) -> dict:
     stats = CorpusStats()
     docs = list(read_documents(list(cfg.inputs), stats))
     log.info("corpus: %s", stats.summary())
@@ -82,32 +155,26 @@ def prepare(cfg: DataConfig, progress: bool = True) -> dict:
     order = sorted(range(len(docs)), key=lambda i: hashlib.sha256(f"{cfg.seed}:{docs[i].source}".encode()).digest())
     docs = [docs[i] for i in order]
 
+    show = progress and stats.bytes >= 1e6
     if cfg.tokenizer == "bpe":
-        tok = train_bpe((d.text for d in docs), cfg.vocab_size)
+        log.info("training a %d-token byte-level BPE on %.1f MB", cfg.vocab_size, stats.bytes / 1e6)
+        tok = train_bpe((d.text for d in docs), cfg.vocab_size, progress=show and stats.bytes >= 50e6)
     else:
         tok = gpt2_tokenizer()
     dtype = token_dtype(tok.vocab_size)
-    chunks: list[np.ndarray] = []
-    bar = tqdm(total=stats.bytes, unit="B", unit_scale=True, desc="tokenizing", disable=None if progress and stats.bytes >= 1e6 else True)
-    for s in range(0, len(docs), 64):
-        batch = docs[s : s + 64]
-        for ids in tok.encode_batch([d.text for d in batch]):
-            ids.append(tok.eot_id)  # end-of-text between documents
-            chunks.append(np.asarray(ids, dtype=dtype))
-        bar.update(sum(len(d.text.encode()) for d in batch))
+    bar = tqdm(total=stats.bytes, unit="B", unit_scale=True, desc="tokenizing", disable=None if show else True)
+    tokens = _encode(tok, docs, dtype, bar)
     bar.close()
-    tokens = np.concatenate(chunks)
     n_val = max(1, int(len(tokens) * cfg.val_fraction))
     train, val = tokens[:-n_val], tokens[-n_val:]
-    _atomic_write_array(out / "train.bin", train)
-    _atomic_write_array(out / "val.bin", val)
-    tok.save(out)
     meta = {
         "format_version": FORMAT_VERSION,
         "tokenizer": tok.kind,
         "vocab_size": tok.vocab_size,
+        # What was asked for: a small corpus can give a BPE fewer tokens, and the next run asks again.
+        "requested_vocab_size": cfg.vocab_size if cfg.tokenizer == "bpe" else None,
         "eot_id": tok.eot_id,
-        "tokenizer_sha256": sha256_file(out / "tokenizer.json"),
+        "tokenizer_sha256": None,  # set from the file as written
         "dtype": dtype.name,
         "train_tokens": int(len(train)),
         "val_tokens": int(len(val)),
@@ -117,28 +184,43 @@ def prepare(cfg: DataConfig, progress: bool = True) -> dict:
         "documents": stats.documents,
         "skipped": {"binary": len(stats.skipped_binary), "not_utf8": len(stats.skipped_not_utf8), "empty": len(stats.skipped_empty)},
         "sources": [{"path": d.source, "sha256": d.sha256} for d in sorted(docs, key=lambda d: d.source)],
+        "files": stats.seen,
     }
-    tmp = out / (META_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out / META_FILE)  # meta last: its presence marks a complete preparation
+    _write_all(out, {"train.bin": train, "val.bin": val}, tok, meta)
     log.info("wrote %s: %d train / %d val tokens, vocab %d (%s)", out, len(train), len(val), tok.vocab_size, tok.kind)
     return meta
 
 
 def ensure_prepared(cfg: DataConfig, progress: bool = True) -> dict:
-    """Prepare cfg.dir on first use; if it exists, check it was made as cfg asks."""
+    """Prepare cfg.dir on first use; if it exists, check it was made as cfg asks, from the inputs as they are now."""
     meta_path = cfg.path / META_FILE
     if not meta_path.is_file():
         log.info("no prepared data in %s; preparing %s now (first use)", cfg.path, list(cfg.inputs))
         return prepare(cfg, progress=progress)
-    meta = json.loads(meta_path.read_text())
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{meta_path} is unreadable ({e}); re-run `fitgpt prepare --dir {cfg.path}`") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path} is not fitgpt's; re-run `fitgpt prepare --dir {cfg.path}`")
     wanted = {"tokenizer": cfg.tokenizer, "inputs": list(cfg.inputs)}
     if cfg.tokenizer == "bpe":
         wanted["vocab_size"] = cfg.vocab_size
     for key, value in wanted.items():
-        if meta.get(key) != value:
+        have = meta.get("requested_vocab_size", meta.get(key)) if key == "vocab_size" else meta.get(key)
+        if have != value:
             raise ValueError(
-                f"{meta_path} was prepared with {key}={meta.get(key)!r}, but this run asks for {value!r}; "
+                f"{meta_path} was prepared with {key}={have!r}, but this run asks for {value!r}; "
                 f"use another --data.dir, or match --data.{key.replace('_', '-')}"
+            )
+    if isinstance(meta.get("files"), dict):
+        shas = {s.get("path"): s.get("sha256") for s in meta.get("sources", []) if isinstance(s, dict)}
+        changes = changed_inputs(list(cfg.inputs), meta["files"], shas)
+        if changes:
+            shown = ", ".join(changes[:3]) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "")
+            inputs = " ".join(repr(i) if " " in i else i for i in cfg.inputs)
+            raise ValueError(
+                f"the inputs changed since {cfg.path} was prepared ({shown}); re-prepare with `fitgpt prepare --dir "
+                f"{cfg.path} --inputs {inputs}` (runs on the old data keep their tokenizer), or use another --data.dir"
             )
     return meta

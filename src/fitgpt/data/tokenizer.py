@@ -11,11 +11,21 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
+# GPT-2's split pattern with every run capped at 64 characters. Uncapped, text without whitespace (DNA, base64,
+# minified code) is one "word" as long as the file, and BPE training costs the square of the longest word.
+MAX_PIECE = 64
+SPLIT_PATTERN = (
+    "'s|'t|'re|'ve|'m|'ll|'d"
+    f"| ?\\p{{L}}{{1,{MAX_PIECE}}}| ?\\p{{N}}{{1,{MAX_PIECE}}}| ?[^\\s\\p{{L}}\\p{{N}}]{{1,{MAX_PIECE}}}"
+    f"|\\s{{1,{MAX_PIECE}}}(?!\\S)|\\s{{1,{MAX_PIECE}}}"
+)
+# Documents longer than this are encoded in pieces cut at pre-token boundaries, so memory stays bounded.
+ENCODE_CHUNK = 1 << 20
 
 
 class Tokenizer:
@@ -37,13 +47,32 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
+    def split_long(self, text: str, size: int = ENCODE_CHUNK) -> list[str]:
+        """``text`` cut into pieces of about ``size`` characters whose encodings, joined, are the encoding of ``text``.
+
+        Tokens never cross a pre-token boundary. The split pattern looks ahead only after whitespace, so every
+        pre-token of a window but the last is the one the whole text has, and a cut at such a boundary right
+        after a letter or digit leaves both sides pre-tokenized as before.
+        """
+        pieces, start = [], 0
+        while len(text) - start > size:
+            window = text[start : start + size]
+            starts = [b for _, (b, _) in self._tok.pre_tokenizer.pre_tokenize_str(window)[1:]]
+            cut = next((b for b in reversed(starts) if window[b - 1].isalnum()), len(window))
+            pieces.append(text[start : start + cut])
+            start += cut
+        pieces.append(text[start:])
+        return pieces
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
     def save(self, directory: str | Path) -> Path:
-        path = Path(directory) / TOKENIZER_FILE
+        return self.save_as(Path(directory) / TOKENIZER_FILE)
+
+    def save_as(self, path: str | Path) -> Path:
         self._tok.save(str(path))
-        return path
+        return Path(path)
 
     @classmethod
     def load(cls, directory: str | Path, kind: str = "bpe") -> Tokenizer:
@@ -53,22 +82,26 @@ class Tokenizer:
         return cls(HFTokenizer.from_file(str(path)), kind)
 
 
-def _byte_level(tok: HFTokenizer) -> HFTokenizer:
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+def _byte_level(tok: HFTokenizer, capped: bool = False) -> HFTokenizer:
+    if capped:
+        split = pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated")
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return tok
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE trained on ``texts``: every byte sequence round-trips."""
+def train_bpe(texts: Iterable[str], vocab_size: int, progress: bool = False) -> Tokenizer:
+    """A byte-level BPE trained on ``texts``: every byte sequence round-trips; pre-tokens are at most 64 characters."""
     if vocab_size < 257 + 1:
         raise ValueError(f"vocab_size {vocab_size} is too small for byte-level BPE; use at least 258 (--vocab-size)")
-    tok = _byte_level(HFTokenizer(models.BPE()))
+    tok = _byte_level(HFTokenizer(models.BPE()), capped=True)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=[EOT],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=progress,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return Tokenizer(tok, "bpe")
