@@ -7,6 +7,7 @@ import torch
 
 from fitgpt.data import DataConfig, prepare
 from fitgpt.model import ModelConfig
+from fitgpt.train import load_config
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 CORPUS_FILES = ["textwrap.py", "bisect.py", "heapq.py", "fnmatch.py", "colorsys.py", "string.py", "keyword.py", "glob.py"]
@@ -37,3 +38,55 @@ def data_dir(corpus_dir, tmp_path_factory) -> Path:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def make_cfg(data_dir, corpus_dir):
+    """A factory of tiny TrainConfigs on the session's data: ``make_cfg(out_dir, **overrides)``."""
+
+    def make(out: Path, **kw):
+        overrides = {
+            "model": {"context_length": 32, "n_embed": 32, "n_head": 4, "n_blocks": 2, "dropout": 0.1},
+            "data": {"dir": str(data_dir), "inputs": [str(corpus_dir)], "vocab_size": 512},
+            "batch_size": 4, "max_steps": 6, "eval_interval": 3, "eval_batches": 2, "ckpt_interval": 3, "log_interval": 1,
+            "out_dir": str(out), "progress": False, "tensorboard": False,
+        }
+        overrides.update(kw)
+        return load_config("tiny", overrides=overrides)
+
+    return make
+
+
+@pytest.fixture
+def cli_train_args(data_dir, corpus_dir):
+    """A factory of `fitgpt train` argument lists for a tiny model: ``cli_train_args(out_dir, steps=12)``."""
+
+    def make(out: Path, steps: int = 12) -> list[str]:
+        return ["train", "--data.dir", str(data_dir), "--data.inputs", str(corpus_dir), "--data.vocab-size", "512",
+                "--model.context-length", "32", "--model.n-embed", "32", "--model.n-head", "4", "--model.n-blocks", "2",
+                "--model.dropout", "0.1", "--batch-size", "4", "--max-steps", str(steps), "--ckpt-interval", "2",
+                "--log-interval", "1", "--eval-interval", "100", "--eval-batches", "2", "--out-dir", str(out),
+                "--no-progress", "--no-tensorboard"]
+
+    return make
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """Mount a small real filesystem (tmpfs); ``tmpfs(size, ro=False) -> Path``. Skips where mounting is not allowed."""
+    import subprocess
+
+    mounts = []
+
+    def mount(size: str, ro: bool = False) -> Path:
+        d = tmp_path / f"fs{len(mounts)}"
+        d.mkdir()
+        opts = f"size={size}" + (",ro" if ro else "")
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], capture_output=True).returncode != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        mounts.append(d)
+        return d
+
+    yield mount
+    for d in reversed(mounts):
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)

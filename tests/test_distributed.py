@@ -187,11 +187,11 @@ def test_torchrun_ddp_trains_and_resumes_exactly(data_dir, corpus_dir, tmp_path)
     assert out.count('"run_dir"') == 1  # rank 0 alone reports
     finish(torchrun(train_flags(data_dir, corpus_dir, resumed, 3, "--checkpointing", "block"), tmp_path))
     finish(torchrun(train_flags(data_dir, corpus_dir, resumed, 6, "--checkpointing", "block", "--resume", "latest"), tmp_path))
-    a = load_file(str(straight / "checkpoints/step_000006" / ckpt.MODEL_FILE))
-    b = load_file(str(resumed / "checkpoints/step_000006" / ckpt.MODEL_FILE))
+    a = load_file(str(straight / "checkpoints/step_00000006" / ckpt.MODEL_FILE))
+    b = load_file(str(resumed / "checkpoints/step_00000006" / ckpt.MODEL_FILE))
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    meta = json.loads((straight / "checkpoints/step_000006/meta.json").read_text())
+    meta = json.loads((straight / "checkpoints/step_00000006/meta.json").read_text())
     assert meta["world_size"] == 2 and len(meta["sampler_ranks"]) == 2 and meta["sampler_ranks"][0] != meta["sampler_ranks"][1]
 
 
@@ -202,8 +202,8 @@ def test_torchrun_fsdp_checkpoints_move_to_one_process_and_back(data_dir, corpus
     # FSDP with its mixed-precision policy (bf16 compute, fp32 weights and reductions)
     finish(torchrun(train_flags(data_dir, corpus_dir, run, 3, "--parallel", "fsdp", "--checkpointing", "selective",
                                 "--precision", "bf16"), tmp_path))
-    assert load_file(str(run / "checkpoints/step_000003" / ckpt.MODEL_FILE))["lm_head.weight"].dtype == torch.float32
-    ckpt.verify_checkpoint(run / "checkpoints/step_000003")
+    assert load_file(str(run / "checkpoints/step_00000003" / ckpt.MODEL_FILE))["lm_head.weight"].dtype == torch.float32
+    ckpt.verify_checkpoint(run / "checkpoints/step_00000003")
     # One process picks up the sharded run's checkpoint ...
     single = subprocess.run([sys.executable, "-m", "fitgpt", *train_flags(data_dir, corpus_dir, run, 6, "--resume", "latest")],
                             cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -104,16 +104,16 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_as_latest(data_dir, cor
     p.communicate(timeout=300)
     assert p.returncode == -signal.SIGKILL
     root = run / "checkpoints"
-    assert [d.name for d in ckpt.list_checkpoints(run)] == ["step_000002"]
-    assert any(d.name.startswith(".tmp_step_000004") for d in root.iterdir())  # the half-written one
+    assert [d.name for d in ckpt.list_checkpoints(run)] == ["step_00000002"]
+    assert any(d.name.startswith(".tmp_step_00000004") for d in root.iterdir())  # the half-written one
     path, meta = ckpt.resolve_resume(run, "latest")
-    assert path.name == "step_000002" and meta["step"] == 2
+    assert path.name == "step_00000002" and meta["step"] == 2
     p = run_script("", [*train_args(data_dir, corpus_dir, run, steps=6), "--resume", "latest"])
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     assert "checkpoint whose writing was interrupted" in err
     assert not any(d.name.startswith(".tmp") for d in root.iterdir())
-    assert ckpt.list_checkpoints(run)[-1].name == "step_000006"
+    assert ckpt.list_checkpoints(run)[-1].name == "step_00000006"
 
 
 def test_full_disk_during_save_is_a_clear_error_and_keeps_older_checkpoints(data_dir, corpus_dir, tmp_path, monkeypatch):
@@ -127,11 +127,11 @@ def test_full_disk_during_save_is_a_clear_error_and_keeps_older_checkpoints(data
         return real(obj, f, *a, **kw)
 
     monkeypatch.setattr(ckpt.torch, "save", full_disk)
-    with pytest.raises(TrainingError, match=r"could not write checkpoint step 6 .*No space left on device.*step_000003.*--out-dir"):
+    with pytest.raises(TrainingError, match=r"could not write checkpoint step 6 .*No space left on device.*step_00000003.*--out-dir"):
         train(small_cfg(data_dir, corpus_dir, run, max_steps=9))
     monkeypatch.undo()
-    assert [d.name for d in ckpt.list_checkpoints(run)] == ["step_000003"]
-    ckpt.verify_checkpoint(run / "checkpoints" / "step_000003")
+    assert [d.name for d in ckpt.list_checkpoints(run)] == ["step_00000003"]
+    ckpt.verify_checkpoint(run / "checkpoints" / "step_00000003")
     assert not [d for d in (run / "checkpoints").iterdir() if d.name.startswith(".tmp")]
     summary = train(small_cfg(data_dir, corpus_dir, run, max_steps=9, resume="latest"))
     assert summary["steps"] == 9
@@ -146,7 +146,7 @@ def test_truncated_files_and_missing_sidecars_name_the_file_and_latest_falls_bac
     with pytest.raises(ckpt.CheckpointError, match=r"state.pt has 10 bytes, .*meta.json records .*truncated"):
         ckpt.verify_checkpoint(s9)
     (s6 / ckpt.META_FILE).unlink()
-    with pytest.raises(ckpt.CheckpointError, match=r"step_000006/meta.json is missing"):
+    with pytest.raises(ckpt.CheckpointError, match=r"step_00000006/meta.json is missing"):
         ckpt.verify_checkpoint(s6)
     path, _ = ckpt.resolve_resume(run, "latest")
     assert path == s3

@@ -42,10 +42,10 @@ def test_resume_is_bitwise_equal_to_straight_through(data_dir, corpus_dir, tmp_p
     assert summary["steps"] == 6 and (straight / "loss.png").is_file()
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(straight / "checkpoints" / "step_000003", resumed / "checkpoints" / "step_000003")
+    shutil.copytree(straight / "checkpoints" / "step_00000003", resumed / "checkpoints" / "step_00000003")
     shutil.copy(straight / "metrics.jsonl", resumed / "metrics.jsonl")
     train(small_cfg(data_dir, corpus_dir, resumed, resume="latest", checkpointing=policy))
-    a, b = weights(straight / "checkpoints" / "step_000006"), weights(resumed / "checkpoints" / "step_000006")
+    a, b = weights(straight / "checkpoints" / "step_00000006"), weights(resumed / "checkpoints" / "step_00000006")
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -56,7 +56,7 @@ def test_checkpoints_are_verified_and_latest_falls_back(data_dir, corpus_dir, tm
     run = tmp_path / "run"
     train(small_cfg(data_dir, corpus_dir, run, keep_last=2))
     cks = ckpt.list_checkpoints(run)
-    assert [p.name for p in cks] == ["step_000003", "step_000006"]  # keep_last=2
+    assert [p.name for p in cks] == ["step_00000003", "step_00000006"]  # keep_last=2
     meta = json.loads((cks[-1] / "meta.json").read_text())
     assert meta["step"] == 6 and meta["config"]["model"]["n_blocks"] == 2 and "sampler" in meta
     # Flip one byte of the newest weights: loading names the file, latest falls back to step 3.
@@ -66,11 +66,11 @@ def test_checkpoints_are_verified_and_latest_falls_back(data_dir, corpus_dir, tm
     with pytest.raises(ckpt.CheckpointError, match="model.safetensors does not match the sha256"):
         ckpt.verify_checkpoint(cks[-1])
     path, _ = ckpt.resolve_resume(run, "latest")
-    assert path.name == "step_000003" and "skipping bad checkpoint" in caplog.text
+    assert path.name == "step_00000003" and "skipping bad checkpoint" in caplog.text
     # A half-written save (no meta.json) is never taken for a checkpoint.
     (run / "checkpoints" / ".tmp_step_000009_1").mkdir()
-    (run / "checkpoints" / "step_000009").mkdir()
-    assert ckpt.resolve_resume(run, "latest")[0].name == "step_000003"
+    (run / "checkpoints" / "step_00000009").mkdir()
+    assert ckpt.resolve_resume(run, "latest")[0].name == "step_00000003"
 
 
 def test_pickled_code_in_a_checkpoint_is_refused(data_dir, corpus_dir, tmp_path):
