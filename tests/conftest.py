@@ -13,10 +13,13 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 CORPUS_FILES = ["textwrap.py", "bisect.py", "heapq.py", "fnmatch.py", "colorsys.py", "string.py", "keyword.py", "glob.py"]
 
 
-def tiny_model_config(**kw) -> ModelConfig:
-    base = dict(vocab_size=128, context_length=32, n_embed=32, n_head=4, n_blocks=4, dropout=0.0)
-    base.update(kw)
-    return ModelConfig(**base)
+TINY_MODEL = dict(vocab_size=128, context_length=32, n_embed=32, n_head=4, n_blocks=4, dropout=0.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_config():
+    """A factory of tiny ModelConfigs: ``tiny_model_config(**overrides)``."""
+    return lambda **kw: ModelConfig(**{**TINY_MODEL, **kw})
 
 
 @pytest.fixture(scope="session")

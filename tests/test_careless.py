@@ -17,7 +17,7 @@ import torch
 
 from fitgpt.cli import main
 from fitgpt.data import DataConfig, ensure_prepared, prepare
-from fitgpt.data.tokenizer import MAX_PIECE, Tokenizer, train_bpe
+from fitgpt.data.tokenizer import MAX_PIECE, train_bpe
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import train
 from fitgpt.train.trainer import TrainingError
@@ -115,7 +115,8 @@ def test_a_second_trainer_on_a_locked_run_directory_exits_2_naming_the_holder(cl
 
 def test_the_lock_of_a_killed_process_is_released(tmp_path):
     run = tmp_path / "run"
-    code = f"from fitgpt.utils import DirLock; import time\nwith DirLock({str(run)!r}, '--out-dir'):\n    print('held', flush=True)\n    time.sleep(60)"
+    code = (f"from fitgpt.utils import DirLock; import time\nwith DirLock({str(run)!r}, '--out-dir'):\n"
+            "    print('held', flush=True)\n    time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "held"
     with pytest.raises(ValueError, match=f"pid {p.pid}"):

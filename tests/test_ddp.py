@@ -11,7 +11,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fitgpt.checkpointing import apply_checkpointing
 from fitgpt.model import Transformer
-from tests.conftest import tiny_model_config
 
 
 def _free_port() -> int:
@@ -20,11 +19,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, cfg) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        cfg = tiny_model_config(dropout=0.0)
         g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
         idx = torch.randint(0, cfg.vocab_size, (2, cfg.context_length), generator=g)
         grads = {}
@@ -43,10 +41,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_ddp_gradients_equal_with_and_without_checkpointing(tmp_path):
+def test_ddp_gradients_equal_with_and_without_checkpointing(tmp_path, tiny_model_config):
     if not dist.is_available():
         pytest.skip("torch.distributed is not available in this build")
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), tiny_model_config(dropout=0.0)), nprocs=2, join=True)
     grads = torch.load(tmp_path / "grads.pt")
     for spec in ("block", "selective"):
         for name, g in grads["none"].items():

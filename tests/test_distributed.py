@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import tiny_model_config
 from safetensors.torch import load_file
 
 from fitgpt.checkpointing import apply_checkpointing
@@ -39,8 +38,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _batch():
-    cfg = tiny_model_config()
+def _batch(cfg):
     g = torch.Generator().manual_seed(7)
     idx = torch.randint(0, cfg.vocab_size, (4, cfg.context_length + 1), generator=g)
     return cfg, idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
@@ -55,11 +53,11 @@ def _one_step(model, step_model, batches, accumulate_sync=du.sync_context, paral
     return opt
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, cfg) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     info = du.init_distributed("cpu", timeout_s=120)
     try:
-        cfg, x, y = _batch()
+        cfg, x, y = _batch(cfg)
         mine = slice(2 * rank, 2 * rank + 2)  # each rank its half of the batch
         results = {}
         for mode, spec in CASES:
@@ -88,16 +86,16 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def distributed_results(tmp_path_factory):
+def distributed_results(tmp_path_factory, tiny_model_config):
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, _free_port(), str(out), tiny_model_config()), nprocs=2, join=True)
     return torch.load(out / "results.pt")
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,spec", CASES)
-def test_two_ranks_equal_one_process_on_the_whole_batch(distributed_results, mode, spec):
-    cfg, x, y = _batch()
+def test_two_ranks_equal_one_process_on_the_whole_batch(distributed_results, mode, spec, tiny_model_config):
+    cfg, x, y = _batch(tiny_model_config())
     torch.manual_seed(0)
     model = Transformer(cfg)
     opt = _one_step(model, model, [(x, y)])
@@ -113,12 +111,11 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(distributed_results, mod
         torch.testing.assert_close(got["exp_avg"][i], s["exp_avg"], rtol=1e-5, atol=1e-7)
 
 
-def _memory_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _memory_worker(rank: int, world: int, port: int, out_dir: str, cfg) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     info = du.init_distributed("cpu", timeout_s=120)
     try:
         B, T = 8, 128
-        cfg = tiny_model_config(context_length=T, n_embed=128, vocab_size=2048)
         x = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(rank))
         rows = []
         for parallel in ("ddp", "fsdp"):
@@ -138,8 +135,9 @@ def _memory_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_plan_predicts_the_per_rank_peak_under_ddp_and_fsdp(tmp_path):
-    mp.spawn(_memory_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+def test_plan_predicts_the_per_rank_peak_under_ddp_and_fsdp(tmp_path, tiny_model_config):
+    cfg = tiny_model_config(context_length=128, n_embed=128, vocab_size=2048)
+    mp.spawn(_memory_worker, args=(2, _free_port(), str(tmp_path), cfg), nprocs=2, join=True)
     rows = torch.load(tmp_path / "memory.pt")
     assert len(rows) == 6
     for parallel, spec, predicted, measured in rows:

@@ -5,10 +5,9 @@ import torch
 
 from fitgpt.model import ModelConfig, Transformer
 from fitgpt.train.config import PRESETS, load_config
-from tests.conftest import tiny_model_config
 
 
-def test_shapes_and_initial_loss_is_ln_vocab():
+def test_shapes_and_initial_loss_is_ln_vocab(tiny_model_config):
     cfg = tiny_model_config(vocab_size=256)
     model = Transformer(cfg)
     idx = torch.randint(0, 256, (4, 32))
@@ -21,7 +20,7 @@ def test_shapes_and_initial_loss_is_ln_vocab():
     assert logits.shape == (4, 32, 256) and loss is None
 
 
-def test_overfits_one_batch():
+def test_overfits_one_batch(tiny_model_config):
     model = Transformer(tiny_model_config(vocab_size=64))
     idx = torch.randint(0, 64, (2, 32))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -33,14 +32,14 @@ def test_overfits_one_batch():
     assert loss.item() < 0.2
 
 
-def test_weights_tied_and_gpt2_init():
+def test_weights_tied_and_gpt2_init(tiny_model_config):
     model = Transformer(tiny_model_config())
     assert model.lm_head.weight is model.token_embed.weight
     proj = model.attn_blocks[0].attn.proj.weight
     assert abs(proj.std().item() - 0.02 / math.sqrt(2 * 4)) < 0.003
 
 
-def test_context_too_long_is_a_clear_error():
+def test_context_too_long_is_a_clear_error(tiny_model_config):
     model = Transformer(tiny_model_config())
     with pytest.raises(ValueError, match="context_length 32"):
         model(torch.zeros(1, 33, dtype=torch.long))
@@ -51,12 +50,12 @@ def test_context_too_long_is_a_clear_error():
     [({"n_embed": 30, "n_head": 4}, "n_head"), ({"n_blocks": 0}, "n_blocks"), ({"dropout": 1.5}, "dropout"),
      ({"vocab_size": -1}, "vocab_size"), ({"checkpointing": "bogus"}, "checkpointing")],
 )
-def test_config_validation_names_the_field(kw, field):
+def test_config_validation_names_the_field(kw, field, tiny_model_config):
     with pytest.raises(ValueError, match=field):
         tiny_model_config(**kw)
 
 
-def test_generate_greedy_is_deterministic_and_respects_context():
+def test_generate_greedy_is_deterministic_and_respects_context(tiny_model_config):
     model = Transformer(tiny_model_config()).eval()
     idx = torch.randint(0, 128, (2, 5))
     a = model.generate(idx, 40, temperature=0)

@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_model_config
 
 from fitgpt.checkpointing import apply_checkpointing, remove_checkpointing
 from fitgpt.cli import main
@@ -50,12 +49,12 @@ class Measured:
 
 
 @pytest.fixture(scope="module")
-def tiny_profile():
+def tiny_profile(tiny_model_config):
     return profile_model(tiny_model_config(), B, T)
 
 
 @pytest.fixture(scope="module")
-def tiny_measured():
+def tiny_measured(tiny_model_config):
     return Measured(tiny_model_config())
 
 
@@ -69,7 +68,7 @@ def test_predicted_peak_matches_measured_for_uniform_and_mixed_plans(tiny_profil
         assert abs(real - pred) <= 0.01 * real, (plan.spec(), pred, real)
 
 
-def test_prediction_holds_with_gradient_accumulation():
+def test_prediction_holds_with_gradient_accumulation(tiny_model_config):
     cfg = tiny_model_config()
     profile = profile_model(cfg, B, T, grad_accum=2)
     measured = Measured(cfg, grad_accum=2)
@@ -87,10 +86,7 @@ def test_presets_measured_within_ten_percent_of_prediction(preset, batch, contex
     none = predict(profile, Plan.uniform(cfg.n_blocks, "none"))
     for frac in (0.5, 0.25):
         budget = none.peak - int((1 - frac) * none.activations_end_of_forward)
-        try:
-            plan, pred = solve(profile, budget)
-        except PlanError:
-            continue
+        plan, pred = solve(profile, budget)  # both budgets are above the fixed costs: a plan must exist
         real = measured.peak(plan)
         assert abs(real - pred.peak) <= 0.10 * pred.peak, (plan.spec(), pred.peak, real)
         assert real <= budget * 1.01
@@ -100,21 +96,22 @@ def test_dynamic_programme_equals_exhaustive_search(tiny_profile):
     none = predict(tiny_profile, Plan.uniform(4, "none")).peak
     lowest = min(predict(tiny_profile, p).peak for p in itertools.starmap(Plan, itertools.product(
         itertools.product(BLOCK_OPTIONS, repeat=4), HEAD_OPTIONS)))
-    checked = 0
+    plans = set()
     for k in range(21):
         budget = lowest + (none - lowest) * k // 20
         best = solve_exhaustive(tiny_profile, budget)
         plan, pred = solve(tiny_profile, budget)
         assert best is not None and pred.peak <= budget
         assert pred.recompute_flops == best[1].recompute_flops, (budget, plan.spec(), best[0].spec())
-        checked += 1
-    assert checked == 21
+        plans.add(plan.spec())
+    # The budgets span from the lowest peak to none's: the comparison covered many different plans, not one.
+    assert len(plans) >= 5 and "none" in plans
     with pytest.raises(PlanError):
         solve(tiny_profile, lowest - 1)
 
 
 @pytest.fixture(scope="module")
-def long_context():
+def long_context(tiny_model_config):
     """A long context for the width, so that 25% of none's activations still leaves a plan that fits."""
     cfg = tiny_model_config(context_length=128)
     return profile_model(cfg, B, 128), Measured(cfg, B, 128)
@@ -143,7 +140,7 @@ def test_auto_within_two_percent_of_measured_exhaustive_optimum(long_context, fr
             assert pred.recompute_flops <= predict(tiny_profile, fixed).recompute_flops
 
 
-def test_plan_spec_round_trips_through_the_policy_grammar():
+def test_plan_spec_round_trips_through_the_policy_grammar(tiny_model_config):
     assert Plan.uniform(4, "none").spec() == "none"
     assert Plan.uniform(4, "full", "chunked").spec() == "block+chunked-loss"
     assert Plan(("full", "none", "selective", "full")).spec() == "blocks:0,3+selective:2"
@@ -162,7 +159,7 @@ def test_no_fit_messages_say_by_how_much_and_what_to_change(tiny_profile):
     assert "most aggressive plan" in str(e.value)
 
 
-def test_batch_extrapolation_matches_a_real_profile():
+def test_batch_extrapolation_matches_a_real_profile(tiny_model_config):
     cfg = tiny_model_config()
     points = [(b, profile_model(cfg, b, T)) for b in (1, 2)]
     real = profile_model(cfg, 6, T)
@@ -172,7 +169,7 @@ def test_batch_extrapolation_matches_a_real_profile():
         assert abs(a - b) <= 0.02 * b, plan.spec()
 
 
-def test_more_blocks_scale_the_fixed_costs(tiny_profile):
+def test_more_blocks_scale_the_fixed_costs(tiny_profile, tiny_model_config):
     deeper = tiny_profile.with_blocks(8)
     assert deeper.n_blocks == 8
     real = profile_model(tiny_model_config(n_blocks=8), B, T)

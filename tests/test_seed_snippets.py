@@ -2,7 +2,7 @@
 
 Methods 1 and 2 elide the loss ("# ... loss calculation remains unchanged"); we fill in the model's
 own loss there. Each must give the gradients of the plain model. Method 2 as written leaves the last
-block of every chunk un-checkpointed, which the memory test in test_checkpointing.py measures.
+block of every chunk un-checkpointed, which the memory test below measures.
 """
 
 import torch
@@ -11,8 +11,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 from torch.utils.checkpoint import checkpoint_sequential
 
+from fitgpt.checkpointing import apply_checkpointing
+from fitgpt.memory import measure_step_memory
 from fitgpt.model import Transformer
-from tests.conftest import tiny_model_config
 
 
 class Method1(Transformer):
@@ -95,7 +96,7 @@ def _grads(model, idx, targets):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_three_snippets_match_the_plain_model():
+def test_three_snippets_match_the_plain_model(tiny_model_config):
     cfg = tiny_model_config()
     idx = torch.randint(0, cfg.vocab_size, (2, 32))
     targets = torch.randint(0, cfg.vocab_size, (2, 32))
@@ -110,3 +111,22 @@ def test_three_snippets_match_the_plain_model():
         assert torch.equal(loss, ref_loss)
         for name, g in grads.items():
             assert torch.equal(g, ref[name]), name
+
+
+def test_method_2_keeps_half_the_blocks(tiny_model_config):
+    B, T, C, N, V = 4, 64, 128, 8, 4096
+    boundary = B * T * C * 4  # one fp32 (B, T, C) tensor
+    cfg = tiny_model_config(vocab_size=V, context_length=T, n_embed=C, n_head=4, n_blocks=N)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    g = torch.Generator().manual_seed(0)
+    idx, targets = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+    seed_model = Method2(cfg)
+    seed_model.load_state_dict(model.state_dict())
+    seed = sum(measure_step_memory(seed_model, idx, targets, blocks=seed_model.attn_blocks).block_bytes)
+    none = sum(measure_step_memory(model, idx, targets, blocks=model.attn_blocks).block_bytes)
+    apply_checkpointing(model, "block")
+    block = sum(measure_step_memory(model, idx, targets, blocks=model.attn_blocks).block_bytes)
+    # checkpoint_sequential never checkpoints its last segment: every second block keeps everything.
+    assert seed == (N // 2) * (16 * boundary + 8192) + (N // 2) * boundary
+    assert seed / none > 0.5 and block / none < 0.07

@@ -12,19 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from fitgpt.train import checkpoint as ckpt
-from fitgpt.train import load_config, train
-from fitgpt.train.config import TrainConfig
-
-
-def small_cfg(data_dir: Path, corpus_dir: Path, out: Path, **kw) -> TrainConfig:
-    overrides = {
-        "model": {"context_length": 32, "n_embed": 32, "n_head": 4, "n_blocks": 2, "dropout": 0.1},
-        "data": {"dir": str(data_dir), "inputs": [str(corpus_dir)], "vocab_size": 512},
-        "batch_size": 4, "max_steps": 6, "eval_interval": 3, "eval_batches": 2, "ckpt_interval": 3, "log_interval": 1,
-        "out_dir": str(out), "progress": False, "tensorboard": False,
-    }
-    overrides.update(kw)
-    return load_config("tiny", overrides=overrides)
+from fitgpt.train import train
 
 
 def weights(ckpt_dir: Path) -> dict:
@@ -36,15 +24,15 @@ def losses(run: Path) -> list:
 
 
 @pytest.mark.parametrize("policy", ["none", "block"])
-def test_resume_is_bitwise_equal_to_straight_through(data_dir, corpus_dir, tmp_path, policy):
+def test_resume_is_bitwise_equal_to_straight_through(data_dir, corpus_dir, tmp_path, policy, make_cfg):
     straight = tmp_path / "straight"
-    summary = train(small_cfg(data_dir, corpus_dir, straight, checkpointing=policy))
+    summary = train(make_cfg(straight, checkpointing=policy))
     assert summary["steps"] == 6 and (straight / "loss.png").is_file()
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "step_00000003", resumed / "checkpoints" / "step_00000003")
     shutil.copy(straight / "metrics.jsonl", resumed / "metrics.jsonl")
-    train(small_cfg(data_dir, corpus_dir, resumed, resume="latest", checkpointing=policy))
+    train(make_cfg(resumed, resume="latest", checkpointing=policy))
     a, b = weights(straight / "checkpoints" / "step_00000006"), weights(resumed / "checkpoints" / "step_00000006")
     assert a.keys() == b.keys()
     for k in a:
@@ -52,9 +40,9 @@ def test_resume_is_bitwise_equal_to_straight_through(data_dir, corpus_dir, tmp_p
     assert losses(straight) == losses(resumed)
 
 
-def test_checkpoints_are_verified_and_latest_falls_back(data_dir, corpus_dir, tmp_path, caplog):
+def test_checkpoints_are_verified_and_latest_falls_back(data_dir, corpus_dir, tmp_path, caplog, make_cfg):
     run = tmp_path / "run"
-    train(small_cfg(data_dir, corpus_dir, run, keep_last=2))
+    train(make_cfg(run, keep_last=2))
     cks = ckpt.list_checkpoints(run)
     assert [p.name for p in cks] == ["step_00000003", "step_00000006"]  # keep_last=2
     meta = json.loads((cks[-1] / "meta.json").read_text())
@@ -73,9 +61,9 @@ def test_checkpoints_are_verified_and_latest_falls_back(data_dir, corpus_dir, tm
     assert ckpt.resolve_resume(run, "latest")[0].name == "step_00000003"
 
 
-def test_pickled_code_in_a_checkpoint_is_refused(data_dir, corpus_dir, tmp_path):
+def test_pickled_code_in_a_checkpoint_is_refused(data_dir, corpus_dir, tmp_path, make_cfg):
     run = tmp_path / "run"
-    train(small_cfg(data_dir, corpus_dir, run, max_steps=3))
+    train(make_cfg(run, max_steps=3))
     target = ckpt.list_checkpoints(run)[-1]
 
     class Evil:
@@ -87,10 +75,10 @@ def test_pickled_code_in_a_checkpoint_is_refused(data_dir, corpus_dir, tmp_path)
         ckpt.load_state(target)
 
 
-def test_resume_with_another_model_shape_is_refused(data_dir, corpus_dir, tmp_path):
+def test_resume_with_another_model_shape_is_refused(data_dir, corpus_dir, tmp_path, make_cfg):
     run = tmp_path / "run"
-    train(small_cfg(data_dir, corpus_dir, run, max_steps=3))
-    cfg = small_cfg(data_dir, corpus_dir, run, resume="latest", model={"context_length": 32, "n_embed": 64, "n_head": 4, "n_blocks": 2})
+    train(make_cfg(run, max_steps=3))
+    cfg = make_cfg(run, resume="latest", model={"context_length": 32, "n_embed": 64, "n_head": 4, "n_blocks": 2})
     with pytest.raises(ValueError, match="model.n_embed=32"):
         train(cfg)
 
@@ -138,7 +126,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(corpus_dir, tmp_path):
     ckpt.verify_checkpoint(saved[0])
 
 
-def test_nan_loss_stops_with_a_diagnostic(data_dir, corpus_dir, tmp_path, monkeypatch, caplog):
+def test_nan_loss_stops_with_a_diagnostic(data_dir, corpus_dir, tmp_path, monkeypatch, caplog, make_cfg):
     import fitgpt.train.trainer as trainer
 
     real_build = trainer.build_model
@@ -151,7 +139,7 @@ def test_nan_loss_stops_with_a_diagnostic(data_dir, corpus_dir, tmp_path, monkey
 
     monkeypatch.setattr(trainer, "build_model", poisoned)
     with pytest.raises(trainer.TrainingError, match=r"loss is nan at step 0 \(lr .*grad norm .*last good checkpoint: none"):
-        train(small_cfg(data_dir, corpus_dir, tmp_path / "a"))
+        train(make_cfg(tmp_path / "a"))
     with pytest.raises(trainer.TrainingError, match="loss is nan at step 2"):
-        train(small_cfg(data_dir, corpus_dir, tmp_path / "b", max_bad_steps=2))
+        train(make_cfg(tmp_path / "b", max_bad_steps=2))
     assert caplog.text.count("skipping bad step") == 2

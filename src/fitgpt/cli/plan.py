@@ -33,7 +33,9 @@ def run(args: list[str]) -> int:
     print(f"predicted peak {format_bytes(pred.peak)} of {format_bytes(budget)} (in the {pred.where}): "
           + ", ".join(f"{k} {format_bytes(v)}" for k, v in pred.breakdown().items()))
     print(f"predicted overhead: {pred.flops_ratio:.3f}x FLOPs")
-    launch = f"torchrun --nproc-per-node {cfg.world_size} -m fitgpt train --parallel {cfg.parallel}" if cfg.world_size > 1 else "fitgpt train"
+    launch = "fitgpt train"
+    if cfg.world_size > 1:
+        launch = f"torchrun --nproc-per-node {cfg.world_size} -m fitgpt train --parallel {cfg.parallel}"
     print(f"train with: {launch} --preset {tcfg.preset} --batch-size {tcfg.batch_size} "
           f"--model.context-length {tcfg.model.context_length} --checkpointing '{plan.spec()}'"
           f"   (or: --checkpointing auto --memory-budget {cfg.memory_budget})")

@@ -36,7 +36,8 @@ def run(args: list[str]) -> int:
           f"val loss: {summary['val_loss'] if summary['val_loss'] is None else round(summary['val_loss'], 4)}  "
           f"time: {summary['seconds']:.1f}s")
     if summary["interrupted"]:
-        print(f"interrupted by {summary['interrupted']}; continue with: fitgpt train --config {summary['run_dir']}/config.json --resume latest")
+        print(f"interrupted by {summary['interrupted']}; continue with: "
+              f"fitgpt train --config {summary['run_dir']}/config.json --resume latest")
     else:
         print(f"sample it: fitgpt generate --run {summary['run_dir']} --prompt 'def '")
     print(json.dumps(summary))

@@ -91,7 +91,7 @@ def _encode(tok, docs: list, dtype: np.dtype, bar, batch_chars: int = 4 << 20) -
     batch: list[tuple[str, bool]] = []  # (text, ends a document)
 
     def flush() -> None:
-        for (text, ends), ids in zip(batch, tok.encode_batch([t for t, _ in batch])):
+        for (_, ends), ids in zip(batch, tok.encode_batch([t for t, _ in batch])):
             chunks.append(np.asarray(ids, dtype=dtype))
             if ends:
                 chunks.append(eot)  # end-of-text between documents

@@ -53,7 +53,8 @@ def measure_step_memory(model: nn.Module, idx: torch.Tensor, targets: torch.Tens
             block_bytes = [0] * len(blocks)
             for i, mod in enumerate(blocks):
                 handles.append(mod.register_forward_pre_hook(lambda m, a, i=i: before.__setitem__(i, live.current)))
-                handles.append(mod.register_forward_hook(lambda m, a, o, i=i: block_bytes.__setitem__(i, block_bytes[i] + live.current - before[i])))
+                handles.append(mod.register_forward_hook(
+                    lambda m, a, o, i=i: block_bytes.__setitem__(i, block_bytes[i] + live.current - before[i])))
         try:
             with SavedTensors(model) as saved:
                 loss = loss_fn()

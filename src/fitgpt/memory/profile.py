@@ -165,7 +165,7 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
         finally:
             for h in handles:
                 h.remove()
-    missing = [f"bwd_out_{i}" for i in range(n) if f"bwd_out_{i}" not in mark.points] + (["bwd_in_0"] if "bwd_in_0" not in mark.points else [])
+    missing = [name for name in [f"bwd_out_{i}" for i in range(n)] + ["bwd_in_0"] if name not in mark.points]
     if missing:
         raise ValueError(f"the step did not pass through every block as a chain (no {missing[0]}): "
                          "profile_step needs blocks called in order, each on the previous one's output")

@@ -51,7 +51,3 @@ class ModelConfig:
             parse_policy(self.checkpointing)
         except ValueError as e:
             raise ValueError(f"model.checkpointing: {e} (set --model.checkpointing)") from None
-
-    @property
-    def head_size(self) -> int:
-        return self.n_embed // self.n_head

@@ -234,7 +234,8 @@ def format_table(result: dict) -> str:
         f"{result['setup']['workload']}; peak from the {result['setup']['peak_source']}, "
         f"median of {result['setup']['repeats']} interleaved steps",
         "",
-        f"| policy | peak (MiB) | activations (MiB) | GFLOPs/step | step (ms) | tokens/s | peak saved | activations saved | time vs {base['policy']} | FLOPs vs {base['policy']} |",
+        "| policy | peak (MiB) | activations (MiB) | GFLOPs/step | step (ms) | tokens/s | peak saved | activations saved | "
+        f"time vs {base['policy']} | FLOPs vs {base['policy']} |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

@@ -85,7 +85,8 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the model (after checkpointing is applied)."""
     checkpointing: str = "none"
-    """Activation checkpointing policy, e.g. none, block, group:2, every:2, selective, block+chunked-loss, or auto (needs --memory-budget)."""
+    """Activation checkpointing policy, e.g. none, block, group:2, every:2, selective, block+chunked-loss,
+    or auto (needs --memory-budget)."""
     parallel: Literal["ddp", "fsdp"] = "ddp"
     """Under torchrun: ddp (a full replica per process) or fsdp (weights, gradients and optimizer state sharded)."""
     dist_timeout: float = 600.0

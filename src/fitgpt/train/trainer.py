@@ -13,6 +13,7 @@ import math
 import resource
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import torch.nn as nn
 
 # safetensors' own rule for which name of a tied tensor it writes, so gathered FSDP weights match save_model's files.
 from safetensors.torch import _remove_duplicate_names
+from tqdm.auto import tqdm
 
 from fitgpt.checkpointing import apply_checkpointing, parse_policy, remove_checkpointing
 from fitgpt.data import BatchSampler, TokenData, ensure_prepared
@@ -72,7 +74,8 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS on Linux
+    # The process's peak RSS: ru_maxrss counts kilobytes on Linux, bytes on macOS.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -328,8 +331,6 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo) -> dict:
             raise TrainingError(str(error) if error else "rank 0 could not write a checkpoint (see its log)") from error
         return path
 
-    from tqdm.auto import tqdm
-
     # disable=None hides the bar when stderr is not a terminal (CI logs, pipes).
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if cfg.progress and main else True, dynamic_ncols=True)
     step, loss_value, val_loss, bad_steps, last_ckpt = start_step, float("nan"), None, 0, None
@@ -369,7 +370,8 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo) -> dict:
                     ) from None
                 total = dist_utils.all_mean(info, total, device)  # every rank decides on the same numbers
                 scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
+                clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 good = math.isfinite(total) and (dtype == torch.float16 or bool(torch.isfinite(grad_norm)))
                 if good:
                     scaler.step(optimizer)
@@ -400,7 +402,8 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo) -> dict:
                 tps = tokens_per_step * cfg.log_interval / max(now - t_log, 1e-9)
                 t_log = now
                 peak = peak_memory_bytes(device)
-                metrics.write({"step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps, "peak_mem": peak})
+                metrics.write({"step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps,
+                               "peak_mem": peak})
                 bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}", mem=f"{peak / 2**20:.0f}MiB")
             if step % cfg.eval_interval == 0 or step == cfg.max_steps:
                 val_loss = evaluate(step_model, data, cfg, device, amp)
