@@ -2,6 +2,7 @@
 the FLOPs it promises. Memory and FLOPs are counted, not timed."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from fitgpt.checkpointing import (
     parse_policy,
     remove_checkpointing,
 )
+from fitgpt.config import load_config
 from fitgpt.memory import measure_step_flops, measure_step_memory
 from fitgpt.model import Transformer
 
@@ -241,10 +243,22 @@ def test_no_recompute_wrapper_runs_in_eval_or_no_grad(monkeypatch, tiny_model_co
     assert len(calls) == cfg.n_blocks + 64 // 8  # one per block and one per loss chunk
 
 
-def test_model_config_field_applies_the_same_mechanism(tiny_model_config):
-    model = Transformer(tiny_model_config(checkpointing="every:2"))
+def test_the_model_knows_nothing_of_checkpointing_and_method_1_is_one_call(tiny_model_config):
+    model = Transformer(tiny_model_config())
+    assert not any(isinstance(b, CheckpointWrapper) for b in model.attn_blocks)
+    apply_checkpointing(model, "every:2")  # the seed's Method 1, from outside the model
     assert [isinstance(b, CheckpointWrapper) for b in model.attn_blocks] == [True, False, True, False]
     assert applied_policy(model).spec == "every:2"
+
+
+def test_a_legacy_model_checkpointing_key_moves_to_the_one_field(tmp_path):
+    old = tmp_path / "config.json"
+    old.write_text(json.dumps({"checkpointing": "none", "model": {"n_blocks": 2, "checkpointing": "every:2"}}))
+    cfg = load_config("tiny", str(old))
+    assert cfg.checkpointing == "every:2" and cfg.policy.spec == "every:2"
+    old.write_text(json.dumps({"checkpointing": "block", "model": {"checkpointing": "every:2"}}))
+    with pytest.raises(ValueError, match="disagree"):
+        load_config("tiny", str(old))
 
 
 def test_chunked_loss_returns_no_logits_with_targets_but_logits_without(tiny_model_config):

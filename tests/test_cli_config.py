@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import subprocess
 import sys
@@ -6,7 +7,7 @@ import pytest
 
 from fitgpt.cli import main
 from fitgpt.cli.train import parse
-from fitgpt.train.config import TrainConfig, from_dict
+from fitgpt.config import TrainConfig, from_dict
 
 
 @pytest.mark.parametrize("cmd", [[], ["prepare"], ["train"], ["generate"], ["bench"], ["plan"], ["fit"]])
@@ -33,12 +34,12 @@ def test_precedence_defaults_preset_file_flags(tmp_path):
 
 
 def test_saved_run_config_loads_back(tmp_path):
-    from fitgpt.train.config import to_dict
+    from fitgpt.config import to_dict
 
     cfg = parse(["--max-steps", "7"])
     path = tmp_path / "config.json"
     path.write_text(json.dumps(to_dict(cfg)))
-    assert parse(["--config", str(path)]) == TrainConfig(**{**cfg.__dict__, "config": str(path)})
+    assert parse(["--config", str(path)]) == dataclasses.replace(cfg, config=str(path))
 
 
 @pytest.mark.parametrize(

@@ -16,14 +16,14 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from fitgpt.checkpointing import apply_checkpointing
+from fitgpt.config import OptimConfig
 from fitgpt.memory.profile import measure_train_step
 from fitgpt.model import Transformer
+from fitgpt.optim import build_optimizer
 from fitgpt.plan import Plan, predict, profile_model
 from fitgpt.plan.profile import per_rank
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as du
-from fitgpt.train.config import OptimConfig
-from fitgpt.train.optim import build_optimizer
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
 OPTIM = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=0)

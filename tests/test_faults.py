@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from fitgpt.cli import main
+from fitgpt.config import TrainConfig, from_dict, to_dict
 from fitgpt.memory.units import parse_bytes
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import train
-from fitgpt.train.config import TrainConfig, from_dict, to_dict
 from fitgpt.train.trainer import TrainingError
 
 

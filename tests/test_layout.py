@@ -1,5 +1,6 @@
 """The code's shape: lint-clean, and imports that run one way between the package's parts."""
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -17,3 +18,36 @@ def test_ruff_is_clean():
         pytest.skip("ruff is not installed (pip install -e '.[test]')")
     result = subprocess.run([str(ruff), "check", "src", "tests"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+def _imports() -> dict[str, set[str]]:
+    """For each part of the package (a subpackage or a top-level module), the other parts it imports."""
+    graph: dict[str, set[str]] = {}
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).with_suffix("")
+        part = rel.parts[0] if len(rel.parts) > 1 else rel.name
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(
+                node, ast.ImportFrom) and node.level == 0 else []
+            for name in names:
+                if name.startswith("fitgpt."):
+                    target = name.split(".")[1]
+                    if target != part:
+                        graph.setdefault(part, set()).add(target)
+        graph.setdefault(part, set())
+    return graph
+
+
+def test_imports_run_one_way():
+    graph = _imports()
+    assert "checkpointing" not in graph["model"] and "model" not in graph["checkpointing"]
+    assert "train" not in graph["plan"] and "plan" not in graph["train"]
+    assert all("cli" not in deps for part, deps in graph.items() if part not in ("cli", "__main__"))
+    # No cycle between parts: a depth-first walk never meets a part on its own path.
+    def walk(part, path):
+        assert part not in path, " -> ".join([*path, part])
+        for dep in graph.get(part, ()):
+            walk(dep, [*path, part])
+
+    for part in graph:
+        walk(part, [])

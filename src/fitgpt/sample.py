@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
+from fitgpt.config import from_dict
 from fitgpt.data.tokenizer import Tokenizer
 from fitgpt.model import ModelConfig, Transformer
 from fitgpt.train import checkpoint as ckpt
-from fitgpt.train.config import from_dict
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ def load_run(run_dir: str | Path, checkpoint: str = "latest", device: torch.devi
         raise ValueError(f"run directory {run_dir} does not exist (check --run)")
     path, meta = ckpt.resolve_resume(run_dir, checkpoint, flag="--checkpoint")
     model_dict = dict(meta["config"]["model"])
-    model_dict["checkpointing"] = "none"
+    model_dict.pop("checkpointing", None)  # runs written before the policy left the model's config
     model_cfg = from_dict(ModelConfig, model_dict, str(path / ckpt.META_FILE), "model.")
     tok_path = run_dir / "tokenizer.json"
     if not tok_path.is_file():

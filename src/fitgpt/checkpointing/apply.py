@@ -10,6 +10,7 @@ first position; the wrappers at the other K-1 positions pass its result on. In e
 
 from __future__ import annotations
 
+import inspect
 import logging
 from contextlib import nullcontext
 
@@ -221,6 +222,17 @@ def find_blocks(model: nn.Module, blocks: str | nn.ModuleList | None = None) -> 
 # ---- apply and remove ---------------------------------------------------------------------------
 
 
+def _takes_targets(head: object) -> bool:
+    """A head whose forward is ``forward(x, targets=None)``: logits alone, or (logits, loss) given targets."""
+    if not isinstance(head, nn.Module):
+        return False
+    try:
+        params = inspect.signature(head.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "targets" in params
+
+
 def apply_checkpointing(model: nn.Module, policy: str | Policy, blocks: str | nn.ModuleList | None = None) -> Policy:
     """Apply ``policy`` to ``model`` in place and return the parsed policy.
 
@@ -235,12 +247,10 @@ def apply_checkpointing(model: nn.Module, policy: str | Policy, blocks: str | nn
     head_path = None
     if policy.loss_chunk_rows:
         head = getattr(model, "lm_head", None)
-        from fitgpt.model.transformer import LMHead
-
-        if not isinstance(head, LMHead):
+        if not _takes_targets(head):
             raise ValueError(
-                f"chunked-loss needs a head that computes logits and loss in one call (fitgpt's LMHead as "
-                f"model.lm_head); {type(model).__name__} has {type(head).__name__}. Drop '+chunked-loss'."
+                f"chunked-loss needs a head that computes logits and loss in one call (model.lm_head with "
+                f"forward(x, targets)); {type(model).__name__} has {type(head).__name__}. Drop '+chunked-loss'."
             )
         model.lm_head = ChunkedLossHead(head, policy.loss_chunk_rows)
         head_path = "lm_head"

@@ -7,8 +7,8 @@ from typing import Optional
 
 import tyro
 
+from fitgpt.device import resolve_device
 from fitgpt.sample import load_run, sample_text
-from fitgpt.train.trainer import resolve_device
 
 
 @dataclass

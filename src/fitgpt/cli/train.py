@@ -8,8 +8,8 @@ import json
 import tyro
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from fitgpt.config import TrainConfig
 from fitgpt.train import TrainingError, load_config, train
-from fitgpt.train.config import TrainConfig
 
 
 def parse(args: list[str]) -> TrainConfig:
@@ -22,11 +22,20 @@ def parse(args: list[str]) -> TrainConfig:
     return tyro.cli(TrainConfig, default=base, args=args, prog="fitgpt train")
 
 
+def _planner(cfg: TrainConfig):
+    """--checkpointing auto: the loop is handed the planner's entry point (it never imports the planner)."""
+    if cfg.checkpointing != "auto":
+        return None
+    from fitgpt.plan import plan_for
+
+    return plan_for
+
+
 def run(args: list[str]) -> int:
     cfg = parse(args)
     try:
         with logging_redirect_tqdm():
-            summary = train(cfg)
+            summary = train(cfg, planner=_planner(cfg))
     except TrainingError as e:
         print(f"fitgpt train: {e}")
         return 1

@@ -32,8 +32,6 @@ class ModelConfig:
     """Dropout probability on attention weights, residual branches and embeddings."""
     bias: bool = True
     """Use biases in Linear and LayerNorm layers (GPT-2 does)."""
-    checkpointing: str = "none"
-    """Activation checkpointing policy applied when the model is built (see fitgpt.checkpointing)."""
 
     def __post_init__(self) -> None:
         require_positive_ints(self, ("vocab_size", "context_length", "n_embed", "n_head", "n_blocks"), "model.")
@@ -44,10 +42,3 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout} (set --model.dropout)")
-        # Parse early so that a bad spec fails at config time, naming the flag.
-        from fitgpt.checkpointing.policy import parse_policy
-
-        try:
-            parse_policy(self.checkpointing)
-        except ValueError as e:
-            raise ValueError(f"model.checkpointing: {e} (set --model.checkpointing)") from None

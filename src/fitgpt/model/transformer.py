@@ -99,11 +99,6 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_blocks))
-        if config.checkpointing != "none":
-            # The model only asks for the shared mechanism; it holds no checkpointing code itself.
-            from fitgpt.checkpointing import apply_checkpointing
-
-            apply_checkpointing(self, config.checkpointing)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

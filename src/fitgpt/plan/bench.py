@@ -9,7 +9,6 @@ plans for that many bytes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import platform
@@ -21,15 +20,16 @@ from pathlib import Path
 import torch
 
 from fitgpt.checkpointing import apply_checkpointing, parse_policy, remove_checkpointing
+from fitgpt.device import autocast
 from fitgpt.memory.flops import OpFlops
 from fitgpt.memory.measure import measure_step_memory
 from fitgpt.memory.profile import measure_train_step, train_step
 from fitgpt.memory.units import parse_bytes
 from fitgpt.model import Transformer
+from fitgpt.optim import build_optimizer
 from fitgpt.plan.profile import StepProfile, profile_model
 from fitgpt.plan.solver import Plan, PlanError, predict, solve
 from fitgpt.plan.workload import WorkloadConfig
-from fitgpt.train.optim import build_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     g = torch.Generator().manual_seed(cfg.seed)
     idx = torch.randint(0, mcfg.vocab_size, (accum, B, T + 1), generator=g).to(device)
     batches = [(idx[i, :, :-1].contiguous(), idx[i, :, 1:].contiguous()) for i in range(accum)]
-    amp = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
+    amp = autocast(device, dtype)
 
     measured: dict[str, dict] = {}
     train_step(model, optimizer, batches, amp)  # the optimizer state exists from here on, as in training

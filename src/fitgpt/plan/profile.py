@@ -8,7 +8,6 @@ so block i under option o is read from the run where every block had option o.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -17,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from fitgpt.checkpointing import apply_checkpointing
+from fitgpt.config import OptimConfig
+from fitgpt.device import autocast
 from fitgpt.memory.profile import (
     StepTimeline,
     grad_bytes,
@@ -25,8 +26,7 @@ from fitgpt.memory.profile import (
     profile_step,
 )
 from fitgpt.model import ModelConfig, Transformer
-from fitgpt.train.config import OptimConfig
-from fitgpt.train.optim import build_optimizer
+from fitgpt.optim import build_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
     t0 = time.perf_counter()
     device = torch.device(device)
     context = context or model_cfg.context_length
-    cfg = dataclasses.replace(model_cfg, context_length=max(context, model_cfg.context_length), checkpointing="none")
+    cfg = dataclasses.replace(model_cfg, context_length=max(context, model_cfg.context_length))
     torch.manual_seed(seed)
     model = Transformer(cfg).to(device)
     model.train()
@@ -137,7 +137,7 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, cfg.vocab_size, (batch_size, context + 1), generator=g).to(device)
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-    amp = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
+    amp = autocast(device, dtype)
 
     def loss_fn():
         with amp():

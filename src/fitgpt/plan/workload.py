@@ -8,12 +8,12 @@ from typing import Literal, Optional
 
 import torch
 
+from fitgpt.config import TrainConfig, load_config
+from fitgpt.device import autocast_dtype, resolve_device
 from fitgpt.memory.units import parse_bytes
 from fitgpt.model import ModelConfig
 from fitgpt.model.config import require_positive_ints
 from fitgpt.plan.profile import StepProfile, per_rank, profile_model
-from fitgpt.train.config import TrainConfig, load_config
-from fitgpt.train.trainer import autocast_dtype, resolve_device
 
 
 @dataclass
@@ -53,7 +53,7 @@ class WorkloadConfig:
 
     @property
     def model_config(self) -> ModelConfig:
-        return dataclasses.replace(self.train_config().model, checkpointing="none")
+        return self.train_config().model
 
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)

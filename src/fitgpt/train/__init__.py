@@ -1,6 +1,6 @@
 """Training: config, optimizer, checkpoints, metrics and the loop."""
 
-from fitgpt.train.config import OptimConfig, TrainConfig, load_config
+from fitgpt.config import OptimConfig, TrainConfig, load_config
 from fitgpt.train.trainer import TrainingError, train
 
 __all__ = ["OptimConfig", "TrainConfig", "TrainingError", "load_config", "train"]

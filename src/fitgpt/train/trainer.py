@@ -10,11 +10,10 @@ import dataclasses
 import json
 import logging
 import math
-import resource
 import shutil
 import signal
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,56 +25,28 @@ from safetensors.torch import _remove_duplicate_names
 from tqdm.auto import tqdm
 
 from fitgpt.checkpointing import apply_checkpointing, parse_policy, remove_checkpointing
+from fitgpt.config import OptimConfig, TrainConfig, to_dict
 from fitgpt.data import BatchSampler, TokenData, ensure_prepared
+from fitgpt.device import autocast, autocast_dtype, peak_memory_bytes, resolve_device
 from fitgpt.memory import measure_step_memory
 from fitgpt.memory.profile import PeakProbe
-from fitgpt.memory.units import format_bytes, parse_bytes
+from fitgpt.memory.units import format_bytes
 from fitgpt.model import Transformer
+from fitgpt.optim import build_optimizer, lr_at, optimizer_params
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as dist_utils
-from fitgpt.train.config import OptimConfig, TrainConfig, to_dict
 from fitgpt.train.metrics import MetricsWriter, plot_loss_curve
-from fitgpt.train.optim import build_optimizer, lr_at, optimizer_params
 from fitgpt.train.rundir import prepare_run_dir
 from fitgpt.utils import DirLock
 
 log = logging.getLogger(__name__)
 
+# (config, device, autocast dtype, processes) -> {"policy": spec, "budget": bytes, "predicted_peak": bytes}
+Planner = Callable[[TrainConfig, torch.device, "torch.dtype | None", int], dict]
+
 
 class TrainingError(RuntimeError):
     """Training stopped for a reason the user can act on (divergence, out of memory)."""
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"unknown device {name!r} (set --device to auto, cpu, cuda or mps)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but this torch build sees no CUDA device; use --device cpu or auto")
-    return device
-
-
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for plain fp32."""
-    if precision == "auto":
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
-    if precision == "fp16" and device.type == "cpu":
-        raise ValueError("--precision fp16 needs a GPU; on CPU use bf16 or fp32")
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    # The process's peak RSS: ru_maxrss counts kilobytes on Linux, bytes on macOS.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -122,26 +93,8 @@ class _StopFlag:
 
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> Transformer:
     torch.manual_seed(cfg.seed)
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab_size, checkpointing="none")
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab_size)
     return Transformer(model_cfg).to(device)
-
-
-def plan_for_budget(cfg: TrainConfig, device: torch.device, dtype: torch.dtype | None, world: int = 1) -> dict:
-    """--checkpointing auto: profile this config on this device, then solve for the cheapest plan (per rank)."""
-    from fitgpt.plan import profile_model, solve
-    from fitgpt.plan.profile import per_rank
-
-    budget = parse_bytes(cfg.memory_budget)
-    ddp = world > 1 and cfg.parallel == "ddp"  # DDP keeps every gradient in its buckets
-    profile = profile_model(cfg.model, cfg.batch_size, cfg.model.context_length, device, cfg.optim, cfg.grad_accum, dtype,
-                            seed=cfg.seed, persistent_grads=ddp)
-    profile = per_rank(profile, world, cfg.parallel)
-    plan, pred = solve(profile, budget)
-    log.info("auto: %s, predicted peak %s of budget %s (in the %s; %.3fx FLOPs; profiled in %.1fs)", plan.spec(),
-             format_bytes(pred.peak), format_bytes(budget), pred.where, pred.flops_ratio, profile.seconds)
-    if cfg.compile:
-        log.info("auto: the plan was profiled in eager mode; compiled steps can differ (on CUDA the measured peak is logged)")
-    return {"policy": plan.spec(), "budget": budget, "predicted_peak": pred.peak}
 
 
 def log_activation_memory(model: nn.Module, policy_spec: str, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> dict:
@@ -212,10 +165,12 @@ def evaluate(model: nn.Module, data: TokenData, cfg: TrainConfig, device: torch.
     return float(np.mean(losses))
 
 
-def train(cfg: TrainConfig) -> dict:
+def train(cfg: TrainConfig, planner: Planner | None = None) -> dict:
     """Train per cfg and return a summary (steps, losses, time, run directory).
 
-    Under torchrun every rank runs this function; rank 0 alone logs, writes metrics and checkpoints.
+    ``planner`` turns --checkpointing auto into a plan for this device and process count (the CLI hands
+    in ``fitgpt.plan.plan_for``; the loop itself never imports the planner). Under torchrun every rank
+    runs this function; rank 0 alone logs, writes metrics and checkpoints.
     """
     info = dist_utils.init_distributed(cfg.device, cfg.dist_timeout)
     try:
@@ -223,12 +178,12 @@ def train(cfg: TrainConfig) -> dict:
         with DirLock(cfg.run_dir, "--out-dir") if info.is_main else contextlib.nullcontext():
             if info.is_main:
                 prepare_run_dir(cfg.run_dir, cfg.resume, cfg.overwrite)
-            return _train(cfg, info)
+            return _train(cfg, info, planner)
     finally:
         dist_utils.shutdown(info)
 
 
-def _train(cfg: TrainConfig, info: dist_utils.DistInfo) -> dict:
+def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None) -> dict:
     device = dist_utils.local_device(info, resolve_device(cfg.device))
     dtype = autocast_dtype(cfg.precision, device)
     main = info.is_main
@@ -279,8 +234,10 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo) -> dict:
         shutil.copyfile(cfg.data.path / "tokenizer.json", run_dir / "tokenizer.json")
 
     # Preparation order, the same on every rank: checkpointing, then compile, then DDP or FSDP.
-    planned = plan_for_budget(cfg, device, dtype, info.world) if cfg.checkpointing == "auto" else None
-    policy = parse_policy(planned["policy"] if planned else cfg.checkpointing if cfg.checkpointing != "none" else cfg.model.checkpointing)
+    if cfg.checkpointing == "auto" and planner is None:
+        raise ValueError("--checkpointing auto needs a planner: train(cfg, planner=fitgpt.plan.plan_for)")
+    planned = planner(cfg, device, dtype, info.world) if cfg.checkpointing == "auto" else None
+    policy = parse_policy(planned["policy"]) if planned else cfg.policy
     act = None
     if main:
         x0, y0 = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + 2).next_batch(device)
@@ -294,9 +251,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo) -> dict:
     if state is not None:
         dist_utils.load_full_optimizer_state(optimizer, state["optimizer"])
 
-    def amp():
-        return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-
+    amp = autocast(device, dtype)
     tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.model.context_length * info.world
     log.info(
         "training %s (%.2fM params) on %s, %s, %d tokens/step (global batch %d = %d per micro-batch x %d accumulation x %d "

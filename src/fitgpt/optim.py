@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn as nn
 
-from fitgpt.train.config import OptimConfig
+from fitgpt.config import OptimConfig
 
 
 def _groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

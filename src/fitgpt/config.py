@@ -121,7 +121,8 @@ class TrainConfig:
                 raise ValueError("--checkpointing auto plans for a budget: add --memory-budget, e.g. --memory-budget 6GiB")
         else:
             try:
-                parse_policy(self.checkpointing)
+                # Parsed once, here: the trainer and the CLI read cfg.policy (not a dataclass field: the spec is the setting).
+                object.__setattr__(self, "_policy", parse_policy(self.checkpointing))
             except ValueError as e:
                 raise ValueError(f"checkpointing: {e} (set --checkpointing)") from None
             if self.memory_budget:
@@ -129,10 +130,12 @@ class TrainConfig:
                                  "(fitgpt plan predicts the peak of any fixed policy)")
         if self.memory_budget:
             parse_bytes(self.memory_budget)
-        if self.checkpointing != "none" and self.model.checkpointing != "none" and self.checkpointing != self.model.checkpointing:
-            raise ValueError(
-                f"--checkpointing {self.checkpointing!r} and --model.checkpointing {self.model.checkpointing!r} disagree; set one"
-            )
+    @property
+    def policy(self):
+        """The parsed activation checkpointing policy (``auto`` has none until it is planned)."""
+        if self.checkpointing == "auto":
+            raise ValueError("--checkpointing auto becomes a policy only once planned")
+        return self._policy
 
     @property
     def run_dir(self) -> Path:
@@ -213,6 +216,21 @@ def preset_dict(name: str) -> dict:
     return json.loads(resources.files("fitgpt.presets").joinpath(f"{name}.json").read_text())
 
 
+def _migrate(data: dict, source: str) -> dict:
+    """Configs written before the policy left ModelConfig carry ``model.checkpointing``: it moves to the one field."""
+    model = data.get("model")
+    if isinstance(model, dict) and "checkpointing" in model:
+        model = dict(model)
+        legacy = model.pop("checkpointing")
+        data = {**data, "model": model}
+        if legacy not in (None, "none"):
+            if data.get("checkpointing", "none") not in ("none", legacy):
+                raise ValueError(f"{source}: model.checkpointing {legacy!r} and checkpointing {data['checkpointing']!r} "
+                                 "disagree; keep checkpointing only")
+            data["checkpointing"] = legacy
+    return data
+
+
 def load_config(preset: str = "tiny", config: str | None = None, overrides: dict | None = None) -> TrainConfig:
     """Defaults < preset < config file < overrides, as one validated TrainConfig."""
     data: dict = {"preset": preset}
@@ -225,7 +243,7 @@ def load_config(preset: str = "tiny", config: str | None = None, overrides: dict
         data["config"] = str(config)
         source = str(config)
     data = merge(data, overrides or {})
-    return from_dict(TrainConfig, data, source)
+    return from_dict(TrainConfig, _migrate(data, source), source)
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -1,0 +1,49 @@
+"""Devices and precision, shared by training, planning and sampling: which device, which autocast, how much memory."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+from collections.abc import Callable
+
+import torch
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r} (set --device to auto, cpu, cuda or mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but this torch build sees no CUDA device; use --device cpu or auto")
+    return device
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for plain fp32."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    if precision == "fp16" and device.type == "cpu":
+        raise ValueError("--precision fp16 needs a GPU; on CPU use bf16 or fp32")
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    # The process's peak RSS: ru_maxrss counts kilobytes on Linux, bytes on macOS.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the forward pass's autocast context (a no-op for fp32): one definition for train, plan and bench."""
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)

@@ -1,0 +1,29 @@
+"""--checkpointing auto: the one entry point from a training config to a concrete plan."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fitgpt.config import TrainConfig
+from fitgpt.memory.units import format_bytes, parse_bytes
+from fitgpt.plan.profile import per_rank, profile_model
+from fitgpt.plan.solver import solve
+
+log = logging.getLogger(__name__)
+
+
+def plan_for(cfg: TrainConfig, device: torch.device, dtype: torch.dtype | None, world: int = 1) -> dict:
+    """--checkpointing auto: profile this config on this device, then solve for the cheapest plan (per rank)."""
+    budget = parse_bytes(cfg.memory_budget)
+    ddp = world > 1 and cfg.parallel == "ddp"  # DDP keeps every gradient in its buckets
+    profile = profile_model(cfg.model, cfg.batch_size, cfg.model.context_length, device, cfg.optim, cfg.grad_accum, dtype,
+                            seed=cfg.seed, persistent_grads=ddp)
+    profile = per_rank(profile, world, cfg.parallel)
+    plan, pred = solve(profile, budget)
+    log.info("auto: %s, predicted peak %s of budget %s (in the %s; %.3fx FLOPs; profiled in %.1fs)", plan.spec(),
+             format_bytes(pred.peak), format_bytes(budget), pred.where, pred.flops_ratio, profile.seconds)
+    if cfg.compile:
+        log.info("auto: the plan was profiled in eager mode; compiled steps can differ (on CUDA the measured peak is logged)")
+    return {"policy": plan.spec(), "budget": budget, "predicted_peak": pred.peak}
