@@ -104,21 +104,31 @@ def test_config_json_of_an_overwritten_run_resumes(cli_train_args, tmp_path):
 
 # ---- 3. one process per run directory --------------------------------------------------------------
 
+def hold_lock(directory):
+    """Another process that holds ``directory``'s lock until killed."""
+    code = (f"from fitgpt.utils import DirLock; import time\nwith DirLock({str(directory)!r}, '--out-dir'):\n"
+            "    print('held', flush=True)\n    time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
 def test_a_second_trainer_on_a_locked_run_directory_exits_2_naming_the_holder(cli_train_args, tmp_path, capsys):
     run = tmp_path / "run"
-    with DirLock(run, "--out-dir"):
+    holder = hold_lock(run)
+    try:
         assert main(cli_train_args(run, steps=2)) == 2
+    finally:
+        holder.kill()
+        holder.wait()
     err = capsys.readouterr().err
-    assert f"in use by another fitgpt process (pid {os.getpid()})" in err and "--out-dir" in err
+    assert f"in use by another fitgpt process (pid {holder.pid})" in err and "--out-dir" in err
     assert not (run / "checkpoints").exists() and not (run / "config.json").exists()
 
 
 def test_the_lock_of_a_killed_process_is_released(tmp_path):
     run = tmp_path / "run"
-    code = (f"from fitgpt.utils import DirLock; import time\nwith DirLock({str(run)!r}, '--out-dir'):\n"
-            "    print('held', flush=True)\n    time.sleep(60)")
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "held"
+    p = hold_lock(run)
     with pytest.raises(ValueError, match=f"pid {p.pid}"):
         DirLock(run, "--out-dir").__enter__()
     p.kill()
@@ -169,6 +179,16 @@ def test_prepare_refuses_a_folder_with_files_it_did_not_write(corpus_dir, tmp_pa
     assert main(["prepare", "--inputs", str(corpus_dir), "--dir", str(d), "--vocab-size", "300"]) == 2
     assert "holds files fitgpt did not write (meta.json, train.bin)" in capsys.readouterr().err
     assert (d / "train.bin").read_bytes() == b"precious" and json.loads((d / "meta.json").read_text()) == {"owner": "someone"}
+
+
+def test_prepare_refuses_a_run_directory_and_a_data_dir_shared_with_the_run(make_cfg, corpus_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(make_cfg(run, max_steps=3))
+    tok = (run / "tokenizer.json").read_bytes()
+    assert main(["prepare", "--inputs", str(corpus_dir), "--dir", str(run), "--vocab-size", "300"]) == 2
+    assert "holds files fitgpt did not write" in capsys.readouterr().err and (run / "tokenizer.json").read_bytes() == tok
+    with pytest.raises(ValueError, match="already in use by this run"):
+        train(make_cfg(tmp_path / "both", data={"dir": str(tmp_path / "both"), "inputs": [str(corpus_dir)], "vocab_size": 300}))
 
 
 def test_prepare_rewrites_its_own_folder(corpus_dir, tmp_path):

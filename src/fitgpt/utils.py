@@ -67,6 +67,9 @@ class DirLock:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
+            if holder == str(os.getpid()):
+                raise ValueError(f"{self.dir} is already in use by this run for another purpose; give {self.flag} "
+                                 "a directory of its own") from None
             raise ValueError(f"{self.dir} is in use by another fitgpt process (pid {holder}); wait for it to end, "
                              f"or use another {self.flag}") from None
         os.ftruncate(fd, 0)

@@ -64,13 +64,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _is_ours(directory: Path) -> bool:
-    """A data directory fitgpt wrote: it holds fitgpt's lock file, or a meta.json in fitgpt's format."""
-    if (directory / DirLock.FILE).exists():
-        return True
+    """A data directory fitgpt prepared (a meta.json in fitgpt's format), or one whose first preparation was
+    cut off (nothing but fitgpt's lock file and staged ``*.tmp`` files). A run directory is neither."""
     try:
         meta = json.loads((directory / META_FILE).read_text())
     except (OSError, ValueError):
-        return False
+        staged = {f"{name}.tmp" for name in (*DATA_FILES, META_FILE)}
+        return all(p.name == DirLock.FILE or p.name in staged for p in directory.iterdir())
     return isinstance(meta, dict) and "format_version" in meta and "tokenizer_sha256" in meta
 
 
