@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fitgpt.utils import sha256_file
+
 log = logging.getLogger(__name__)
 
 BUILTIN = "stdlib"
@@ -115,7 +117,7 @@ def changed_inputs(inputs: list[str], seen: dict[str, list[int]], sha256: dict[s
         st = now[name].stat()
         if [st.st_size, st.st_mtime_ns] == seen[name]:
             continue
-        if st.st_size == seen[name][0] and name in sha256 and hashlib.sha256(now[name].read_bytes()).hexdigest() == sha256[name]:
+        if st.st_size == seen[name][0] and name in sha256 and sha256_file(now[name]) == sha256[name]:
             continue
         changes.append(f"{name} (changed)")
     return changes

@@ -2,7 +2,7 @@
 
 The names follow the train-llm-from-scratch layout (``_pre_attn_pass``, ``attn_blocks``,
 ``layer_norm``, ``lm_head``) so that code written for it runs here. The model holds no training
-or memory tricks: checkpointing is applied from outside by ``fitgpt.checkpointing``.
+or memory tricks: checkpointing is applied from outside, by the checkpointing package.
 """
 
 from __future__ import annotations

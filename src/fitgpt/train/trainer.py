@@ -169,7 +169,7 @@ def train(cfg: TrainConfig, planner: Planner | None = None) -> dict:
     """Train per cfg and return a summary (steps, losses, time, run directory).
 
     ``planner`` turns --checkpointing auto into a plan for this device and process count (the CLI hands
-    in ``fitgpt.plan.plan_for``; the loop itself never imports the planner). Under torchrun every rank
+    in the planner's ``plan_for``; the loop itself never imports the planner). Under torchrun every rank
     runs this function; rank 0 alone logs, writes metrics and checkpoints.
     """
     info = dist_utils.init_distributed(cfg.device, cfg.dist_timeout)
@@ -235,7 +235,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
 
     # Preparation order, the same on every rank: checkpointing, then compile, then DDP or FSDP.
     if cfg.checkpointing == "auto" and planner is None:
-        raise ValueError("--checkpointing auto needs a planner: train(cfg, planner=fitgpt.plan.plan_for)")
+        raise ValueError("--checkpointing auto needs a planner: pass the planner's plan_for as train(cfg, planner=...)")
     planned = planner(cfg, device, dtype, info.world) if cfg.checkpointing == "auto" else None
     policy = parse_policy(planned["policy"]) if planned else cfg.policy
     act = None
