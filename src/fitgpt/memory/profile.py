@@ -10,13 +10,13 @@ Forward boundaries come from module hooks on the block list's positions; backwar
 from tensor hooks on each block's input and output (a tensor hook fires when that tensor's
 gradient is complete, i.e. exactly when the backward of the block that consumes it ends).
 For each segment we keep the live bytes at its start and end, its peak, and its FLOPs.
-``measure_train_step`` measures a real step the way the trainer runs it, to check predictions.
+The optimizer segment is the trainer's own ``optimizer_update`` (clipping included);
+``measure_train_step`` measures the shared ``train_step`` itself, to check predictions.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,7 @@ from fitgpt.checkpointing.apply import find_blocks
 from fitgpt.memory.flops import OpFlops
 from fitgpt.memory.measure import default_loss
 from fitgpt.memory.tracker import LiveMemory
+from fitgpt.step import Batch, optimizer_update, train_step
 
 
 @dataclass
@@ -111,7 +112,7 @@ def _hidden(out):
 
 def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer | None = None,
                  loss_fn: Callable[[], torch.Tensor] | None = None, blocks: str | nn.ModuleList | None = None,
-                 zero_grad: bool = True) -> StepTimeline:
+                 zero_grad: bool = True, grad_clip: float = 0.0) -> StepTimeline:
     """Run forward, backward and (if given) the optimizer step once, cut into segments.
 
     ``zero_grad``: free the gradients after the step (the trainer's ``set_to_none``); False zeroes
@@ -153,7 +154,7 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
             loss.backward()
             mark("bwd_end")
             if optimizer is not None:
-                optimizer.step()
+                optimizer_update(model, optimizer, float(loss.detach()), grad_clip=grad_clip)
             if zero_grad:
                 model.zero_grad(set_to_none=True)
             else:
@@ -231,22 +232,9 @@ class PeakProbe:
         self.result = StepPeak(peak=self._held + rise, params=self._params, grads=grads, optimizer=self._opt, source=source)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
-               amp: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
-    """One optimizer step as the trainer runs it: the micro-batches, the step, ``zero_grad(set_to_none)``."""
-    for x, y in batches:
-        with amp():
-            loss = model(x, y)[1]  # the logits are not kept: they would stay alive through backward
-        (loss / len(batches)).backward()
-        del loss
-    optimizer.step()
-    model.zero_grad(set_to_none=True)
-
-
-def measure_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                       amp: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> StepPeak:
-    """The peak of ``train_step``. Run it after a first step, so that the optimizer state exists as it
-    does for the rest of training."""
+def measure_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch], **step_kw) -> StepPeak:
+    """The peak of the shared ``train_step`` (``step_kw``: its amp, scaler, grad_clip). Run it after a first
+    step, so that the optimizer state exists as it does for the rest of training."""
     with PeakProbe(model, optimizer) as probe:
-        train_step(model, optimizer, batches, amp)
+        train_step(model, optimizer, batches, **step_kw)
     return probe.result

@@ -23,13 +23,14 @@ from fitgpt.checkpointing import apply_checkpointing, parse_policy, remove_check
 from fitgpt.device import autocast
 from fitgpt.memory.flops import OpFlops
 from fitgpt.memory.measure import measure_step_memory
-from fitgpt.memory.profile import measure_train_step, train_step
+from fitgpt.memory.profile import measure_train_step
 from fitgpt.memory.units import parse_bytes
 from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer
 from fitgpt.plan.profile import StepProfile, profile_model
 from fitgpt.plan.solver import Plan, PlanError, predict, solve
 from fitgpt.plan.workload import WorkloadConfig
+from fitgpt.step import grad_scaler, train_step
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,65 @@ def _resolve_auto(spec: str, profile: StepProfile) -> tuple[str, int, int]:
     return plan.spec(), budget, pred.peak
 
 
+def _resolve_specs(cfg: BenchConfig, device: torch.device, dtype: torch.dtype | None
+                   ) -> tuple[dict[str, tuple[str, int | None, int | None]], dict[str, str], StepProfile | None]:
+    """Each policy's concrete spec (auto:... solved on one profile), with budget and predicted peak for auto."""
+    tcfg, mcfg = cfg.train_config(), cfg.model_config
+    profile = None
+    specs: dict[str, tuple[str, int | None, int | None]] = {}
+    skipped: dict[str, str] = {}
+    for spec in cfg.policies:
+        if not spec.startswith("auto"):
+            specs[spec] = (spec, None, None)
+            continue
+        if profile is None:
+            profile = profile_model(mcfg, tcfg.batch_size, mcfg.context_length, device, tcfg.optim, tcfg.grad_accum, dtype,
+                                    seed=cfg.seed)
+            log.info("profiled for auto in %.1fs", profile.seconds)
+        try:
+            specs[spec] = _resolve_auto(spec, profile)
+        except PlanError as e:
+            log.warning("%s: %s", spec, e)
+            skipped[spec] = str(e)
+            continue
+        log.info("%s -> %s", spec, specs[spec][0])
+    return specs, skipped, profile
+
+
+def _measure(model, optimizer, batches, specs: dict, step_kw: dict) -> dict[str, dict]:
+    """Per policy: activation bytes and FLOPs of one micro-batch's forward + backward, and the whole step's peak."""
+    measured: dict[str, dict] = {}
+    for name, (spec, _, _) in specs.items():
+        apply_checkpointing(model, spec)
+        with step_kw["amp"](), OpFlops() as fl:
+            act = measure_step_memory(model, *batches[0]).activation_bytes
+        model.zero_grad(set_to_none=True)
+        peak = measure_train_step(model, optimizer, batches, **step_kw)
+        measured[name] = {"activation_bytes": act, "flops": fl.total * len(batches), "peak_bytes": peak.peak,
+                          "peak_source": peak.source}
+        remove_checkpointing(model)
+    return measured
+
+
+def _time(model, optimizer, batches, specs: dict, step_kw: dict, warmup: int, repeats: int, device: torch.device
+          ) -> dict[str, list[float]]:
+    """Seconds per step of each policy, interleaved round by round so that noise hits every policy alike."""
+    times: dict[str, list[float]] = {name: [] for name in specs}
+    for r in range(warmup + repeats):
+        for name, (spec, _, _) in specs.items():
+            apply_checkpointing(model, spec)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            train_step(model, optimizer, batches, **step_kw)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+            remove_checkpointing(model)
+    return times
+
+
 def run_bench(cfg: BenchConfig) -> dict:
     """Measure every policy of ``cfg``; returns the rows and the setup (also written to bench.json)."""
     tcfg = cfg.train_config()
@@ -110,23 +170,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     mcfg = cfg.model_config
     B, T, accum = tcfg.batch_size, mcfg.context_length, tcfg.grad_accum
     t_start = time.perf_counter()
-    profile = None
-    specs: dict[str, tuple[str, int | None, int | None]] = {}
-    skipped: dict[str, str] = {}
-    for spec in cfg.policies:
-        if spec.startswith("auto"):
-            if profile is None:
-                profile = profile_model(mcfg, B, T, device, tcfg.optim, accum, dtype, seed=cfg.seed)
-                log.info("profiled for auto in %.1fs", profile.seconds)
-            try:
-                specs[spec] = _resolve_auto(spec, profile)
-            except PlanError as e:
-                log.warning("%s: %s", spec, e)
-                skipped[spec] = str(e)
-                continue
-            log.info("%s -> %s", spec, specs[spec][0])
-        else:
-            specs[spec] = (spec, None, None)
+    specs, skipped, profile = _resolve_specs(cfg, device, dtype)
 
     torch.manual_seed(cfg.seed)
     model = Transformer(mcfg).to(device)
@@ -134,32 +178,11 @@ def run_bench(cfg: BenchConfig) -> dict:
     g = torch.Generator().manual_seed(cfg.seed)
     idx = torch.randint(0, mcfg.vocab_size, (accum, B, T + 1), generator=g).to(device)
     batches = [(idx[i, :, :-1].contiguous(), idx[i, :, 1:].contiguous()) for i in range(accum)]
-    amp = autocast(device, dtype)
-
-    measured: dict[str, dict] = {}
-    train_step(model, optimizer, batches, amp)  # the optimizer state exists from here on, as in training
-    for name, (spec, _, _) in specs.items():
-        apply_checkpointing(model, spec)
-        with amp(), OpFlops() as fl:
-            act = measure_step_memory(model, *batches[0]).activation_bytes
-        model.zero_grad(set_to_none=True)
-        peak = measure_train_step(model, optimizer, batches, amp)
-        measured[name] = {"activation_bytes": act, "flops": fl.total * accum, "peak_bytes": peak.peak, "peak_source": peak.source}
-        remove_checkpointing(model)
-
-    times: dict[str, list[float]] = {name: [] for name in specs}
-    for r in range(cfg.warmup + cfg.repeats):
-        for name, (spec, _, _) in specs.items():  # interleaved: noise hits every policy alike
-            apply_checkpointing(model, spec)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            train_step(model, optimizer, batches, amp)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if r >= cfg.warmup:
-                times[name].append(time.perf_counter() - t0)
-            remove_checkpointing(model)
+    # The trainer's own step: autocast, the fp16 loss scaler, clipping.
+    step_kw = {"amp": autocast(device, dtype), "scaler": grad_scaler(device, dtype), "grad_clip": tcfg.optim.grad_clip}
+    train_step(model, optimizer, batches, **step_kw)  # the optimizer state exists from here on, as in training
+    measured = _measure(model, optimizer, batches, specs, step_kw)
+    times = _time(model, optimizer, batches, specs, step_kw, cfg.warmup, cfg.repeats, device)
 
     rows = []
     for name, (spec, budget, predicted) in specs.items():

@@ -133,7 +133,8 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
     torch.manual_seed(seed)
     model = Transformer(cfg).to(device)
     model.train()
-    optimizer = build_optimizer(model, optim_cfg or OptimConfig(), device)
+    optim_cfg = optim_cfg or OptimConfig()
+    optimizer = build_optimizer(model, optim_cfg, device)
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, cfg.vocab_size, (batch_size, context + 1), generator=g).to(device)
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
@@ -151,7 +152,8 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
     timelines: dict[str, StepTimeline] = {}
     for option, (spec, _) in _RUNS.items():
         apply_checkpointing(model, spec)
-        timelines[option] = profile_step(model, x, y, optimizer, loss_fn=loss_fn, zero_grad=not accumulate)
+        timelines[option] = profile_step(model, x, y, optimizer, loss_fn=loss_fn, zero_grad=not accumulate,
+                                         grad_clip=optim_cfg.grad_clip)
     base = timelines["none"]
     blocks = [{o: _block_option(timelines[o], base, i) for o in BLOCK_OPTIONS} for i in range(cfg.n_blocks)]
     heads = {head: _head_option(timelines[o], base) for o, (_, head) in _RUNS.items() if head}

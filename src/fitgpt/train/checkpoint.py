@@ -57,6 +57,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def tied_names(state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Names the weight file leaves out because another name holds the same tensor (a tied head).
+
+    Of each group sharing one storage the file keeps the first name in sorted order, as ``save_model``
+    does, so weights gathered by name (FSDP) and written with ``save_file`` give the same file.
+    """
+    groups: dict[tuple, list[str]] = {}
+    for name, t in state_dict.items():
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        groups.setdefault(key, []).append(name)
+    return sorted(name for names in groups.values() for name in sorted(names)[1:])
+
+
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 

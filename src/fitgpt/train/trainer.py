@@ -1,6 +1,7 @@
-"""The training loop: prepare the model (checkpointing, then compile), step, evaluate, checkpoint.
+"""The training loop: load data, resume, prepare the model (checkpointing, then compile, then DDP/FSDP),
+then a short loop of the shared ``train_step``, evaluation and saves.
 
-One function, ``train(cfg)``, that a student can read top to bottom.
+``train(cfg)`` is the entry point; ``_train`` reads as the recipe, each stage a function below it.
 """
 
 from __future__ import annotations
@@ -14,17 +15,15 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
-
-# safetensors' own rule for which name of a tied tensor it writes, so gathered FSDP weights match save_model's files.
-from safetensors.torch import _remove_duplicate_names
 from tqdm.auto import tqdm
 
-from fitgpt.checkpointing import apply_checkpointing, parse_policy, remove_checkpointing
+from fitgpt.checkpointing import Policy, apply_checkpointing, parse_policy, remove_checkpointing
 from fitgpt.config import OptimConfig, TrainConfig, to_dict
 from fitgpt.data import BatchSampler, TokenData, ensure_prepared
 from fitgpt.device import autocast, autocast_dtype, peak_memory_bytes, resolve_device
@@ -33,6 +32,7 @@ from fitgpt.memory.profile import PeakProbe
 from fitgpt.memory.units import format_bytes
 from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer, lr_at, optimizer_params
+from fitgpt.step import StepResult, grad_scaler, train_step
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as dist_utils
 from fitgpt.train.metrics import MetricsWriter, plot_loss_curve
@@ -114,6 +114,11 @@ def log_activation_memory(model: nn.Module, policy_spec: str, x: torch.Tensor, y
     return result
 
 
+def _log_activation_memory(model: nn.Module, spec: str, cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
+    x, y = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + 2).next_batch(device)
+    return log_activation_memory(model, spec, x, y, device)
+
+
 def _load_for_resume(path: Path, cfg: TrainConfig, model: nn.Module, tok_hash: str) -> tuple[dict, dict]:
     """Meta and state of checkpoint ``path``, its weights loaded into ``model``; CheckpointError if it is corrupt."""
     ck_meta = ckpt.verify_checkpoint(path)
@@ -183,215 +188,272 @@ def train(cfg: TrainConfig, planner: Planner | None = None) -> dict:
         dist_utils.shutdown(info)
 
 
+@dataclass
+class _Run:
+    """What the loop works with, set up once by ``_train``."""
+
+    cfg: TrainConfig
+    info: dist_utils.DistInfo
+    device: torch.device
+    data: TokenData
+    model: nn.Module
+    """The bare model (checkpointing applied in place): what is saved and clipped."""
+    step_model: nn.Module
+    """The model as it trains: compiled and/or wrapped in DDP/FSDP."""
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    sampler: BatchSampler
+    amp: Callable
+    policy: Policy
+    planned: dict | None
+    metrics: MetricsWriter | None
+    tied: list[str]
+    """Names of tensors the weight file leaves out, because another name holds the same tensor."""
+
+
+@dataclass
+class _Progress:
+    step: int
+    loss: float = float("nan")
+    val_loss: float | None = None
+    bad_steps: int = 0
+    checkpoint: Path | None = None
+    interrupted: str | None = None
+
+
 def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None) -> dict:
     device = dist_utils.local_device(info, resolve_device(cfg.device))
     dtype = autocast_dtype(cfg.precision, device)
-    main = info.is_main
-    if not main:
+    if not info.is_main:
         logging.getLogger("fitgpt").setLevel(logging.WARNING)  # one log, from rank 0
     if info.enabled and cfg.parallel == "fsdp" and cfg.compile:
         raise ValueError("--compile with --parallel fsdp is not supported yet; drop --compile or use --parallel ddp")
-    if main:
-        ensure_prepared(cfg.data, progress=cfg.progress)
-    if info.enabled:
-        torch.distributed.barrier()  # the other ranks wait while rank 0 prepares the data on first use
-    data = TokenData(cfg.data.path)
-    meta = data.meta
-    data.check_context(cfg.model.context_length)
-    # The model's vocabulary comes from the data, rounded up to a multiple of 64 for fast matmuls.
-    vocab_size = int(math.ceil(data.vocab_size / 64) * 64)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
-    run_dir = cfg.run_dir
-
-    model = build_model(cfg, vocab_size, device)
-    # Names that share one tensor (the tied head): safetensors stores one of them.
-    tied = [name for names in _remove_duplicate_names(model.state_dict()).values() for name in names]
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    data, cfg = _load_data(cfg, info)
+    model = build_model(cfg, cfg.model.vocab_size, device)
+    tied = ckpt.tied_names(model.state_dict())  # read before sharding hides which tensors are one
+    scaler = grad_scaler(device, dtype)
     # Each rank samples its own windows; rank 0 draws exactly what a single process would.
-    train_sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + info.rank)
-    start_step, state = 0, None
-    tok_hash = data.tokenizer_sha256
-    if cfg.resume:
-        path, (ck_meta, state) = ckpt.resolve_resume(run_dir, cfg.resume, lambda p: _load_for_resume(p, cfg, model, tok_hash))
-        scaler.load_state_dict(state["scaler"])
-        ranks = ck_meta.get("world_size", 1)
-        if ranks != info.world:
-            log.warning("resuming a %d-process run on %d processes: the data order differs from the original run", ranks, info.world)
-        samplers, rngs = ck_meta.get("sampler_ranks", [ck_meta["sampler"]]), state.get("rng_ranks", [state["rng"]])
-        if info.rank < len(samplers):
-            train_sampler.load_state_dict(samplers[info.rank])
-        _set_rng_state(rngs[info.rank] if info.rank < len(rngs) else rngs[0], device)
-        start_step = ck_meta["step"]
-        if start_step >= cfg.max_steps:
-            raise ValueError(f"--resume {path}: the checkpoint is at step {start_step} and --max-steps is {cfg.max_steps}, so "
-                             "there is nothing to train; raise --max-steps to continue (nothing was changed)")
-        _warn_changed_settings(ck_meta["config"], cfg)
-        log.info("resumed from %s at step %d", path, start_step)
-    if main:
-        # resume and overwrite are what this invocation did, not settings of the run: `--config config.json` must not repeat them.
-        (run_dir / "config.json").write_text(json.dumps(to_dict(dataclasses.replace(cfg, resume=None, overwrite=False)), indent=1))
-        # The run keeps its own tokenizer, so sampling works even if the data directory moves.
-        shutil.copyfile(cfg.data.path / "tokenizer.json", run_dir / "tokenizer.json")
-
-    # Preparation order, the same on every rank: checkpointing, then compile, then DDP or FSDP.
-    if cfg.checkpointing == "auto" and planner is None:
-        raise ValueError("--checkpointing auto needs a planner: pass the planner's plan_for as train(cfg, planner=...)")
-    planned = planner(cfg, device, dtype, info.world) if cfg.checkpointing == "auto" else None
-    policy = parse_policy(planned["policy"]) if planned else cfg.policy
-    act = None
-    if main:
-        x0, y0 = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + 2).next_batch(device)
-        act = log_activation_memory(model, policy.spec, x0, y0, device)
-    apply_checkpointing(model, policy)
-    log.info("checkpointing %s", policy.describe(cfg.model.n_blocks))
-    step_model = torch.compile(model) if cfg.compile else model
-    step_model = dist_utils.wrap(step_model, info, cfg.parallel, device, dtype if cfg.parallel == "fsdp" else None)
+    sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + info.rank)
+    start_step, state = _resume(cfg, info, model, scaler, sampler, device, data) if cfg.resume else (0, None)
+    if info.is_main:
+        _write_run_files(cfg)
+    policy, planned = _choose_policy(cfg, planner, device, dtype, info.world)
+    act = _log_activation_memory(model, policy.spec, cfg, data, device) if info.is_main else None
+    step_model = prepare_model(model, policy, cfg, info, device, dtype)
     # Built after sharding: under FSDP the optimizer holds only this rank's shard of every state.
     optimizer = build_optimizer(model, cfg.optim, device)
     if state is not None:
         dist_utils.load_full_optimizer_state(optimizer, state["optimizer"])
+    _log_start(cfg, info, model, device, dtype, start_step)
+    metrics = MetricsWriter(cfg.run_dir, cfg.tensorboard, resume_step=start_step) if info.is_main else None
+    run = _Run(cfg, info, device, data, model, step_model, optimizer, scaler, sampler, autocast(device, dtype), policy, planned,
+               metrics, tied)
+    t_start = time.perf_counter()
+    try:
+        progress = _loop(run, start_step)
+    finally:
+        if metrics:
+            metrics.close()
+    png = plot_loss_curve(metrics.path, cfg.run_dir / "loss.png") if metrics else None
+    remove_checkpointing(model)
+    return {
+        "run_dir": str(cfg.run_dir), "steps": progress.step, "train_loss": progress.loss, "val_loss": progress.val_loss,
+        "seconds": time.perf_counter() - t_start, "interrupted": progress.interrupted,
+        "checkpoint": str(progress.checkpoint) if progress.checkpoint else None, "loss_png": str(png) if png else None,
+        "activation_bytes": act, "memory_plan": planned, "data_tokens": data.meta["train_tokens"], "world_size": info.world,
+        "rank": info.rank,
+    }
 
-    amp = autocast(device, dtype)
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.model.context_length * info.world
+
+def _load_data(cfg: TrainConfig, info: dist_utils.DistInfo) -> tuple[TokenData, TrainConfig]:
+    """The prepared tokens (rank 0 prepares them on first use), and cfg with the model's vocabulary set from them."""
+    if info.is_main:
+        ensure_prepared(cfg.data, progress=cfg.progress)
+    if info.enabled:
+        torch.distributed.barrier()  # the other ranks wait while rank 0 prepares
+    data = TokenData(cfg.data.path)
+    data.check_context(cfg.model.context_length)
+    # Rounded up to a multiple of 64 for fast matmuls.
+    vocab_size = int(math.ceil(data.vocab_size / 64) * 64)
+    return data, dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+
+
+def _resume(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, scaler: torch.amp.GradScaler,
+            sampler: BatchSampler, device: torch.device, data: TokenData) -> tuple[int, dict]:
+    """Load weights, scaler, this rank's data position and RNG from --resume; returns (step, state)."""
+    path, (ck_meta, state) = ckpt.resolve_resume(
+        cfg.run_dir, cfg.resume, lambda p: _load_for_resume(p, cfg, model, data.tokenizer_sha256))
+    scaler.load_state_dict(state["scaler"])
+    ranks = ck_meta.get("world_size", 1)
+    if ranks != info.world:
+        log.warning("resuming a %d-process run on %d processes: the data order differs from the original run", ranks, info.world)
+    samplers, rngs = ck_meta.get("sampler_ranks", [ck_meta["sampler"]]), state.get("rng_ranks", [state["rng"]])
+    if info.rank < len(samplers):
+        sampler.load_state_dict(samplers[info.rank])
+    _set_rng_state(rngs[info.rank] if info.rank < len(rngs) else rngs[0], device)
+    step = ck_meta["step"]
+    if step >= cfg.max_steps:
+        raise ValueError(f"--resume {path}: the checkpoint is at step {step} and --max-steps is {cfg.max_steps}, so "
+                         "there is nothing to train; raise --max-steps to continue (nothing was changed)")
+    _warn_changed_settings(ck_meta["config"], cfg)
+    log.info("resumed from %s at step %d", path, step)
+    return step, state
+
+
+def _write_run_files(cfg: TrainConfig) -> None:
+    # resume and overwrite are what this invocation did, not settings of the run: `--config config.json` must not repeat them.
+    (cfg.run_dir / "config.json").write_text(json.dumps(to_dict(dataclasses.replace(cfg, resume=None, overwrite=False)), indent=1))
+    # The run keeps its own tokenizer, so sampling works even if the data directory moves.
+    shutil.copyfile(cfg.data.path / "tokenizer.json", cfg.run_dir / "tokenizer.json")
+
+
+def _choose_policy(cfg: TrainConfig, planner: Planner | None, device: torch.device, dtype: torch.dtype | None,
+                   world: int) -> tuple[Policy, dict | None]:
+    """The run's checkpointing policy; for auto, the planner's plan for this device and process count."""
+    if cfg.checkpointing != "auto":
+        return cfg.policy, None
+    if planner is None:
+        raise ValueError("--checkpointing auto needs a planner: pass the planner's plan_for as train(cfg, planner=...)")
+    planned = planner(cfg, device, dtype, world)
+    return parse_policy(planned["policy"]), planned
+
+
+def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist_utils.DistInfo, device: torch.device,
+                  dtype: torch.dtype | None) -> nn.Module:
+    """The one place a model is made ready to train, in this order on every rank: activation checkpointing
+    (in place), then torch.compile, then DDP or FSDP. Returns the module the steps call."""
+    apply_checkpointing(model, policy)
+    log.info("checkpointing %s", policy.describe(cfg.model.n_blocks))
+    step_model = torch.compile(model) if cfg.compile else model
+    return dist_utils.wrap(step_model, info, cfg.parallel, device, dtype if cfg.parallel == "fsdp" else None)
+
+
+def _log_start(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, device: torch.device, dtype: torch.dtype | None,
+               start_step: int) -> None:
     log.info(
         "training %s (%.2fM params) on %s, %s, %d tokens/step (global batch %d = %d per micro-batch x %d accumulation x %d "
         "process%s%s), steps %d -> %d, run dir %s",
-        cfg.preset, model.num_params() / 1e6, device, dtype or "fp32", tokens_per_step, cfg.batch_size * cfg.grad_accum * info.world,
-        cfg.batch_size, cfg.grad_accum, info.world, "es" if info.world > 1 else "", f", {cfg.parallel}" if info.enabled else "",
-        start_step, cfg.max_steps, run_dir,
+        cfg.preset, model.num_params() / 1e6, device, dtype or "fp32", _tokens_per_step(cfg, info),
+        cfg.batch_size * cfg.grad_accum * info.world, cfg.batch_size, cfg.grad_accum, info.world, "es" if info.world > 1 else "",
+        f", {cfg.parallel}" if info.enabled else "", start_step, cfg.max_steps, cfg.run_dir,
     )
-    metrics = MetricsWriter(run_dir, cfg.tensorboard, resume_step=start_step) if main else None
 
-    def save(step: int) -> Path | None:
-        # Collectives first, on every rank: the full weights (FSDP), the optimizer state, every rank's data position.
-        weights = None
-        if info.enabled and cfg.parallel == "fsdp":
-            weights = {k: v for k, v in dist_utils.full_model_state(model).items() if k not in tied}
-        opt_state = dist_utils.full_optimizer_state(optimizer) if info.enabled else optimizer.state_dict()
-        samplers = dist_utils.gather_objects(info, train_sampler.state_dict())
-        rngs = dist_utils.gather_objects(info, _rng_state(device))
-        path, error = None, None
-        if main:
-            state_out = {"optimizer": opt_state, "scaler": scaler.state_dict(), "rng": rngs[0], "rng_ranks": rngs}
-            meta_out = {"config": to_dict(cfg), "sampler": samplers[0], "sampler_ranks": samplers, "world_size": info.world,
-                        "data": {"dir": str(cfg.data.path), "tokenizer_sha256": tok_hash}}
-            try:
-                path = ckpt.save_checkpoint(run_dir, step, weights if weights is not None else model, state_out, meta_out, cfg.keep_last)
-                log.info("saved %s", path)
-            except ckpt.CheckpointSaveError as e:
-                error = e
-        if dist_utils.any_rank(info, error is not None, device):
-            if metrics:
-                metrics.close()
-            raise TrainingError(str(error) if error else "rank 0 could not write a checkpoint (see its log)") from error
-        return path
 
+def _tokens_per_step(cfg: TrainConfig, info: dist_utils.DistInfo) -> int:
+    return cfg.batch_size * cfg.grad_accum * cfg.model.context_length * info.world
+
+
+def _loop(run: _Run, start_step: int) -> _Progress:
+    """Step, log, evaluate, save, until --max-steps or a signal."""
+    cfg, info = run.cfg, run.info
+    p = _Progress(step=start_step)
     # disable=None hides the bar when stderr is not a terminal (CI logs, pipes).
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if cfg.progress and main else True, dynamic_ncols=True)
-    step, loss_value, val_loss, bad_steps, last_ckpt = start_step, float("nan"), None, 0, None
-    t_start = time.perf_counter()
+    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if cfg.progress and info.is_main else True, dynamic_ncols=True)
     t_log = time.perf_counter()
-    model.train()
+    run.model.train()
+    # With --checkpointing auto, the second step of this process is measured against the plan.
     probe_step = start_step + 1 if cfg.max_steps > start_step + 1 else start_step
-    stopping = False
     with _StopFlag() as stop:
-        while step < cfg.max_steps:
-            lr = lr_at(step, cfg.optim, cfg.max_steps)
-            for group in optimizer.param_groups:
+        while p.step < cfg.max_steps:
+            lr = lr_at(p.step, cfg.optim, cfg.max_steps)
+            for group in run.optimizer.param_groups:
                 group["lr"] = lr
-            # With --checkpointing auto, the second step of this process is measured against the plan.
-            # (Not under torch.compile off CUDA: compiled kernels allocate outside the tracker's view.)
-            measurable = not info.enabled and (device.type == "cuda" or not cfg.compile)
-            probe = PeakProbe(model, optimizer) if planned and step == probe_step and measurable else None
-            with probe or contextlib.nullcontext():
-                total = 0.0
-                try:
-                    for micro in range(cfg.grad_accum):
-                        x, y = train_sampler.next_batch(device)
-                        # Gradients are reduced across ranks once, on the last micro-batch.
-                        with dist_utils.sync_context(step_model, cfg.parallel, micro == cfg.grad_accum - 1), amp():
-                            # Only the loss is kept: holding the B x T x vocab logits through backward costs memory.
-                            loss = step_model(x, y)[1]
-                            scaler.scale(loss / cfg.grad_accum).backward()
-                        total += loss.item() / cfg.grad_accum
-                        del loss
-                except torch.OutOfMemoryError:
-                    raise TrainingError(
-                        f"out of memory at step {step} (batch {cfg.batch_size} x {cfg.model.context_length}, checkpointing "
-                        f"{policy.spec!r}). Run `fitgpt plan --preset {cfg.preset} --batch-size {cfg.batch_size} --context "
-                        f"{cfg.model.context_length} --memory-budget <your GPU's memory>` for a plan that fits, or train with "
-                        "--checkpointing auto --memory-budget <size>; a smaller --batch-size with a larger --grad-accum "
-                        "keeps the tokens per step"
-                    ) from None
-                total = dist_utils.all_mean(info, total, device)  # every rank decides on the same numbers
-                scaler.unscale_(optimizer)
-                clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                good = math.isfinite(total) and (dtype == torch.float16 or bool(torch.isfinite(grad_norm)))
-                if good:
-                    scaler.step(optimizer)
-                    scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-            if probe is not None:
-                planned["measured_peak"] = probe.result.peak
-                log.info("auto: measured peak %s (%s) vs predicted %s, budget %s", format_bytes(probe.result.peak),
-                         probe.result.source, format_bytes(planned["predicted_peak"]), format_bytes(planned["budget"]))
-            if not good:
-                bad_steps += 1
-                message = (
-                    f"loss is {total} at step {step} (lr {lr:.3g}, grad norm {float(grad_norm):.3g}); "
-                    f"last good checkpoint: {last_ckpt or (ckpt.list_checkpoints(run_dir) or ['none'])[-1]}"
-                )
-                if bad_steps > cfg.max_bad_steps:
-                    if metrics:
-                        metrics.close()
-                    raise TrainingError(message + ". Lower --optim.lr, or allow skips with --max-bad-steps")
-                log.warning("skipping bad step: %s", message)
-                step += 1
+            result = _step(run, p.step, probe=run.planned is not None and p.step == probe_step)
+            if not result.applied:
+                _skip_bad_step(run, p, result, lr)
+                p.step += 1
                 continue
-            step += 1
-            loss_value = total
+            p.step, p.loss = p.step + 1, result.loss
             bar.update(1)
-            if main and (step % cfg.log_interval == 0 or step == cfg.max_steps):
-                now = time.perf_counter()
-                tps = tokens_per_step * cfg.log_interval / max(now - t_log, 1e-9)
-                t_log = now
-                peak = peak_memory_bytes(device)
-                metrics.write({"step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps,
-                               "peak_mem": peak})
-                bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}", mem=f"{peak / 2**20:.0f}MiB")
-            if step % cfg.eval_interval == 0 or step == cfg.max_steps:
-                val_loss = evaluate(step_model, data, cfg, device, amp)
-                if main:
-                    metrics.write({"step": step, "val_loss": val_loss})
-                log.info("step %d: train loss %.4f, val loss %.4f", step, loss_value, val_loss)
+            if info.is_main and (p.step % cfg.log_interval == 0 or p.step == cfg.max_steps):
+                t_log = _log_metrics(run, p.step, result, lr, bar, t_log)
+            if p.step % cfg.eval_interval == 0 or p.step == cfg.max_steps:
+                p.val_loss = evaluate(run.step_model, run.data, cfg, run.device, run.amp)
+                if run.metrics:
+                    run.metrics.write({"step": p.step, "val_loss": p.val_loss})
+                log.info("step %d: train loss %.4f, val loss %.4f", p.step, p.loss, p.val_loss)
             # A signal may reach one rank only: all of them stop, and save, at the same step.
-            stopping = dist_utils.any_rank(info, stop.signal is not None, device)
-            if step % cfg.ckpt_interval == 0 or step == cfg.max_steps or stopping:
-                last_ckpt = save(step)
+            stopping = dist_utils.any_rank(info, stop.signal is not None, run.device)
+            if p.step % cfg.ckpt_interval == 0 or p.step == cfg.max_steps or stopping:
+                p.checkpoint = _save(run, p.step)
             if stopping:
-                log.warning("stopped by %s at step %d; resume with --resume latest", stop.signal or "a signal on another rank", step)
+                p.interrupted = stop.signal or ("SIGNAL" if p.step < cfg.max_steps else None)
+                log.warning("stopped by %s at step %d; resume with --resume latest", stop.signal or "a signal on another rank", p.step)
                 break
     bar.close()
-    elapsed = time.perf_counter() - t_start
-    png = None
-    if main:
-        metrics.close()
-        png = plot_loss_curve(metrics.path, run_dir / "loss.png")
-    remove_checkpointing(model)
-    summary = {
-        "run_dir": str(run_dir),
-        "steps": step,
-        "train_loss": loss_value,
-        "val_loss": val_loss,
-        "seconds": elapsed,
-        "interrupted": stop.signal or ("SIGNAL" if stopping and step < cfg.max_steps else None),
-        "checkpoint": str(last_ckpt) if last_ckpt else None,
-        "loss_png": str(png) if png else None,
-        "activation_bytes": act,
-        "memory_plan": planned,
-        "data_tokens": meta["train_tokens"],
-        "world_size": info.world,
-        "rank": info.rank,
-    }
-    return summary
+    return p
+
+
+def _step(run: _Run, step: int, probe: bool) -> StepResult:
+    """One shared ``train_step`` on this rank's next micro-batches; with ``probe``, its peak is checked against the plan."""
+    cfg, info = run.cfg, run.info
+    batches = [run.sampler.next_batch(run.device) for _ in range(cfg.grad_accum)]
+    # Not under torch.compile off CUDA: compiled kernels allocate outside the tracker's view.
+    measurable = not info.enabled and (run.device.type == "cuda" or not cfg.compile)
+    peak = PeakProbe(run.model, run.optimizer) if probe and measurable else None
+    try:
+        with peak or contextlib.nullcontext():
+            result = train_step(
+                run.step_model, run.optimizer, batches, amp=run.amp, scaler=run.scaler, grad_clip=cfg.optim.grad_clip,
+                # Gradients are reduced across ranks once, on the last micro-batch; every rank decides on the same loss.
+                sync=lambda last: dist_utils.sync_context(run.step_model, cfg.parallel, last),
+                reduce=lambda v: dist_utils.all_mean(info, v, run.device),
+            )
+    except torch.OutOfMemoryError:
+        raise TrainingError(
+            f"out of memory at step {step} (batch {cfg.batch_size} x {cfg.model.context_length}, checkpointing "
+            f"{run.policy.spec!r}). Run `fitgpt plan --preset {cfg.preset} --batch-size {cfg.batch_size} --context "
+            f"{cfg.model.context_length} --memory-budget <your GPU's memory>` for a plan that fits, or train with "
+            "--checkpointing auto --memory-budget <size>; a smaller --batch-size with a larger --grad-accum keeps the tokens per step"
+        ) from None
+    if peak is not None:
+        run.planned["measured_peak"] = peak.result.peak
+        log.info("auto: measured peak %s (%s) vs predicted %s, budget %s", format_bytes(peak.result.peak), peak.result.source,
+                 format_bytes(run.planned["predicted_peak"]), format_bytes(run.planned["budget"]))
+    return result
+
+
+def _skip_bad_step(run: _Run, p: _Progress, result: StepResult, lr: float) -> None:
+    """A step with a non-finite loss or gradient was not applied: warn, or stop after --max-bad-steps of them."""
+    p.bad_steps += 1
+    last = p.checkpoint or (ckpt.list_checkpoints(run.cfg.run_dir) or ["none"])[-1]
+    message = f"loss is {result.loss} at step {p.step} (lr {lr:.3g}, grad norm {result.grad_norm:.3g}); last good checkpoint: {last}"
+    if p.bad_steps > run.cfg.max_bad_steps:
+        raise TrainingError(message + ". Lower --optim.lr, or allow skips with --max-bad-steps")
+    log.warning("skipping bad step: %s", message)
+
+
+def _log_metrics(run: _Run, step: int, result: StepResult, lr: float, bar: tqdm, t_log: float) -> float:
+    """Write a metrics line and update the bar; returns the time of this log, for the next throughput."""
+    now = time.perf_counter()
+    tps = _tokens_per_step(run.cfg, run.info) * run.cfg.log_interval / max(now - t_log, 1e-9)
+    peak = peak_memory_bytes(run.device)
+    run.metrics.write({"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "tokens_per_s": tps,
+                       "peak_mem": peak})
+    bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}", mem=f"{peak / 2**20:.0f}MiB")
+    return now
+
+
+def _save(run: _Run, step: int) -> Path | None:
+    """Write checkpoint ``step``: collectives first, on every rank (full weights under FSDP, the optimizer
+    state, every rank's data position and RNG); then rank 0 writes. A failed write stops every rank."""
+    cfg, info = run.cfg, run.info
+    weights = None
+    if info.enabled and cfg.parallel == "fsdp":
+        weights = {k: v for k, v in dist_utils.full_model_state(run.model).items() if k not in run.tied}
+    opt_state = dist_utils.full_optimizer_state(run.optimizer) if info.enabled else run.optimizer.state_dict()
+    samplers = dist_utils.gather_objects(info, run.sampler.state_dict())
+    rngs = dist_utils.gather_objects(info, _rng_state(run.device))
+    path, error = None, None
+    if info.is_main:
+        state = {"optimizer": opt_state, "scaler": run.scaler.state_dict(), "rng": rngs[0], "rng_ranks": rngs}
+        meta = {"config": to_dict(cfg), "sampler": samplers[0], "sampler_ranks": samplers, "world_size": info.world,
+                "data": {"dir": str(cfg.data.path), "tokenizer_sha256": run.data.tokenizer_sha256}}
+        try:
+            path = ckpt.save_checkpoint(cfg.run_dir, step, weights if weights is not None else run.model, state, meta, cfg.keep_last)
+            log.info("saved %s", path)
+        except ckpt.CheckpointSaveError as e:
+            error = e
+    if dist_utils.any_rank(info, error is not None, run.device):
+        raise TrainingError(str(error) if error else "rank 0 could not write a checkpoint (see its log)") from error
+    return path
