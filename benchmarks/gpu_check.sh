@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_check.sh [OUT_DIR]
 #
 # 1. fitgpt bench on CUDA, bf16, small preset: allocator peaks, step times, bench.json + bench.png
-# 2. --checkpointing auto on CUDA: the measured (allocator) peak beside the predicted one
+# 2. --activation-checkpointing auto on CUDA: the measured (allocator) peak beside the predicted one
 # 3. With 2 GPUs: DDP and FSDP (NCCL) through torchrun, FSDP resumed on one GPU, and the CPU/gloo
 #    distributed tests re-run for good measure
 # Everything lands in OUT_DIR (default gpu_check/), with a summary in OUT_DIR/summary.txt.
@@ -33,15 +33,15 @@ print(int(none["peak_bytes"] - 0.5 * none["activation_bytes"]))
 PY
 )
 fitgpt train --preset small --batch-size 8 --model.context-length 1024 --grad-accum 1 --max-steps 20 \
-  --device cuda --precision bf16 --checkpointing auto --memory-budget "$BUDGET" --out-dir "$OUT/auto" \
+  --device cuda --precision bf16 --activation-checkpointing auto --memory-budget "$BUDGET" --out-dir "$OUT/auto" \
   --no-progress 2>&1 | tee "$OUT/auto.log" | grep -E "auto:|run:"
 
 if [ "$NGPU" -ge 2 ]; then
   echo "== 3. DDP and FSDP on 2 GPUs"
   torchrun --nproc-per-node 2 -m fitgpt train --preset small --batch-size 4 --model.context-length 512 --max-steps 30 \
-    --checkpointing block --out-dir "$OUT/ddp" --no-progress | tail -n 1 > "$OUT/ddp.json"
+    --activation-checkpointing block --out-dir "$OUT/ddp" --no-progress | tail -n 1 > "$OUT/ddp.json"
   torchrun --nproc-per-node 2 -m fitgpt train --preset small --batch-size 4 --model.context-length 512 --max-steps 30 \
-    --parallel fsdp --checkpointing selective --out-dir "$OUT/fsdp" --no-progress | tail -n 1 > "$OUT/fsdp.json"
+    --parallel fsdp --activation-checkpointing selective --out-dir "$OUT/fsdp" --no-progress | tail -n 1 > "$OUT/fsdp.json"
   fitgpt train --preset small --batch-size 4 --model.context-length 512 --max-steps 40 --out-dir "$OUT/fsdp" \
     --resume latest --no-progress | tail -n 1 > "$OUT/fsdp_resumed_on_one_gpu.json"
   fitgpt plan --preset small --batch-size 4 --context 512 --world-size 2 --parallel fsdp --device cuda \

@@ -51,7 +51,7 @@ def make_cfg(data_dir, corpus_dir):
         overrides = {
             "model": {"context_length": 32, "n_embed": 32, "n_head": 4, "n_blocks": 2, "dropout": 0.1},
             "data": {"dir": str(data_dir), "inputs": [str(corpus_dir)], "vocab_size": 512},
-            "batch_size": 4, "max_steps": 6, "eval_interval": 3, "eval_batches": 2, "ckpt_interval": 3, "log_interval": 1,
+            "batch_size": 4, "max_steps": 6, "eval_interval": 3, "eval_batches": 2, "checkpoint_interval": 3, "log_interval": 1,
             "out_dir": str(out), "progress": False, "tensorboard": False,
         }
         overrides.update(kw)

@@ -10,14 +10,14 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import fitgpt.checkpointing.apply as apply_mod
-from fitgpt.checkpointing import (
-    CheckpointWrapper,
+import fitgpt.activation_checkpoint.apply as apply_mod
+from fitgpt.activation_checkpoint import (
+    ActivationCheckpointWrapper,
     applied_policy,
-    apply_checkpointing,
+    apply_activation_checkpointing,
     find_blocks,
     parse_policy,
-    remove_checkpointing,
+    remove_activation_checkpointing,
 )
 from fitgpt.config import load_config
 from fitgpt.memory import measure_step_flops, measure_step_memory
@@ -59,7 +59,7 @@ def test_policy_is_exact_fp32(spec, dropout, tiny_model_config):
     cfg = tiny_model_config(dropout=dropout)
     idx, targets = _batch(cfg)
     model, (ref_loss, ref) = _reference(cfg, idx, targets)
-    apply_checkpointing(model, spec)
+    apply_activation_checkpointing(model, spec)
     loss, grads = _loss_and_grads(model, idx, targets)  # same seed: dropout masks must be replayed
     assert grads.keys() == ref.keys()
     if spec in BITWISE:
@@ -77,7 +77,7 @@ def test_policy_is_exact_under_cpu_bf16_autocast(spec, tiny_model_config):
     cfg = tiny_model_config(dropout=0.1)
     idx, targets = _batch(cfg)
     model, (ref_loss, ref) = _reference(cfg, idx, targets, autocast=torch.bfloat16)
-    apply_checkpointing(model, spec)
+    apply_activation_checkpointing(model, spec)
     loss, grads = _loss_and_grads(model, idx, targets, autocast=torch.bfloat16)
     if "chunked" in spec:
         # The chunked head runs its matmuls on chunks, so bf16 rounding differs slightly.
@@ -106,10 +106,10 @@ def counted(tiny_model_config):
     idx, targets = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
     out = {}
     for spec in ["none", "block", "group:2", "group:4", "every:2", "sqrt", "selective", "chunked-loss:64", "block+chunked-loss:64"]:
-        apply_checkpointing(model, spec)
+        apply_activation_checkpointing(model, spec)
         mem = measure_step_memory(model, idx, targets, blocks=model.attn_blocks)
         out[spec] = (mem, measure_step_flops(model, idx, targets))
-        remove_checkpointing(model)
+        remove_activation_checkpointing(model)
     return out
 
 
@@ -195,10 +195,10 @@ def test_state_dict_keys_unchanged_and_loadable_both_ways(tiny_model_config):
     cfg = tiny_model_config()
     plain = Transformer(cfg)
     wrapped = copy.deepcopy(plain)
-    apply_checkpointing(wrapped, "group:2+chunked-loss:8")
+    apply_activation_checkpointing(wrapped, "group:2+chunked-loss:8")
     assert list(wrapped.state_dict()) == list(plain.state_dict())
     fresh_plain, fresh_wrapped = Transformer(cfg), Transformer(cfg)
-    apply_checkpointing(fresh_wrapped, "block")
+    apply_activation_checkpointing(fresh_wrapped, "block")
     fresh_plain.load_state_dict(wrapped.state_dict())
     fresh_wrapped.load_state_dict(plain.state_dict())
     idx = torch.randint(0, cfg.vocab_size, (2, 16))
@@ -215,10 +215,10 @@ def test_remove_restores_the_module_tree_and_outputs(tiny_model_config):
     head = model.lm_head
     idx = torch.randint(0, cfg.vocab_size, (2, 16))
     ref = model(idx)[0]
-    apply_checkpointing(model, "group:3+chunked-loss")
-    assert isinstance(model.attn_blocks[0], CheckpointWrapper) and repr(model) != before
+    apply_activation_checkpointing(model, "group:3+chunked-loss")
+    assert isinstance(model.attn_blocks[0], ActivationCheckpointWrapper) and repr(model) != before
     assert applied_policy(model).spec == "group:3+chunked-loss"
-    remove_checkpointing(model)
+    remove_activation_checkpointing(model)
     assert repr(model) == before and list(model.attn_blocks) == blocks and model.lm_head is head
     assert torch.equal(model(idx)[0], ref)
     assert applied_policy(model).is_none
@@ -230,7 +230,7 @@ def test_no_recompute_wrapper_runs_in_eval_or_no_grad(monkeypatch, tiny_model_co
     monkeypatch.setattr(apply_mod, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
     cfg = tiny_model_config()
     model = Transformer(cfg)
-    apply_checkpointing(model, "block+chunked-loss:8")
+    apply_activation_checkpointing(model, "block+chunked-loss:8")
     idx = torch.randint(0, cfg.vocab_size, (2, 32))
     with torch.no_grad():
         model(idx, idx)
@@ -245,9 +245,9 @@ def test_no_recompute_wrapper_runs_in_eval_or_no_grad(monkeypatch, tiny_model_co
 
 def test_the_model_knows_nothing_of_checkpointing_and_method_1_is_one_call(tiny_model_config):
     model = Transformer(tiny_model_config())
-    assert not any(isinstance(b, CheckpointWrapper) for b in model.attn_blocks)
-    apply_checkpointing(model, "every:2")  # the seed's Method 1, from outside the model
-    assert [isinstance(b, CheckpointWrapper) for b in model.attn_blocks] == [True, False, True, False]
+    assert not any(isinstance(b, ActivationCheckpointWrapper) for b in model.attn_blocks)
+    apply_activation_checkpointing(model, "every:2")  # the seed's Method 1, from outside the model
+    assert [isinstance(b, ActivationCheckpointWrapper) for b in model.attn_blocks] == [True, False, True, False]
     assert applied_policy(model).spec == "every:2"
 
 
@@ -255,7 +255,7 @@ def test_a_legacy_model_checkpointing_key_moves_to_the_one_field(tmp_path):
     old = tmp_path / "config.json"
     old.write_text(json.dumps({"checkpointing": "none", "model": {"n_blocks": 2, "checkpointing": "every:2"}}))
     cfg = load_config("tiny", str(old))
-    assert cfg.checkpointing == "every:2" and cfg.policy.spec == "every:2"
+    assert cfg.activation_checkpointing == "every:2" and cfg.policy.spec == "every:2"
     old.write_text(json.dumps({"checkpointing": "block", "model": {"checkpointing": "every:2"}}))
     with pytest.raises(ValueError, match="disagree"):
         load_config("tiny", str(old))
@@ -264,7 +264,7 @@ def test_a_legacy_model_checkpointing_key_moves_to_the_one_field(tmp_path):
 def test_chunked_loss_returns_no_logits_with_targets_but_logits_without(tiny_model_config):
     cfg = tiny_model_config()
     model = Transformer(cfg)
-    apply_checkpointing(model, "chunked-loss:10")
+    apply_activation_checkpointing(model, "chunked-loss:10")
     idx = torch.randint(0, cfg.vocab_size, (2, 32))
     logits, loss = model(idx, idx)
     assert logits is None and loss.ndim == 0
@@ -306,13 +306,13 @@ def test_nonsense_policies_get_clear_errors(spec, match):
 def test_policy_errors_that_need_the_depth(tiny_model_config):
     model = Transformer(tiny_model_config(n_blocks=4))
     with pytest.raises(ValueError, match="out of range"):
-        apply_checkpointing(model, "blocks:7")
+        apply_activation_checkpointing(model, "blocks:7")
     with pytest.raises(ValueError, match="larger than the model's 4 blocks"):
-        apply_checkpointing(model, "group:5")
+        apply_activation_checkpointing(model, "group:5")
     with pytest.raises(ValueError, match="whole groups"):
-        apply_checkpointing(model, "group:2+offload:1")
+        apply_activation_checkpointing(model, "group:2+offload:1")
     with pytest.raises(ValueError, match="covered by two"):
-        apply_checkpointing(model, "every:2+selective:2")
+        apply_activation_checkpointing(model, "every:2+selective:2")
 
 
 GRAMMAR = st.sampled_from(["block", "group", "every", "blocks", "sqrt", "selective", "offload", "chunked-loss", "none",
@@ -357,7 +357,7 @@ def test_compiled_checkpointed_model_matches_eager(spec, tiny_model_config):
     cfg = tiny_model_config(n_blocks=2)
     idx, targets = _batch(cfg)
     model, (ref_loss, ref) = _reference(cfg, idx, targets)
-    apply_checkpointing(model, spec)
+    apply_activation_checkpointing(model, spec)
     compiled = torch.compile(model)
     loss, grads = _loss_and_grads(compiled, idx, targets)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
@@ -385,7 +385,7 @@ def test_hf_gpt2_gets_equal_gradients_and_fewer_bytes():
     ref_loss, ref = loss_and_grads()
     none_bytes = measure_step_memory(model, idx, idx).activation_bytes
     for spec in ("block", "group:2", "selective"):
-        apply_checkpointing(model, spec)
+        apply_activation_checkpointing(model, spec)
         assert find_blocks(model)[0] == "transformer.h"
         assert list(model.state_dict()) == keys
         loss, grads = loss_and_grads()
@@ -395,6 +395,6 @@ def test_hf_gpt2_gets_equal_gradients_and_fewer_bytes():
         for name in ref:
             torch.testing.assert_close(grads[name], ref[name], rtol=1e-5, atol=1e-7, msg=f"{spec} {name}")
         assert measure_step_memory(model, idx, idx).activation_bytes < none_bytes
-        remove_checkpointing(model)
+        remove_activation_checkpointing(model)
     with pytest.raises(ValueError, match="chunked-loss needs a head"):
-        apply_checkpointing(model, "block+chunked-loss")
+        apply_activation_checkpointing(model, "block+chunked-loss")

@@ -7,7 +7,7 @@ import pytest
 
 from fitgpt.cli import main
 from fitgpt.cli.train import parse
-from fitgpt.config import TrainConfig, from_dict
+from fitgpt.config import TrainConfig, from_dict, load_config
 
 
 @pytest.mark.parametrize("cmd", [[], ["prepare"], ["train"], ["generate"], ["bench"], ["plan"], ["fit"]])
@@ -21,7 +21,8 @@ def test_help_works(cmd, capsys):
 
 def test_console_script_help():
     out = subprocess.run([sys.executable, "-m", "fitgpt", "train", "--help"], capture_output=True, text=True, check=True).stdout
-    assert "--checkpointing" in out and "--model.n-embed" in out
+    assert "--activation-checkpointing" in out and "--checkpoint-interval" in out and "--model.n-embed" in out
+    assert "--checkpointing" in out and "--ckpt-interval" in out  # the spellings users know, still listed
 
 
 def test_precedence_defaults_preset_file_flags(tmp_path):
@@ -30,7 +31,24 @@ def test_precedence_defaults_preset_file_flags(tmp_path):
     cfg = parse(["--preset", "small", "--config", str(cfg_file), "--model.n-blocks", "5", "--checkpointing", "group:2"])
     assert cfg.model.n_embed == 768  # from the preset
     assert cfg.batch_size == 3  # from the file
-    assert cfg.model.n_blocks == 5 and cfg.checkpointing == "group:2"  # from flags
+    assert cfg.model.n_blocks == 5 and cfg.activation_checkpointing == "group:2"  # from flags
+
+
+def test_old_spellings_of_renamed_settings_still_work(tmp_path):
+    """"checkpoint" now means files on disk only: the recompute policy and the save interval were renamed."""
+    new = parse(["--activation-checkpointing", "every:2", "--checkpoint-interval", "7"])
+    assert parse(["--checkpointing", "every:2", "--ckpt-interval", "7"]) == new
+    assert (new.activation_checkpointing, new.checkpoint_interval) == ("every:2", 7)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"checkpointing": "every:2", "ckpt_interval": 7}))  # a config.json from an earlier version
+    assert parse(["--config", str(old)]) == dataclasses.replace(new, config=str(old))
+    # Later layers win whatever their spelling: a new file over an old-key override, an old file under new flags.
+    assert load_config("tiny", str(old), overrides={"activation_checkpointing": "block"}).activation_checkpointing == "block"
+    assert load_config("tiny", str(old), overrides={"checkpointing": "block"}).activation_checkpointing == "block"
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps({"checkpointing": "block", "activation_checkpointing": "every:2"}))
+    with pytest.raises(ValueError, match="checkpointing 'block' and activation_checkpointing 'every:2' disagree"):
+        load_config("tiny", str(both))
 
 
 def test_saved_run_config_loads_back(tmp_path):
@@ -47,7 +65,7 @@ def test_saved_run_config_loads_back(tmp_path):
     [({"bogus": 1}, "unknown key 'bogus'"), ({"model": {"n_embd": 3}}, "unknown key 'model.n_embd'"),
      ({"batch_size": "8"}, "batch_size must be int"), ({"model": {"n_embed": 30, "n_head": 4}}, "n_head"),
      ({"optim": {"lr": -1.0}}, "optim.lr must be positive"), ({"batch_size": -2}, "--batch-size"),
-     ({"precision": "fp8"}, "precision must be one of"), ({"checkpointing": "group:x"}, "--checkpointing")],
+     ({"precision": "fp8"}, "precision must be one of"), ({"activation_checkpointing": "group:x"}, "--activation-checkpointing")],
 )
 def test_config_errors_name_the_key(data, match):
     with pytest.raises(ValueError, match=match):

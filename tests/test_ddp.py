@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fitgpt.checkpointing import apply_checkpointing
+from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.model import Transformer
 
 
@@ -29,7 +29,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, cfg) -> None:
         for spec in ("none", "block", "selective"):
             torch.manual_seed(0)
             model = Transformer(cfg)
-            apply_checkpointing(model, spec)  # checkpointing first, then DDP
+            apply_activation_checkpointing(model, spec)  # checkpointing first, then DDP
             ddp = DDP(model)
             _, loss = ddp(idx, idx)
             loss.backward()

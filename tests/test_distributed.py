@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from fitgpt.checkpointing import apply_checkpointing
+from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
 from fitgpt.memory.profile import measure_train_step
 from fitgpt.model import Transformer
@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, cfg) -> None:
             parallel, accum = mode.split("-")[0], mode.endswith("accum")
             torch.manual_seed(0)
             model = Transformer(cfg)
-            apply_checkpointing(model, spec)  # checkpointing first, then DDP / FSDP
+            apply_activation_checkpointing(model, spec)  # checkpointing first, then DDP / FSDP
             step_model = du.wrap(model, info, parallel, CPU, None)
             xs, ys = x[mine], y[mine]
             batches = [(xs[:1], ys[:1]), (xs[1:], ys[1:])] if accum else [(xs, ys)]
@@ -123,7 +123,7 @@ def _memory_worker(rank: int, world: int, port: int, out_dir: str, cfg) -> None:
             for plan in (Plan.uniform(4, "none"), Plan.uniform(4, "full", "chunked"), Plan(("full", "none", "selective", "full"))):
                 torch.manual_seed(0)
                 model = Transformer(cfg)
-                apply_checkpointing(model, plan.spec())
+                apply_activation_checkpointing(model, plan.spec())
                 step_model = du.wrap(model, info, parallel, CPU, None)
                 opt = build_optimizer(model, OPTIM, CPU)
                 measure_train_step(step_model, opt, [(x, x)])  # the optimizer state exists from here on
@@ -178,13 +178,13 @@ def finish(p, timeout=300):
 @pytest.mark.timeout(600)
 def test_torchrun_ddp_trains_and_resumes_exactly(data_dir, corpus_dir, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    out, err = finish(torchrun(train_flags(data_dir, corpus_dir, straight, 6, "--checkpointing", "block"), tmp_path))
+    out, err = finish(torchrun(train_flags(data_dir, corpus_dir, straight, 6, "--activation-checkpointing", "block"), tmp_path))
     assert "global batch 8 = 4 per micro-batch x 1 accumulation x 2 processes, ddp" in err
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["steps"] == 6 and summary["world_size"] == 2
     assert out.count('"run_dir"') == 1  # rank 0 alone reports
-    finish(torchrun(train_flags(data_dir, corpus_dir, resumed, 3, "--checkpointing", "block"), tmp_path))
-    finish(torchrun(train_flags(data_dir, corpus_dir, resumed, 6, "--checkpointing", "block", "--resume", "latest"), tmp_path))
+    finish(torchrun(train_flags(data_dir, corpus_dir, resumed, 3, "--activation-checkpointing", "block"), tmp_path))
+    finish(torchrun(train_flags(data_dir, corpus_dir, resumed, 6, "--activation-checkpointing", "block", "--resume", "latest"), tmp_path))
     a = load_file(str(straight / "checkpoints/step_00000006" / ckpt.MODEL_FILE))
     b = load_file(str(resumed / "checkpoints/step_00000006" / ckpt.MODEL_FILE))
     for k in a:

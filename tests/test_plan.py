@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from fitgpt.checkpointing import apply_checkpointing, remove_checkpointing
+from fitgpt.activation_checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
 from fitgpt.cli import main
 from fitgpt.config import OptimConfig, load_config
 from fitgpt.memory.profile import measure_train_step
@@ -40,11 +40,11 @@ class Measured:
 
     def peak(self, plan: Plan) -> int:
         if plan.spec() not in self._cache:
-            apply_checkpointing(self.model, plan.spec())
+            apply_activation_checkpointing(self.model, plan.spec())
             try:
                 self._cache[plan.spec()] = measure_train_step(self.model, self.opt, self.batches).peak
             finally:
-                remove_checkpointing(self.model)
+                remove_activation_checkpointing(self.model)
         return self._cache[plan.spec()]
 
 
@@ -150,7 +150,7 @@ def test_plan_spec_round_trips_through_the_policy_grammar(tiny_model_config):
     assert Plan(("full", "none", "selective", "full")).spec() == "blocks:0,3+selective:2"
     model = Transformer(tiny_model_config())
     for plan in MIXED:
-        apply_checkpointing(model, plan.spec())  # the grammar accepts every plan the solver writes
+        apply_activation_checkpointing(model, plan.spec())  # the grammar accepts every plan the solver writes
 
 
 def test_no_fit_messages_say_by_how_much_and_what_to_change(tiny_profile):
@@ -203,7 +203,7 @@ def test_plan_command(capsys):
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
     assert result["predicted_peak"] <= 40 * 2**20
-    assert f"--checkpointing '{result['policy']}'" in out
+    assert f"--activation-checkpointing '{result['policy']}'" in out
 
 
 def test_plan_command_errors_name_the_flag(capsys):
@@ -245,7 +245,7 @@ def test_fit_command(capsys):
 def test_train_config_budget_errors():
     with pytest.raises(ValueError, match="--memory-budget"):
         load_config("tiny", overrides={"checkpointing": "auto"})
-    with pytest.raises(ValueError, match="--checkpointing auto"):
+    with pytest.raises(ValueError, match="--activation-checkpointing auto"):
         load_config("tiny", overrides={"checkpointing": "block", "memory_budget": "1GiB"})
     with pytest.raises(ValueError, match="is not a size"):
         load_config("tiny", overrides={"checkpointing": "auto", "memory_budget": "lots"})

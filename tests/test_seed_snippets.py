@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 from torch.utils.checkpoint import checkpoint_sequential
 
-from fitgpt.checkpointing import apply_checkpointing
+from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.memory import measure_step_memory
 from fitgpt.model import Transformer
 
@@ -125,7 +125,7 @@ def test_method_2_keeps_half_the_blocks(tiny_model_config):
     seed_model.load_state_dict(model.state_dict())
     seed = sum(measure_step_memory(seed_model, idx, targets, blocks=seed_model.attn_blocks).block_bytes)
     none = sum(measure_step_memory(model, idx, targets, blocks=model.attn_blocks).block_bytes)
-    apply_checkpointing(model, "block")
+    apply_activation_checkpointing(model, "block")
     block = sum(measure_step_memory(model, idx, targets, blocks=model.attn_blocks).block_bytes)
     # checkpoint_sequential never checkpoints its last segment: every second block keeps everything.
     assert seed == (N // 2) * (16 * boundary + 8192) + (N // 2) * boundary

@@ -18,7 +18,7 @@ from fitgpt.train.checkpoint import tied_names
 
 def test_the_trainer_step_is_the_shared_train_step(make_cfg, tmp_path):
     """Weights after two trainer steps equal two calls of ``train_step`` by hand, bit for bit (clipping, lr included)."""
-    cfg = make_cfg(tmp_path / "run", max_steps=2, ckpt_interval=2, grad_accum=2, **{"model": {
+    cfg = make_cfg(tmp_path / "run", max_steps=2, checkpoint_interval=2, grad_accum=2, **{"model": {
         "context_length": 32, "n_embed": 32, "n_head": 4, "n_blocks": 2, "dropout": 0.0}})
     cfg.optim.grad_clip = 0.05  # small enough that clipping acts
     summary = train(cfg)

@@ -26,13 +26,13 @@ def losses(run: Path) -> list:
 @pytest.mark.parametrize("policy", ["none", "block"])
 def test_resume_is_bitwise_equal_to_straight_through(data_dir, corpus_dir, tmp_path, policy, make_cfg):
     straight = tmp_path / "straight"
-    summary = train(make_cfg(straight, checkpointing=policy))
+    summary = train(make_cfg(straight, activation_checkpointing=policy))
     assert summary["steps"] == 6 and (straight / "loss.png").is_file()
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "step_00000003", resumed / "checkpoints" / "step_00000003")
     shutil.copy(straight / "metrics.jsonl", resumed / "metrics.jsonl")
-    train(make_cfg(resumed, resume="latest", checkpointing=policy))
+    train(make_cfg(resumed, resume="latest", activation_checkpointing=policy))
     a, b = weights(straight / "checkpoints" / "step_00000006"), weights(resumed / "checkpoints" / "step_00000006")
     assert a.keys() == b.keys()
     for k in a:

@@ -12,9 +12,11 @@ import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from fitgpt.checkpointing.policy import parse_policy
+import tyro
+
+from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.data.prepare import DataConfig
 from fitgpt.memory.units import parse_bytes
 from fitgpt.model.config import ModelConfig, require_positive_ints
@@ -73,8 +75,8 @@ class TrainConfig:
     """Batches per evaluation."""
     log_interval: int = 10
     """Write a metrics line every this many steps."""
-    ckpt_interval: int = 100
-    """Save a checkpoint every this many steps (and at the end)."""
+    checkpoint_interval: Annotated[int, tyro.conf.arg(aliases=("--ckpt-interval",))] = 100
+    """Save a checkpoint (weights and training state, on disk) every this many steps (and at the end)."""
     keep_last: int = 3
     """Checkpoints to keep; older ones are deleted."""
     seed: int = 1337
@@ -83,16 +85,16 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """auto: bf16 autocast on CUDA, fp32 elsewhere; fp16 uses a GradScaler."""
     compile: bool = False
-    """torch.compile the model (after checkpointing is applied)."""
-    checkpointing: str = "none"
-    """Activation checkpointing policy, e.g. none, block, group:2, every:2, selective, block+chunked-loss,
-    or auto (needs --memory-budget)."""
+    """torch.compile the model (after activation checkpointing is applied)."""
+    activation_checkpointing: Annotated[str, tyro.conf.arg(aliases=("--checkpointing",))] = "none"
+    """Which activations to recompute in backward instead of keeping: none, block, group:2, every:2, selective,
+    block+chunked-loss, ..., or auto (needs --memory-budget)."""
     parallel: Literal["ddp", "fsdp"] = "ddp"
     """Under torchrun: ddp (a full replica per process) or fsdp (weights, gradients and optimizer state sharded)."""
     dist_timeout: float = 600.0
     """Seconds a collective waits for the other processes before the run fails (a crashed rank never hangs the rest)."""
     memory_budget: Optional[str] = None
-    """Peak memory of a training step to plan for with --checkpointing auto, e.g. 6GiB (per process under torchrun)."""
+    """Peak memory of a training step to plan for with --activation-checkpointing auto, e.g. 6GiB (per process under torchrun)."""
     out_dir: Optional[str] = None
     """Run directory; default runs/<preset>."""
     resume: Optional[str] = None
@@ -107,34 +109,33 @@ class TrainConfig:
     """Skip up to this many steps whose loss is NaN/Inf before stopping (0: stop at the first)."""
 
     def __post_init__(self) -> None:
-        require_positive_ints(
-            self, ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval", "ckpt_interval", "keep_last")
-        )
+        require_positive_ints(self, ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval",
+                                     "checkpoint_interval", "keep_last"))
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --out-dir and --overwrite removes it; drop one of them")
         if not self.dist_timeout > 0:
             raise ValueError("dist_timeout must be positive (set --dist-timeout)")
         if self.max_bad_steps < 0:
             raise ValueError("max_bad_steps must not be negative (set --max-bad-steps)")
-        if self.checkpointing == "auto":
+        if self.activation_checkpointing == "auto":
             if not self.memory_budget:
-                raise ValueError("--checkpointing auto plans for a budget: add --memory-budget, e.g. --memory-budget 6GiB")
+                raise ValueError("--activation-checkpointing auto plans for a budget: add --memory-budget, e.g. --memory-budget 6GiB")
         else:
             try:
                 # Parsed once, here: the trainer and the CLI read cfg.policy (not a dataclass field: the spec is the setting).
-                object.__setattr__(self, "_policy", parse_policy(self.checkpointing))
+                object.__setattr__(self, "_policy", parse_policy(self.activation_checkpointing))
             except ValueError as e:
-                raise ValueError(f"checkpointing: {e} (set --checkpointing)") from None
+                raise ValueError(f"activation_checkpointing: {e} (set --activation-checkpointing)") from None
             if self.memory_budget:
-                raise ValueError("--memory-budget is for --checkpointing auto; set --checkpointing auto or drop --memory-budget "
-                                 "(fitgpt plan predicts the peak of any fixed policy)")
+                raise ValueError("--memory-budget is for --activation-checkpointing auto; set --activation-checkpointing auto "
+                                 "or drop --memory-budget (fitgpt plan predicts the peak of any fixed policy)")
         if self.memory_budget:
             parse_bytes(self.memory_budget)
     @property
     def policy(self):
         """The parsed activation checkpointing policy (``auto`` has none until it is planned)."""
-        if self.checkpointing == "auto":
-            raise ValueError("--checkpointing auto becomes a policy only once planned")
+        if self.activation_checkpointing == "auto":
+            raise ValueError("--activation-checkpointing auto becomes a policy only once planned")
         return self._policy
 
     @property
@@ -216,34 +217,49 @@ def preset_dict(name: str) -> dict:
     return json.loads(resources.files("fitgpt.presets").joinpath(f"{name}.json").read_text())
 
 
+# Keys renamed so that "checkpoint" means files on disk and "activation checkpointing" means recompute.
+_RENAMED = {"checkpointing": "activation_checkpointing", "ckpt_interval": "checkpoint_interval"}
+
+
 def _migrate(data: dict, source: str) -> dict:
-    """Configs written before the policy left ModelConfig carry ``model.checkpointing``: it moves to the one field."""
+    """Older spellings move to today's keys: ``checkpointing`` and ``ckpt_interval`` (renamed), and
+    ``model.checkpointing`` (from before the policy left ModelConfig)."""
+    data = dict(data)
+    for old, new in _RENAMED.items():
+        if old in data:
+            data = _move(data, old, data.pop(old), source, new=new)
     model = data.get("model")
     if isinstance(model, dict) and "checkpointing" in model:
         model = dict(model)
         legacy = model.pop("checkpointing")
-        data = {**data, "model": model}
+        data["model"] = model
         if legacy not in (None, "none"):
-            if data.get("checkpointing", "none") not in ("none", legacy):
-                raise ValueError(f"{source}: model.checkpointing {legacy!r} and checkpointing {data['checkpointing']!r} "
-                                 "disagree; keep checkpointing only")
-            data["checkpointing"] = legacy
+            data = _move(data, "model.checkpointing", legacy, source, none_is_unset=True)
     return data
+
+
+def _move(data: dict, old: str, value: Any, source: str, new: str = "activation_checkpointing",
+          none_is_unset: bool = False) -> dict:
+    current = data.get(new, "none" if none_is_unset else None)
+    unset = current is None or (none_is_unset and current == "none")
+    if not unset and current != value:
+        raise ValueError(f"{source}: {old} {value!r} and {new} {current!r} disagree; keep {new} only")
+    return {**data, new: value}
 
 
 def load_config(preset: str = "tiny", config: str | None = None, overrides: dict | None = None) -> TrainConfig:
     """Defaults < preset < config file < overrides, as one validated TrainConfig."""
     data: dict = {"preset": preset}
-    data = merge(data, preset_dict(preset))
+    data = merge(data, _migrate(preset_dict(preset), f"preset {preset}"))
     source = f"preset {preset}"
     if config:
-        file_data = read_json(config)
+        file_data = _migrate(read_json(config), str(config))  # each layer in today's keys, so that later layers win
         file_data.pop("preset", None)
         data = merge(data, file_data)
         data["config"] = str(config)
         source = str(config)
-    data = merge(data, overrides or {})
-    return from_dict(TrainConfig, _migrate(data, source), source)
+    data = merge(data, _migrate(overrides or {}, "overrides"))
+    return from_dict(TrainConfig, data, source)
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -37,8 +37,8 @@ def run(args: list[str]) -> int:
     if cfg.world_size > 1:
         launch = f"torchrun --nproc-per-node {cfg.world_size} -m fitgpt train --parallel {cfg.parallel}"
     print(f"train with: {launch} --preset {tcfg.preset} --batch-size {tcfg.batch_size} "
-          f"--model.context-length {tcfg.model.context_length} --checkpointing '{plan.spec()}'"
-          f"   (or: --checkpointing auto --memory-budget {cfg.memory_budget})")
+          f"--model.context-length {tcfg.model.context_length} --activation-checkpointing '{plan.spec()}'"
+          f"   (or: --activation-checkpointing auto --memory-budget {cfg.memory_budget})")
     print(json.dumps({"policy": plan.spec(), "budget": budget, "predicted_peak": pred.peak, "where": pred.where,
                       "breakdown": pred.breakdown(), "flops_ratio": pred.flops_ratio, "profile_seconds": profile.seconds}))
     return 0

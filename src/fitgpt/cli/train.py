@@ -23,8 +23,8 @@ def parse(args: list[str]) -> TrainConfig:
 
 
 def _planner(cfg: TrainConfig):
-    """--checkpointing auto: the loop is handed the planner's entry point (it never imports the planner)."""
-    if cfg.checkpointing != "auto":
+    """--activation-checkpointing auto: the loop is handed the planner's entry point (it never imports the planner)."""
+    if cfg.activation_checkpointing != "auto":
         return None
     from fitgpt.plan import plan_for
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from fitgpt.checkpointing.apply import find_blocks
+from fitgpt.activation_checkpoint.apply import find_blocks
 from fitgpt.memory.flops import OpFlops
 from fitgpt.memory.measure import default_loss
 from fitgpt.memory.tracker import LiveMemory

@@ -1,4 +1,4 @@
-"""--checkpointing auto: the one entry point from a training config to a concrete plan."""
+"""--activation-checkpointing auto: the one entry point from a training config to a concrete plan."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 
 def plan_for(cfg: TrainConfig, device: torch.device, dtype: torch.dtype | None, world: int = 1) -> dict:
-    """--checkpointing auto: profile this config on this device, then solve for the cheapest plan (per rank)."""
+    """--activation-checkpointing auto: profile this config on this device, then solve for the cheapest plan (per rank)."""
     budget = parse_bytes(cfg.memory_budget)
     ddp = world > 1 and cfg.parallel == "ddp"  # DDP keeps every gradient in its buckets
     profile = profile_model(cfg.model, cfg.batch_size, cfg.model.context_length, device, cfg.optim, cfg.grad_accum, dtype,

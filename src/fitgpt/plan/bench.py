@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from fitgpt.checkpointing import apply_checkpointing, parse_policy, remove_checkpointing
+from fitgpt.activation_checkpoint import apply_activation_checkpointing, parse_policy, remove_activation_checkpointing
 from fitgpt.device import autocast
 from fitgpt.memory.flops import OpFlops
 from fitgpt.memory.measure import measure_step_memory
@@ -133,14 +133,14 @@ def _measure(model, optimizer, batches, specs: dict, step_kw: dict) -> dict[str,
     """Per policy: activation bytes and FLOPs of one micro-batch's forward + backward, and the whole step's peak."""
     measured: dict[str, dict] = {}
     for name, (spec, _, _) in specs.items():
-        apply_checkpointing(model, spec)
+        apply_activation_checkpointing(model, spec)
         with step_kw["amp"](), OpFlops() as fl:
             act = measure_step_memory(model, *batches[0]).activation_bytes
         model.zero_grad(set_to_none=True)
         peak = measure_train_step(model, optimizer, batches, **step_kw)
         measured[name] = {"activation_bytes": act, "flops": fl.total * len(batches), "peak_bytes": peak.peak,
                           "peak_source": peak.source}
-        remove_checkpointing(model)
+        remove_activation_checkpointing(model)
     return measured
 
 
@@ -150,7 +150,7 @@ def _time(model, optimizer, batches, specs: dict, step_kw: dict, warmup: int, re
     times: dict[str, list[float]] = {name: [] for name in specs}
     for r in range(warmup + repeats):
         for name, (spec, _, _) in specs.items():
-            apply_checkpointing(model, spec)
+            apply_activation_checkpointing(model, spec)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
@@ -159,7 +159,7 @@ def _time(model, optimizer, batches, specs: dict, step_kw: dict, warmup: int, re
                 torch.cuda.synchronize(device)
             if r >= warmup:
                 times[name].append(time.perf_counter() - t0)
-            remove_checkpointing(model)
+            remove_activation_checkpointing(model)
     return times
 
 

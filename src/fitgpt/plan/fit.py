@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import math
 
-from fitgpt.checkpointing.policy import DEFAULT_LOSS_CHUNK_ROWS
+from fitgpt.activation_checkpoint.policy import DEFAULT_LOSS_CHUNK_ROWS
 from fitgpt.plan.profile import BlockOption, HeadOption, StepProfile
 from fitgpt.plan.solver import Plan, PlanError, predict, solve
 from fitgpt.plan.workload import WorkloadConfig

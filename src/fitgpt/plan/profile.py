@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fitgpt.checkpointing import apply_checkpointing
+from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
 from fitgpt.memory.profile import (
@@ -151,7 +151,7 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
     # backward segments are unaffected, and the optimizer's workspace is read from the later runs.
     timelines: dict[str, StepTimeline] = {}
     for option, (spec, _) in _RUNS.items():
-        apply_checkpointing(model, spec)
+        apply_activation_checkpointing(model, spec)
         timelines[option] = profile_step(model, x, y, optimizer, loss_fn=loss_fn, zero_grad=not accumulate,
                                          grad_clip=optim_cfg.grad_clip)
     base = timelines["none"]

@@ -32,7 +32,7 @@ class Plan:
     head: str = "plain"
 
     def spec(self) -> str:
-        """The plan as a ``--checkpointing`` policy string."""
+        """The plan as a ``--activation-checkpointing`` policy string."""
         n = len(self.blocks)
         terms = []
         for option, whole in (("full", "block"), ("selective", "selective")):
@@ -233,6 +233,6 @@ def _no_fit_message(p: StepProfile, budget: int) -> str:
     knobs.append(f"a shorter context (about --model.context-length {max(1, int(p.context * scale))})")
     knobs.append("fewer blocks (--model.n-blocks)")
     if p.device.startswith("cuda"):
-        knobs.append("offloading saved activations to host memory (add +offload to --checkpointing)")
+        knobs.append("offloading saved activations to host memory (add +offload to --activation-checkpointing)")
     lines.append("To fit, try " + "; or ".join(knobs) + ".")
     return " ".join(lines)

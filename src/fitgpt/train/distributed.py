@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fitgpt.checkpointing.apply import CheckpointWrapper, find_blocks
+from fitgpt.activation_checkpoint.apply import ActivationCheckpointWrapper, find_blocks
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def wrap(model: nn.Module, info: DistInfo, parallel: str, device: torch.device, 
     for block in blocks:
         # Shard the block itself, not its checkpoint wrapper: a group's first wrapper runs the
         # other blocks of its group directly, and their own hooks must gather their weights.
-        fully_shard(block.inner if isinstance(block, CheckpointWrapper) else block, mp_policy=mp)
+        fully_shard(block.inner if isinstance(block, ActivationCheckpointWrapper) else block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from fitgpt.checkpointing import Policy, apply_checkpointing, parse_policy, remove_checkpointing
+from fitgpt.activation_checkpoint import Policy, apply_activation_checkpointing, parse_policy, remove_activation_checkpointing
 from fitgpt.config import OptimConfig, TrainConfig, to_dict
 from fitgpt.data import BatchSampler, TokenData, ensure_prepared
 from fitgpt.device import autocast, autocast_dtype, peak_memory_bytes, resolve_device
@@ -102,7 +102,7 @@ def log_activation_memory(model: nn.Module, policy_spec: str, x: torch.Tensor, y
     rng = _rng_state(device)
     result = {}
     for spec in ("none", policy_spec) if policy_spec != "none" else ("none",):
-        apply_checkpointing(model, spec)
+        apply_activation_checkpointing(model, spec)
         try:
             result[spec] = measure_step_memory(model, x, y).activation_bytes
         except torch.OutOfMemoryError:
@@ -173,7 +173,7 @@ def evaluate(model: nn.Module, data: TokenData, cfg: TrainConfig, device: torch.
 def train(cfg: TrainConfig, planner: Planner | None = None) -> dict:
     """Train per cfg and return a summary (steps, losses, time, run directory).
 
-    ``planner`` turns --checkpointing auto into a plan for this device and process count (the CLI hands
+    ``planner`` turns --activation-checkpointing auto into a plan for this device and process count (the CLI hands
     in the planner's ``plan_for``; the loop itself never imports the planner). Under torchrun every rank
     runs this function; rank 0 alone logs, writes metrics and checkpoints.
     """
@@ -255,7 +255,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
         if metrics:
             metrics.close()
     png = plot_loss_curve(metrics.path, cfg.run_dir / "loss.png") if metrics else None
-    remove_checkpointing(model)
+    remove_activation_checkpointing(model)
     return {
         "run_dir": str(cfg.run_dir), "steps": progress.step, "train_loss": progress.loss, "val_loss": progress.val_loss,
         "seconds": time.perf_counter() - t_start, "interrupted": progress.interrupted,
@@ -310,10 +310,10 @@ def _write_run_files(cfg: TrainConfig) -> None:
 def _choose_policy(cfg: TrainConfig, planner: Planner | None, device: torch.device, dtype: torch.dtype | None,
                    world: int) -> tuple[Policy, dict | None]:
     """The run's checkpointing policy; for auto, the planner's plan for this device and process count."""
-    if cfg.checkpointing != "auto":
+    if cfg.activation_checkpointing != "auto":
         return cfg.policy, None
     if planner is None:
-        raise ValueError("--checkpointing auto needs a planner: pass the planner's plan_for as train(cfg, planner=...)")
+        raise ValueError("--activation-checkpointing auto needs a planner: pass the planner's plan_for as train(cfg, planner=...)")
     planned = planner(cfg, device, dtype, world)
     return parse_policy(planned["policy"]), planned
 
@@ -322,7 +322,7 @@ def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist
                   dtype: torch.dtype | None) -> nn.Module:
     """The one place a model is made ready to train, in this order on every rank: activation checkpointing
     (in place), then torch.compile, then DDP or FSDP. Returns the module the steps call."""
-    apply_checkpointing(model, policy)
+    apply_activation_checkpointing(model, policy)
     log.info("checkpointing %s", policy.describe(cfg.model.n_blocks))
     step_model = torch.compile(model) if cfg.compile else model
     return dist_utils.wrap(step_model, info, cfg.parallel, device, dtype if cfg.parallel == "fsdp" else None)
@@ -351,7 +351,7 @@ def _loop(run: _Run, start_step: int) -> _Progress:
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if cfg.progress and info.is_main else True, dynamic_ncols=True)
     t_log = time.perf_counter()
     run.model.train()
-    # With --checkpointing auto, the second step of this process is measured against the plan.
+    # With --activation-checkpointing auto, the second step of this process is measured against the plan.
     probe_step = start_step + 1 if cfg.max_steps > start_step + 1 else start_step
     with _StopFlag() as stop:
         while p.step < cfg.max_steps:
@@ -374,7 +374,7 @@ def _loop(run: _Run, start_step: int) -> _Progress:
                 log.info("step %d: train loss %.4f, val loss %.4f", p.step, p.loss, p.val_loss)
             # A signal may reach one rank only: all of them stop, and save, at the same step.
             stopping = dist_utils.any_rank(info, stop.signal is not None, run.device)
-            if p.step % cfg.ckpt_interval == 0 or p.step == cfg.max_steps or stopping:
+            if p.step % cfg.checkpoint_interval == 0 or p.step == cfg.max_steps or stopping:
                 p.checkpoint = _save(run, p.step)
             if stopping:
                 p.interrupted = stop.signal or ("SIGNAL" if p.step < cfg.max_steps else None)
@@ -404,7 +404,8 @@ def _step(run: _Run, step: int, probe: bool) -> StepResult:
             f"out of memory at step {step} (batch {cfg.batch_size} x {cfg.model.context_length}, checkpointing "
             f"{run.policy.spec!r}). Run `fitgpt plan --preset {cfg.preset} --batch-size {cfg.batch_size} --context "
             f"{cfg.model.context_length} --memory-budget <your GPU's memory>` for a plan that fits, or train with "
-            "--checkpointing auto --memory-budget <size>; a smaller --batch-size with a larger --grad-accum keeps the tokens per step"
+            "--activation-checkpointing auto --memory-budget <size>; a smaller --batch-size with a larger --grad-accum "
+            "keeps the tokens per step"
         ) from None
     if peak is not None:
         run.planned["measured_peak"] = peak.result.peak

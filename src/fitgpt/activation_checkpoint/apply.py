@@ -1,7 +1,7 @@
 """One mechanism for every policy: wrap blocks (and the head) in modules, never replace ``forward``.
 
-``apply_checkpointing(model, policy)`` finds the model's list of blocks, then puts a
-``CheckpointWrapper`` at each position of that list. The wrapper holds the block under the child
+``apply_activation_checkpointing(model, policy)`` finds the model's list of blocks, then puts a
+``ActivationCheckpointWrapper`` at each position of that list. The wrapper holds the block under the child
 name ``inner`` and hides that name from ``state_dict``, so checkpoints load with or without
 checkpointing. A group region of K blocks is one checkpoint call made by the wrapper at the group's
 first position; the wrappers at the other K-1 positions pass its result on. In eval mode or under
@@ -19,13 +19,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from fitgpt.checkpointing.policy import (
+from fitgpt.activation_checkpoint.policy import (
     RECOMPUTE_NONE,
     RECOMPUTE_SELECTIVE,
     Policy,
     parse_policy,
 )
-from fitgpt.checkpointing.selective import selective_context_fn
+from fitgpt.activation_checkpoint.selective import selective_context_fn
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class _GroupState:
         self.pending = 0
 
 
-class CheckpointWrapper(_Wrapper):
+class ActivationCheckpointWrapper(_Wrapper):
     """One position of the block list under a checkpointing region.
 
     recompute: none, full or selective. offload: send what autograd saves to host memory.
@@ -233,7 +233,7 @@ def _takes_targets(head: object) -> bool:
     return "targets" in params
 
 
-def apply_checkpointing(model: nn.Module, policy: str | Policy, blocks: str | nn.ModuleList | None = None) -> Policy:
+def apply_activation_checkpointing(model: nn.Module, policy: str | Policy, blocks: str | nn.ModuleList | None = None) -> Policy:
     """Apply ``policy`` to ``model`` in place and return the parsed policy.
 
     Works on fitgpt's Transformer and on models we did not write (GPT-2 style ``transformer.h``,
@@ -241,7 +241,7 @@ def apply_checkpointing(model: nn.Module, policy: str | Policy, blocks: str | nn
     """
     policy = parse_policy(policy)
     if getattr(model, _STATE_ATTR, None) is not None:
-        remove_checkpointing(model)
+        remove_activation_checkpointing(model)
     path, block_list = find_blocks(model, blocks)
     regions = policy.regions(len(block_list))  # validates the policy against this depth first
     head_path = None
@@ -259,26 +259,26 @@ def apply_checkpointing(model: nn.Module, policy: str | Policy, blocks: str | nn
             continue
         members = [block_list[i] for i in range(region.start, region.stop)]
         if len(members) == 1:
-            block_list[region.start] = CheckpointWrapper(members[0], region.recompute, region.offload)
+            block_list[region.start] = ActivationCheckpointWrapper(members[0], region.recompute, region.offload)
             continue
         group = _GroupState(len(members))
-        block_list[region.start] = CheckpointWrapper(members[0], region.recompute, region.offload, group, members)
+        block_list[region.start] = ActivationCheckpointWrapper(members[0], region.recompute, region.offload, group, members)
         for i in range(region.start + 1, region.stop):
-            block_list[i] = CheckpointWrapper(block_list[i], region.recompute, region.offload, group)
+            block_list[i] = ActivationCheckpointWrapper(block_list[i], region.recompute, region.offload, group)
     setattr(model, _STATE_ATTR, (policy, path, head_path))
     log.debug("checkpointing %s", policy.describe(len(block_list)))
     return policy
 
 
-def remove_checkpointing(model: nn.Module) -> None:
-    """Undo ``apply_checkpointing``: the original modules go back to their places."""
+def remove_activation_checkpointing(model: nn.Module) -> None:
+    """Undo ``apply_activation_checkpointing``: the original modules go back to their places."""
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         return
     _, path, head_path = state
     block_list = _get(model, path)
     for i, mod in enumerate(block_list):
-        if isinstance(mod, CheckpointWrapper):
+        if isinstance(mod, ActivationCheckpointWrapper):
             block_list[i] = mod.inner
     if head_path is not None and isinstance(getattr(model, head_path), ChunkedLossHead):
         setattr(model, head_path, getattr(model, head_path).inner)
