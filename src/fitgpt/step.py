@@ -37,15 +37,20 @@ def grad_scaler(device: torch.device, dtype: torch.dtype | None) -> torch.amp.Gr
 
 
 def optimizer_update(model: nn.Module, optimizer: torch.optim.Optimizer, loss: float,
-                     scaler: torch.amp.GradScaler | None = None, grad_clip: float = 0.0) -> tuple[float, bool]:
-    """Unscale, clip, step unless something is not finite; returns (grad norm, applied). Gradients stay."""
+                     scaler: torch.amp.GradScaler | None = None, grad_clip: float = 0.0, check: bool = True) -> tuple[float, bool]:
+    """Unscale, clip, step unless something is not finite; returns (grad norm, applied). Gradients stay.
+
+    ``check=False`` steps without reading the norm on the host (the profiler, whose tensors may be
+    fake and hold no values); the device-side work, and so the memory, is the same.
+    """
     if scaler is not None:
         scaler.unscale_(optimizer)
     # The norm is computed even without clipping: it is logged, and a non-finite one means skipping the step.
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    grad_norm = float(norm) if check else math.nan
     fp16 = scaler is not None and scaler.is_enabled()
     # Under fp16 the scaler skips overflowing steps itself (and lowers its scale): an inf norm is routine.
-    applied = math.isfinite(loss) and (fp16 or math.isfinite(grad_norm))
+    applied = not check or (math.isfinite(loss) and (fp16 or math.isfinite(grad_norm)))
     if applied:
         if scaler is not None:
             scaler.step(optimizer)

@@ -60,15 +60,16 @@ class SavedTensors:
     """Unique storages autograd saves for backward, parameters excluded."""
 
     def __init__(self, model: nn.Module | None = None) -> None:
-        self._exclude = {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
+        # Storages by identity (``_cdata``): fake storages have no data pointer.
+        self._exclude = {p.untyped_storage()._cdata for p in model.parameters()} if model is not None else set()
         self.storages: dict[tuple, int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in self._exclude and st.nbytes() > 0:
-            self.storages.setdefault((t.device.type, ptr), st.nbytes())
+        key = st._cdata
+        if key not in self._exclude and st.nbytes() > 0:
+            self.storages.setdefault(key, st.nbytes())
         return t
 
     @property

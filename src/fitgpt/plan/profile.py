@@ -18,6 +18,7 @@ import torch
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
+from fitgpt.memory.fake import fake_mode, fake_module
 from fitgpt.memory.profile import (
     StepTimeline,
     grad_bytes,
@@ -124,19 +125,38 @@ def _head_option(tl: StepTimeline, base: StepTimeline) -> HeadOption:
 
 def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None = None, device: str | torch.device = "cpu",
                   optim_cfg=None, grad_accum: int = 1, dtype: torch.dtype | None = None, seed: int = 0,
-                  persistent_grads: bool = False) -> StepProfile:
-    """Build the model on ``device`` and profile one training step per option (three in all)."""
+                  persistent_grads: bool = False, fake: bool = False) -> StepProfile:
+    """Profile one training step per option (three in all) of ``model_cfg`` on ``device``.
+
+    ``fake``: on fake tensors (shapes, no storage, no arithmetic), so that any size plans in seconds
+    with no memory; the same numbers as real tensors (tested byte for byte on CPU).
+    """
     t0 = time.perf_counter()
     device = torch.device(device)
     context = context or model_cfg.context_length
     cfg = dataclasses.replace(model_cfg, context_length=max(context, model_cfg.context_length))
     torch.manual_seed(seed)
-    model = Transformer(cfg).to(device)
+    if not fake:
+        return _profile(Transformer(cfg).to(device), cfg, batch_size, context, device, optim_cfg, grad_accum, dtype,
+                        persistent_grads, seed, t0)
+    mode = fake_mode()
+    with torch.device("meta"):
+        model = fake_module(Transformer(cfg), device, mode)
+    with mode:
+        return _profile(model, cfg, batch_size, context, device, optim_cfg, grad_accum, dtype, persistent_grads, None, t0)
+
+
+def _profile(model: Transformer, cfg: ModelConfig, batch_size: int, context: int, device: torch.device, optim_cfg,
+             grad_accum: int, dtype: torch.dtype | None, persistent_grads: bool, seed: int | None, t0: float) -> StepProfile:
     model.train()
     optim_cfg = optim_cfg or OptimConfig()
     optimizer = build_optimizer(model, optim_cfg, device)
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, cfg.vocab_size, (batch_size, context + 1), generator=g).to(device)
+    # (B, T + 1) token ids; their values matter to no byte count, so fake runs take zeros.
+    if seed is None:
+        idx = torch.zeros(batch_size, context + 1, dtype=torch.long, device=device)
+    else:
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.randint(0, cfg.vocab_size, (batch_size, context + 1), generator=g).to(device)
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
     amp = autocast(device, dtype)
 

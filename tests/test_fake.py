@@ -1,0 +1,88 @@
+"""Planning on fake tensors: the same bytes and FLOPs as a real step, with no memory and no arithmetic."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from fitgpt.memory import LiveMemory
+from fitgpt.memory.fake import fake_mode, fake_module, is_fake
+from fitgpt.model import Transformer
+from fitgpt.plan.profile import per_rank, profile_model
+from fitgpt.plan.solver import Plan, predict
+
+
+def _fields(profile) -> dict:
+    d = dataclasses.asdict(profile)
+    d.pop("seconds")
+    return d
+
+
+CASES = {
+    "fp32": {},
+    "dropout": {"model": {"dropout": 0.1}},
+    "accumulation": {"grad_accum": 3},
+    "bf16 autocast": {"dtype": torch.bfloat16},
+    "DDP buckets": {"persistent_grads": True},
+    "odd shapes": {"model": {"n_embed": 40, "n_head": 5, "vocab_size": 200, "bias": False}, "context": 27, "batch": 3},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fake_profile_equals_the_real_one_byte_for_byte(case, tiny_model_config):
+    """Every block option (none, selective, full) and both heads (plain, chunked loss) are in the profile."""
+    kw = dict(CASES[case])
+    cfg = tiny_model_config(**kw.pop("model", {}))
+    batch, context = kw.pop("batch", 4), kw.pop("context", 32)
+    real = profile_model(cfg, batch, context, "cpu", **kw)
+    fake = profile_model(cfg, batch, context, "cpu", fake=True, **kw)
+    assert _fields(fake) == _fields(real)
+    assert real.step_flops > 0 and real.blocks[0]["full"].recompute_flops > 0  # FLOPs are counted, not zero on both
+    for world, parallel in ((2, "ddp"), (4, "fsdp")):
+        assert _fields(per_rank(fake, world, parallel)) == _fields(per_rank(real, world, parallel))
+    n = cfg.n_blocks
+    for plan in (Plan.uniform(n, "none"), Plan.uniform(n, "selective"), Plan.uniform(n, "full", "chunked")):
+        assert predict(fake, plan).peak == predict(real, plan).peak
+
+
+def test_fake_module_keeps_ties_and_allocates_nothing(tiny_model_config):
+    mode = fake_mode()
+    with torch.device("meta"):
+        model = fake_module(Transformer(tiny_model_config()), torch.device("cpu"), mode)
+    assert model.lm_head.weight is model.token_embed.weight
+    assert all(is_fake(p) and p.device.type == "cpu" for p in model.parameters())
+    with mode, LiveMemory() as live:
+        x = torch.zeros(2, 32, dtype=torch.long)
+        model(x, x)[1].backward()
+    # What is left: the token ids and one gradient per parameter (the tied one once).
+    assert live.current == x.numel() * 8 + sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_a_3b_model_plans_without_memory(tmp_path):
+    """The 3b preset (12.4 GiB of fp32 weights, about 50 GB with gradients and AdamW) profiles under a 2 GiB
+    address-space limit on top of what importing torch maps; the planner's own peak RSS stays under 2 GiB."""
+    script = textwrap.dedent("""
+        import json, resource, sys, time
+        import torch
+        from fitgpt.config import load_config
+        from fitgpt.plan.profile import profile_model
+        used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()  # address space so far
+        resource.setrlimit(resource.RLIMIT_AS, (used + 2 * 2**30, resource.RLIM_INFINITY))
+        cfg = load_config("3b")
+        t = time.perf_counter()
+        p = profile_model(cfg.model, cfg.batch_size, cfg.model.context_length, "cpu", cfg.optim, cfg.grad_accum,
+                          torch.bfloat16, fake=True)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(json.dumps({"params": p.params, "seconds": time.perf_counter() - t, "rss": rss}))
+    """)
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/statm")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["params"] > 12 * 2**30  # the whole model was planned
+    assert result["rss"] < 2 * 2**30
