@@ -76,7 +76,8 @@ def test_a_3b_model_plans_without_memory(tmp_path):
         t = time.perf_counter()
         p = profile_model(cfg.model, cfg.batch_size, cfg.model.context_length, "cpu", cfg.optim, cfg.grad_accum,
                           torch.bfloat16, fake=True)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # VmHWM: this process's peak RSS (ru_maxrss would carry the forking parent's over exec).
+        rss = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
         print(json.dumps({"params": p.params, "seconds": time.perf_counter() - t, "rss": rss}))
     """)
     if not sys.platform.startswith("linux"):

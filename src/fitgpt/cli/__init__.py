@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # user errors: the message names what to change
         print(f"fitgpt {command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `fitgpt plan ... | head`: the reader left, nothing to report
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:  # outside the training loop (which saves and exits 0): temporary files are cleaned up
         print(f"fitgpt {command}: interrupted; nothing half-written was left behind", file=sys.stderr)
         return 130

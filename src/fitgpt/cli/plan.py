@@ -9,6 +9,7 @@ import tyro
 
 from fitgpt.memory.units import format_bytes
 from fitgpt.plan import Plan, predict, solve
+from fitgpt.plan.target import CUDA_CONTEXT
 from fitgpt.plan.workload import BudgetConfig
 
 
@@ -17,12 +18,30 @@ class PlanConfig(BudgetConfig):
     """Profile the model once per option, then solve for the cheapest plan within the budget."""
 
 
+def _cuda_notes(cfg: PlanConfig) -> list[str]:
+    """What the numbers for a CUDA target rest on: modelled here, not measured on the card."""
+    t, m = cfg.plan_target(), cfg.model_config
+    backend = t.attention_backend(cfg.dtype(), m.n_embed // m.n_head)
+    card = f"{t.gpu.name}: {format_bytes(t.gpu.memory)} ({t.gpu.source})" if t.gpu else "no card named (sm 8.0+ assumed)"
+    return [
+        f"card: {card}",
+        f"budget: {format_bytes(cfg.device_budget)}"
+        + ("" if cfg.memory_budget else f" (card less {format_bytes(CUDA_CONTEXT)} for the CUDA context, modelled)")
+        + f", less {format_bytes(t.workspace_bytes())} of cuBLAS workspaces (2 handles, modelled) = {format_bytes(cfg.budget)} "
+        "for the step's tensors",
+        f"modelled: attention backend {backend} (its saved tensors from PyTorch's meta kernels); allocator blocks of "
+        "512 bytes; fused AdamW; autocast weight copies as on CPU. Measured: nothing on a GPU (fake tensors on this CPU)",
+    ]
+
+
 def run(args: list[str]) -> int:
     cfg = tyro.cli(PlanConfig, args=args, prog="fitgpt plan")
     budget = cfg.budget
     tcfg = cfg.train_config()
     profile = cfg.profile()
     print(f"{cfg.describe()}; budget {format_bytes(budget)}; profiled in {profile.seconds:.1f}s")
+    if cfg.plan_target().cuda and cfg.fake:
+        print("\n".join("  " + line for line in _cuda_notes(cfg)))
     print("\n| policy | predicted peak | FLOPs vs none | fits |\n|---|---:|---:|---|")
     n = profile.n_blocks
     for plan in (Plan.uniform(n, "none"), Plan.uniform(n, "selective"), Plan.uniform(n, "full"), Plan.uniform(n, "full", "chunked")):
@@ -32,6 +51,10 @@ def run(args: list[str]) -> int:
     print(f"\nplan: {plan.spec()}")
     print(f"predicted peak {format_bytes(pred.peak)} of {format_bytes(budget)} (in the {pred.where}): "
           + ", ".join(f"{k} {format_bytes(v)}" for k, v in pred.breakdown().items()))
+    workspaces = cfg.plan_target().workspace_bytes()
+    if workspaces:
+        print(f"predicted torch.cuda.max_memory_allocated: {format_bytes(pred.peak + workspaces)} "
+              f"(the step's tensors + cuBLAS workspaces)")
     print(f"predicted overhead: {pred.flops_ratio:.3f}x FLOPs")
     launch = "fitgpt train"
     if cfg.world_size > 1:
@@ -40,5 +63,7 @@ def run(args: list[str]) -> int:
           f"--model.context-length {tcfg.model.context_length} --activation-checkpointing '{plan.spec()}'"
           f"   (or: --activation-checkpointing auto --memory-budget {cfg.memory_budget})")
     print(json.dumps({"policy": plan.spec(), "budget": budget, "predicted_peak": pred.peak, "where": pred.where,
-                      "breakdown": pred.breakdown(), "flops_ratio": pred.flops_ratio, "profile_seconds": profile.seconds}))
+                      "breakdown": pred.breakdown(), "flops_ratio": pred.flops_ratio, "profile_seconds": profile.seconds,
+                      "target": cfg.plan_target().device, "gpu": cfg.gpu, "fake": cfg.fake,
+                      "predicted_max_allocated": pred.peak + workspaces}))
     return 0

@@ -25,7 +25,7 @@ import torch.nn as nn
 from fitgpt.activation_checkpoint.apply import find_blocks
 from fitgpt.memory.flops import OpFlops
 from fitgpt.memory.measure import default_loss
-from fitgpt.memory.tracker import LiveMemory
+from fitgpt.memory.tracker import LiveMemory, round_up
 from fitgpt.step import Batch, optimizer_update, train_step
 
 
@@ -66,28 +66,28 @@ class StepTimeline:
     """Bytes already held when the step began (parameters, optimizer state, gradients if any)."""
 
 
-def _unique_bytes(tensors) -> int:
+def _unique_bytes(tensors, round_to: int = 1) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
             t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor shard: this rank's bytes
             st = t.untyped_storage()
-            seen[st._cdata] = st.nbytes()  # the storage's identity: fake storages have no data pointer
+            seen[st._cdata] = round_up(st.nbytes(), round_to)  # the storage's identity: fake storages have no data pointer
     return sum(seen.values())
 
 
-def param_bytes(model: nn.Module) -> int:
-    return _unique_bytes(model.parameters())
+def param_bytes(model: nn.Module, round_to: int = 1) -> int:
+    return _unique_bytes(model.parameters(), round_to)
 
 
-def grad_bytes(model: nn.Module) -> int:
-    return _unique_bytes(p.grad for p in model.parameters() if p.grad is not None)
+def grad_bytes(model: nn.Module, round_to: int = 1) -> int:
+    return _unique_bytes((p.grad for p in model.parameters() if p.grad is not None), round_to)
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, round_to: int = 1) -> int:
     if optimizer is None:
         return 0
-    return _unique_bytes(v for state in optimizer.state.values() for v in state.values())
+    return _unique_bytes((v for state in optimizer.state.values() for v in state.values()), round_to)
 
 
 class _Marks:
@@ -112,18 +112,18 @@ def _hidden(out):
 
 def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer | None = None,
                  loss_fn: Callable[[], torch.Tensor] | None = None, blocks: str | nn.ModuleList | None = None,
-                 zero_grad: bool = True, grad_clip: float = 0.0) -> StepTimeline:
+                 zero_grad: bool = True, grad_clip: float = 0.0, round_to: int = 1) -> StepTimeline:
     """Run forward, backward and (if given) the optimizer step once, cut into segments.
 
     ``zero_grad``: free the gradients after the step (the trainer's ``set_to_none``); False zeroes
-    them in place, as between the micro-batches of gradient accumulation.
+    them in place, as between the micro-batches of gradient accumulation. ``round_to``: as ``LiveMemory``.
     """
     loss_fn = loss_fn or default_loss(model, idx, targets)
     _, block_list = find_blocks(model, blocks)
     n = len(block_list)
-    baseline = param_bytes(model) + grad_bytes(model) + optimizer_state_bytes(optimizer)
+    baseline = param_bytes(model, round_to) + grad_bytes(model, round_to) + optimizer_state_bytes(optimizer, round_to)
     handles = []
-    with OpFlops() as fc, LiveMemory() as live:
+    with OpFlops() as fc, LiveMemory(round_to) as live:
         mark = _Marks(live, fc)
 
         def pre(i):

@@ -17,11 +17,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
-class LiveMemory(TorchDispatchMode):
-    """Bytes of tensor storages created inside the mode and still alive; ``peak`` is their maximum."""
+def round_up(nbytes: int, block: int) -> int:
+    return -(-nbytes // block) * block
 
-    def __init__(self) -> None:
+
+class LiveMemory(TorchDispatchMode):
+    """Bytes of tensor storages created inside the mode and still alive; ``peak`` is their maximum.
+
+    ``round_to``: count each storage as an allocator would hand it out (512 for CUDA's caching
+    allocator, whose ``max_memory_allocated`` counts whole blocks); 1 counts exact bytes.
+    """
+
+    def __init__(self, round_to: int = 1) -> None:
         super().__init__()
+        self.round_to = round_to
         self.current = 0
         self.peak = 0
         self._live: dict[int, int] = {}
@@ -35,7 +44,7 @@ class LiveMemory(TorchDispatchMode):
         key = id(st)
         if key in self._live:
             return
-        nbytes = st.nbytes()
+        nbytes = round_up(st.nbytes(), self.round_to)
         self._live[key] = nbytes
         self.current += nbytes
         self.peak = max(self.peak, self.current)

@@ -16,6 +16,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -41,6 +42,8 @@ DEFAULT_POLICIES = ("none", "block", "group:2", "every:2", "selective", "chunked
 class BenchConfig(WorkloadConfig):
     """Measure checkpointing policies on one model and batch: memory, FLOPs, time."""
 
+    device: Optional[str] = "auto"
+    """Where to measure: auto, cpu, cuda, cuda:1, mps (bench always runs real steps)."""
     policies: tuple[str, ...] = DEFAULT_POLICIES
     """Policies to compare (the first is the baseline); auto:50% frees half of none's activations, auto:6GiB plans for a budget."""
     repeats: int = 25
@@ -55,6 +58,9 @@ class BenchConfig(WorkloadConfig):
         super().__post_init__()
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError("--repeats must be at least 1 and --warmup at least 0")
+        if self.target or self.gpu:
+            raise ValueError("fitgpt bench measures real steps on this machine (--device); to plan for another "
+                             "device use fitgpt plan --target/--gpu")
         if self.world_size != 1:
             raise ValueError("fitgpt bench measures one process; for per-rank memory under DDP or FSDP use "
                              "fitgpt plan --world-size N --parallel ddp|fsdp")

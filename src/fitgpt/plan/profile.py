@@ -8,12 +8,14 @@ so block i under option o is read from the run where every block had option o.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
@@ -28,6 +30,7 @@ from fitgpt.memory.profile import (
 )
 from fitgpt.model import ModelConfig, Transformer
 from fitgpt.optim import build_optimizer
+from fitgpt.plan.target import Target, attention_saved_delta
 
 log = logging.getLogger(__name__)
 
@@ -125,32 +128,60 @@ def _head_option(tl: StepTimeline, base: StepTimeline) -> HeadOption:
 
 def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None = None, device: str | torch.device = "cpu",
                   optim_cfg=None, grad_accum: int = 1, dtype: torch.dtype | None = None, seed: int = 0,
-                  persistent_grads: bool = False, fake: bool = False) -> StepProfile:
+                  persistent_grads: bool = False, fake: bool = False, target: Target | None = None) -> StepProfile:
     """Profile one training step per option (three in all) of ``model_cfg`` on ``device``.
 
     ``fake``: on fake tensors (shapes, no storage, no arithmetic), so that any size plans in seconds
     with no memory; the same numbers as real tensors (tested byte for byte on CPU).
+    ``target``: a CUDA target planned on fake CPU tensors, with what differs on CUDA modelled (see
+    ``fitgpt.plan.target``); by default the device itself.
     """
     t0 = time.perf_counter()
     device = torch.device(device)
+    target = target or Target(device.type)
+    if target.cuda and device.type != "cuda" and not fake:
+        raise ValueError("a CUDA target is planned on fake tensors or measured on a CUDA device")
     context = context or model_cfg.context_length
     cfg = dataclasses.replace(model_cfg, context_length=max(context, model_cfg.context_length))
+    run = _Run(cfg, batch_size, context, device, optim_cfg or OptimConfig(), grad_accum, dtype, persistent_grads, target,
+               simulated=target.cuda and device.type != "cuda")
     torch.manual_seed(seed)
     if not fake:
-        return _profile(Transformer(cfg).to(device), cfg, batch_size, context, device, optim_cfg, grad_accum, dtype,
-                        persistent_grads, seed, t0)
+        return _profile(Transformer(cfg).to(device), run, seed, t0)
     mode = fake_mode()
     with torch.device("meta"):
         model = fake_module(Transformer(cfg), device, mode)
     with mode:
-        return _profile(model, cfg, batch_size, context, device, optim_cfg, grad_accum, dtype, persistent_grads, None, t0)
+        return _profile(model, run, None, t0)
 
 
-def _profile(model: Transformer, cfg: ModelConfig, batch_size: int, context: int, device: torch.device, optim_cfg,
-             grad_accum: int, dtype: torch.dtype | None, persistent_grads: bool, seed: int | None, t0: float) -> StepProfile:
+@dataclass(frozen=True)
+class _Run:
+    """What one profile is of."""
+
+    cfg: ModelConfig
+    batch_size: int
+    context: int
+    device: torch.device
+    optim: OptimConfig
+    grad_accum: int
+    dtype: torch.dtype | None
+    persistent_grads: bool
+    target: Target
+    simulated: bool
+    """A CUDA target profiled on CPU: the attention backend's saved tensors are modelled."""
+
+    @property
+    def backend(self) -> str:
+        return self.target.attention_backend(self.dtype, self.cfg.n_embed // self.cfg.n_head)
+
+
+def _profile(model: Transformer, run: _Run, seed: int | None, t0: float) -> StepProfile:
+    cfg, device, round_to = run.cfg, run.device, run.target.round_to
+    batch_size, context, grad_accum = run.batch_size, run.context, run.grad_accum
     model.train()
-    optim_cfg = optim_cfg or OptimConfig()
-    optimizer = build_optimizer(model, optim_cfg, device)
+    # The optimizer as it is built on the target (fused AdamW on CUDA).
+    optimizer = build_optimizer(model, run.optim, torch.device(run.target.device))
     # (B, T + 1) token ids; their values matter to no byte count, so fake runs take zeros.
     if seed is None:
         idx = torch.zeros(batch_size, context + 1, dtype=torch.long, device=device)
@@ -158,43 +189,67 @@ def _profile(model: Transformer, cfg: ModelConfig, batch_size: int, context: int
         g = torch.Generator().manual_seed(seed)
         idx = torch.randint(0, cfg.vocab_size, (batch_size, context + 1), generator=g).to(device)
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-    amp = autocast(device, dtype)
+    amp = autocast(device, run.dtype)
+    # The math backend on CUDA is the math path: run it here as it will run there.
+    math_sdpa = run.simulated and run.backend == "math"
 
     def loss_fn():
         with amp():
             return model(x, y)[1]
 
-    accumulate = grad_accum > 1 or persistent_grads
-    if accumulate:
-        loss_fn().backward()  # gradients stay allocated between micro-batches
-    # The first run (none) also creates the optimizer state, as any first step does: its forward and
-    # backward segments are unaffected, and the optimizer's workspace is read from the later runs.
+    accumulate = grad_accum > 1 or run.persistent_grads
     timelines: dict[str, StepTimeline] = {}
-    for option, (spec, _) in _RUNS.items():
-        apply_activation_checkpointing(model, spec)
-        timelines[option] = profile_step(model, x, y, optimizer, loss_fn=loss_fn, zero_grad=not accumulate,
-                                         grad_clip=optim_cfg.grad_clip)
+    with sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext():
+        if accumulate:
+            loss_fn().backward()  # gradients stay allocated between micro-batches
+        # The first run (none) also creates the optimizer state, as any first step does: its forward and
+        # backward segments are unaffected, and the optimizer's workspace is read from the later runs.
+        for option, (spec, _) in _RUNS.items():
+            apply_activation_checkpointing(model, spec)
+            timelines[option] = profile_step(model, x, y, optimizer, loss_fn=loss_fn, zero_grad=not accumulate,
+                                             grad_clip=run.optim.grad_clip, round_to=round_to)
     base = timelines["none"]
     blocks = [{o: _block_option(timelines[o], base, i) for o in BLOCK_OPTIONS} for i in range(cfg.n_blocks)]
+    if run.simulated:
+        blocks = _with_cuda_attention(blocks, run)
     heads = {head: _head_option(timelines[o], base) for o, (_, head) in _RUNS.items() if head}
     # What a block's backward leaves behind besides freeing its saved bytes: the same under every option.
     block_grads = [max(timelines[o].fwd_blocks[i].delta + timelines[o].bwd_blocks[i].delta for o in BLOCK_OPTIONS)
                    for i in range(cfg.n_blocks)]
-    params = param_bytes(model)
+    params, opt_bytes = param_bytes(model, round_to), optimizer_state_bytes(optimizer, round_to)
+    held_grads = grad_bytes(model, round_to) if accumulate else 0
     profile = StepProfile(
-        batch_size=batch_size, context=context, grad_accum=grad_accum, persistent_grads=accumulate, device=str(device),
-        params=params, optimizer=optimizer_state_bytes(optimizer), grads=params if not accumulate else grad_bytes(model),
-        baseline=params + optimizer_state_bytes(optimizer) + (grad_bytes(model) if accumulate else 0),
+        batch_size=batch_size, context=context, grad_accum=grad_accum, persistent_grads=accumulate,
+        device=run.target.device if run.simulated else str(device),
+        params=params, optimizer=opt_bytes, grads=params if not accumulate else held_grads, baseline=params + opt_bytes + held_grads,
         embed_saved=base.fwd_embed.delta, embed_fwd_rise=base.fwd_embed.rise,
         embed_bwd_rise=base.bwd_embed.rise, embed_bwd_delta=base.bwd_embed.delta,
         optimizer_rise=max(timelines[o].optimizer.rise for o in list(_RUNS)[1:]),
         blocks=blocks, block_grads=block_grads, heads=heads,
         block_flops=[f.flops + b.flops for f, b in zip(base.fwd_blocks, base.bwd_blocks)],
-        block_param_bytes=param_bytes(model.attn_blocks[-1]),
+        block_param_bytes=param_bytes(model.attn_blocks[-1], round_to),
         step_flops=base.flops, seconds=time.perf_counter() - t0,
     )
     log.debug("profiled %d blocks at batch %d x %d in %.1fs", cfg.n_blocks, batch_size, context, profile.seconds)
     return profile
+
+
+def _with_cuda_attention(blocks: list[dict[str, BlockOption]], run: _Run) -> list[dict[str, BlockOption]]:
+    """Each block's options with what the CUDA attention kernel saves beyond the CPU one we ran: kept
+    until backward where the block keeps its attention (none, selective), made again in its backward
+    where the block is recomputed (full)."""
+    m = run.cfg
+    delta = attention_saved_delta(run.backend, run.batch_size, m.n_head, run.context, m.n_embed // m.n_head, run.dtype,
+                                  run.target.round_to)
+    if delta == 0:
+        return blocks
+
+    def adjust(option: str, o: BlockOption) -> BlockOption:
+        if option == "full":
+            return dataclasses.replace(o, bwd_rise=o.bwd_rise + delta)
+        return dataclasses.replace(o, saved=o.saved + delta, fwd_rise=o.fwd_rise + delta)
+
+    return [{k: adjust(k, o) for k, o in b.items()} for b in blocks]
 
 
 def per_rank(profile: StepProfile, world: int, parallel: str) -> StepProfile:
