@@ -1,5 +1,6 @@
 """The planner: predictions against measured peaks, the solver against exhaustive search, the commands."""
 
+import dataclasses
 import itertools
 import json
 
@@ -15,8 +16,9 @@ from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer
 from fitgpt.plan import Plan, PlanError, min_peak, predict, profile_model, solve, solve_exhaustive
 from fitgpt.plan.bench import pareto_front
-from fitgpt.plan.fit import extrapolate
+from fitgpt.plan.fit import extrapolate, fit
 from fitgpt.plan.profile import BLOCK_OPTIONS, HEAD_OPTIONS
+from fitgpt.plan.workload import BudgetConfig
 
 B, T = 4, 32
 MIXED = [
@@ -249,3 +251,22 @@ def test_train_config_budget_errors():
         load_config("tiny", overrides={"checkpointing": "block", "memory_budget": "1GiB"})
     with pytest.raises(ValueError, match="is not a size"):
         load_config("tiny", overrides={"checkpointing": "auto", "memory_budget": "lots"})
+
+
+def test_fit_answers_are_confirmed_by_real_steps_at_the_sizes_named():
+    """fit settles on fake profiles of the sizes it names: a real step of that size fits the budget, one
+    size more does not, and both measured peaks are the predicted ones within 1%."""
+    w = BudgetConfig(preset="tiny", batch_size=4, context=32, memory_budget="24MiB")
+    budget = w.budget
+    answers = fit(w, budget)["answers"]
+    cfg = w.model_config
+    for policy, option in (("none", "none"), ("block", "full")):
+        b, c = answers[policy]["batch_size"], answers[policy]["context"]
+        assert b > 4 and c > 32  # the budget leaves room beyond the profiled sizes
+        for batch, context, fits in ((b, 32, True), (b + 1, 32, False), (4, c, True), (4, c + 1, False)):
+            model_cfg = dataclasses.replace(cfg, context_length=context)
+            plan = Plan.uniform(cfg.n_blocks, option)
+            measured = Measured(model_cfg, batch, context).peak(plan)
+            predicted = predict(w.profile(batch, context), plan).peak
+            assert abs(measured - predicted) <= 0.01 * measured, (policy, batch, context)
+            assert (measured <= budget) == fits, (policy, batch, context, measured, budget)

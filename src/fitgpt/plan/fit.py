@@ -1,10 +1,11 @@
 """`fitgpt fit`: the largest batch, context and depth that train within a budget, per policy.
 
-Profiles are cheap at small sizes, and every quantity in them is a polynomial of low degree in the
-batch (bytes and FLOPs are linear in it) and the context (linear with flash attention, quadratic
-with the math kernel). So we profile at small sizes, fit each number exactly through them (Lagrange),
-and search on the extrapolated profile. Depth needs no new profile: blocks are alike, and one more
-block adds its parameters, gradients, optimizer state and segments.
+Every quantity in a profile is a polynomial of low degree in the batch (bytes and FLOPs are linear
+in it) and the context (linear with flash attention, quadratic with the math kernel). So a few
+profiles, fitted exactly through (Lagrange), bracket the answer; then the answer is settled with
+exact profiles at the candidate sizes themselves (fake tensors make each one cheap): n fits and
+n + 1 does not, both on a profile of that very size. Depth needs no new profile: blocks are alike,
+and one more block adds its parameters, gradients, optimizer state and segments.
 """
 
 from __future__ import annotations
@@ -86,14 +87,40 @@ def _largest(at, policy: str, budget: int, lo: int, cap: int) -> int:
     return hi
 
 
+def _settle(exact, policy: str, budget: int, guess: int, cap: int) -> int:
+    """The largest n in [1, cap] that fits on exact profiles, searched outward from ``guess``: n fits and
+    n + 1 does not (0 if 1 does not)."""
+    n = min(max(guess, 1), cap)
+    if _fits(exact(n), policy, budget):
+        lo, step = n, 1
+        while lo < cap and _fits(exact(min(cap, lo + step)), policy, budget):
+            lo, step = min(cap, lo + step), step * 2
+        hi = min(cap, lo + step) if lo < cap else cap + 1  # the first size known not to fit
+    else:
+        hi, step = n, 1
+        while hi > 1 and not _fits(exact(max(1, hi - step)), policy, budget):
+            hi, step = max(1, hi - step), step * 2
+        if hi == 1:
+            return 0
+        lo = max(1, hi - step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _fits(exact(mid), policy, budget) else (lo, mid)
+    return lo
+
+
 def fit(w: WorkloadConfig, budget: int, max_batch: int = 4096, max_context: int = 1 << 17, max_blocks: int = 1024) -> dict:
     """For none, block and auto: the largest batch, context and number of blocks within ``budget``."""
     tcfg = w.train_config()
     mcfg = w.model_config
     B, T = tcfg.batch_size, mcfg.context_length
 
+    cache: dict[tuple[int, int], StepProfile] = {}
+
     def prof(batch: int, context: int) -> StepProfile:
-        return w.profile(batch, context)
+        if (batch, context) not in cache:
+            cache[batch, context] = w.profile(batch, context)
+        return cache[batch, context]
 
     # The chunked loss holds one chunk of logits at a time: its bytes are affine in the tokens only
     # once there is at least one full chunk, so every profile point has that many tokens.
@@ -104,14 +131,18 @@ def fit(w: WorkloadConfig, budget: int, max_batch: int = 4096, max_context: int 
     here = prof(B, T)
     answers: dict[str, dict[str, int]] = {}
     for policy in POLICIES:
+        guess_b = _largest(lambda b: extrapolate(by_batch, b, "batch_size"), policy, budget, 1, max_batch)
+        guess_c = _largest(lambda c: extrapolate(by_context, c, "context"), policy, budget, 1, max_context)
         answers[policy] = {
-            "batch_size": _largest(lambda b: extrapolate(by_batch, b, "batch_size"), policy, budget, 1, max_batch),
-            "context": _largest(lambda c: extrapolate(by_context, c, "context"), policy, budget, 1, max_context),
+            "batch_size": _settle(lambda b: prof(b, T), policy, budget, guess_b, max_batch),
+            "context": _settle(lambda c: prof(B, c), policy, budget, guess_c, max_context),
             "n_blocks": _largest(here.with_blocks, policy, budget, 1, max_blocks),
         }
     return {
         "workload": w.describe(), "budget": budget, "answers": answers,
         "current": {"batch_size": B, "context": T, "n_blocks": mcfg.n_blocks},
-        "note": f"batch and context extrapolated from profiles at batch {b0}, {2 * b0} and at contexts "
-                f"{c0}, {2 * c0}, {3 * c0}; depth from the profile at batch {B} x {T}",
+        "profiles": len(cache),
+        "note": f"batch and context bracketed from profiles at batch {b0}, {2 * b0} and contexts {c0}, {2 * c0}, {3 * c0}, "
+                f"then settled on exact profiles of the sizes named ({len(cache)} profiles in all); depth from the profile "
+                f"at batch {B} x {T}",
     }
