@@ -49,6 +49,20 @@ def test_fake_profile_equals_the_real_one_byte_for_byte(case, tiny_model_config)
         assert predict(fake, plan).peak == predict(real, plan).peak
 
 
+@pytest.mark.parametrize("target, dtype, accum", [("cpu", None, 1), ("cpu", torch.bfloat16, 2), ("t4", torch.float16, 1),
+                                                  ("h100-80gb", torch.bfloat16, 3)])
+def test_deep_models_profile_shallow_and_deepen_exactly(target, dtype, accum, tiny_model_config, monkeypatch):
+    from fitgpt.plan import profile as prof
+    from fitgpt.plan.target import Target, find_gpu
+
+    t = Target("cpu") if target == "cpu" else Target("cuda", find_gpu(target))
+    cfg = tiny_model_config(n_blocks=prof.DEEP + 2, n_embed=40, n_head=5, vocab_size=200)
+    deep = profile_model(cfg, 3, 24, "cpu", dtype=dtype, grad_accum=accum, fake=True, target=t)
+    monkeypatch.setattr(prof, "DEEP", 10**6)  # every block profiled
+    every = profile_model(cfg, 3, 24, "cpu", dtype=dtype, grad_accum=accum, fake=True, target=t)
+    assert _fields(deep) == _fields(every)
+
+
 def test_fake_module_keeps_ties_and_allocates_nothing(tiny_model_config):
     mode = fake_mode()
     with torch.device("meta"):

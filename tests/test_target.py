@@ -73,11 +73,12 @@ def test_autocast_weight_copies_and_flash_rng_state_are_counted(tiny_model_confi
     cfg = tiny_model_config()
     B, T = 4, 32
     cuda = _cuda_profile(cfg, H100, torch.bfloat16, B, T).blocks[1]
-    # A recomputed block keeps its output (B, T, C) fp32, and autocast's cache keeps a bf16 copy of every
-    # Linear weight and bias it used until the forward ends: each one allocator block, rounded.
+    # A recomputed block keeps its output (B, T, C) fp32 for backward; autocast's cache holds a bf16 copy of
+    # every Linear weight and bias it used until the forward ends: each one allocator block, rounded.
     linears = [m for m in Transformer(cfg).attn_blocks[1].modules() if isinstance(m, torch.nn.Linear)]
     copies = sum(_r(p.numel() * 2) for m in linears for p in (m.weight, m.bias) if p is not None)
-    assert cuda["full"].saved == _r(B * T * cfg.n_embed * 4) + copies
+    assert cuda["full"].saved == _r(B * T * cfg.n_embed * 4)
+    assert cuda["full"].transient == copies
     # Flash on CUDA keeps its RNG state besides what the CPU kernel keeps: one more block for each of two tensors.
     cpu_like = profile_model(cfg, B, T, "cpu", dtype=torch.bfloat16, fake=True, target=Target("cuda"))
     assert cpu_like.device == "cuda"

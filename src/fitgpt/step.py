@@ -63,11 +63,12 @@ def optimizer_update(model: nn.Module, optimizer: torch.optim.Optimizer, loss: f
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch], *,
                amp: AmpFactory = contextlib.nullcontext, scaler: torch.amp.GradScaler | None = None, grad_clip: float = 0.0,
                sync: Callable[[bool], contextlib.AbstractContextManager] | None = None,
-               reduce: Callable[[float], float] | None = None) -> StepResult:
+               reduce: Callable[[float], float] | None = None, check: bool = True) -> StepResult:
     """One optimizer step over ``batches`` (the micro-batches of gradient accumulation).
 
     ``sync(is_last)``: the context each micro-batch runs in (DDP reduces gradients on the last one only).
     ``reduce``: the mean of the loss over ranks, so that every rank decides alike whether to step.
+    ``check=False``: never read a value on the host (fake tensors have none); the step is always taken.
     Ends with ``zero_grad(set_to_none=True)``: between steps no gradient memory is held.
     """
     n = len(batches)
@@ -80,9 +81,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequ
         part = loss.detach().float() / n
         total = part if total is None else total + part
         del loss
-    value = float(total)  # one host sync per step, not one per micro-batch
-    if reduce is not None:
+    value = float(total) if check else math.nan  # one host sync per step, not one per micro-batch
+    if reduce is not None and check:
         value = reduce(value)
-    grad_norm, applied = optimizer_update(model, optimizer, value, scaler, grad_clip)
+    grad_norm, applied = optimizer_update(model, optimizer, value, scaler, grad_clip, check)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss=value, grad_norm=grad_norm, applied=applied)

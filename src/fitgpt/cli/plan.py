@@ -55,6 +55,15 @@ def run(args: list[str]) -> int:
     if workspaces:
         print(f"predicted torch.cuda.max_memory_allocated: {format_bytes(pred.peak + workspaces)} "
               f"(the step's tensors + cuBLAS workspaces)")
+    replay = cfg.replay(plan.spec())
+    if replay:
+        print(f"the plan's step replayed through CUDA's caching allocator (modelled): max_memory_allocated "
+              f"{format_bytes(replay['max_allocated'])}, max_memory_reserved {format_bytes(replay['max_reserved'])}")
+        t = cfg.plan_target()
+        if t.gpu:
+            total = replay["max_reserved"] + CUDA_CONTEXT
+            verdict = "fits" if total <= t.gpu.memory else "DOES NOT FIT: lower --memory-budget by the difference"
+            print(f"on the card: reserved + CUDA context {format_bytes(total)} of {format_bytes(t.gpu.memory)}: {verdict}")
     print(f"predicted overhead: {pred.flops_ratio:.3f}x FLOPs")
     launch = "fitgpt train"
     if cfg.world_size > 1:
@@ -65,5 +74,5 @@ def run(args: list[str]) -> int:
     print(json.dumps({"policy": plan.spec(), "budget": budget, "predicted_peak": pred.peak, "where": pred.where,
                       "breakdown": pred.breakdown(), "flops_ratio": pred.flops_ratio, "profile_seconds": profile.seconds,
                       "target": cfg.plan_target().device, "gpu": cfg.gpu, "fake": cfg.fake,
-                      "predicted_max_allocated": pred.peak + workspaces}))
+                      "predicted_max_allocated": pred.peak + workspaces, "replay": replay}))
     return 0

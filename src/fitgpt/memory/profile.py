@@ -59,6 +59,9 @@ class StepTimeline:
     bwd_blocks: list[Segment]
     bwd_embed: Segment
     optimizer: Segment
+    fwd_transient: list[int]
+    """Per block: bytes its forward allocated that were freed when the forward ended (autocast's cache of
+    low-precision weight copies, not saved for backward where the block is recomputed)."""
     peak: int
     """Peak live bytes of the whole step above its baseline."""
     flops: int
@@ -96,10 +99,18 @@ class _Marks:
     def __init__(self, live: LiveMemory, flops: OpFlops) -> None:
         self.live, self.flops = live, flops
         self.points: dict[str, tuple[int, int, int]] = {}  # name -> (live, peak since previous mark, flops so far)
+        self.epochs: dict[str, int] = {}  # name -> the epoch that begins at this mark
 
     def __call__(self, name: str) -> None:
         self.points[name] = (self.live.current, self.live.peak, self.flops.total)
         self.live.reset_peak()
+        self.live.epoch += 1
+        self.epochs[name] = self.live.epoch
+
+    def freed_between(self, born_after: str, born_by: str, died_after: str, died_by: str) -> int:
+        """Bytes allocated between two marks and freed between two others."""
+        b0, b1, d0, d1 = (self.epochs[m] for m in (born_after, born_by, died_after, died_by))
+        return sum(n for born, died, n in self.live.frees if b0 <= born < b1 and d0 <= died < d1)
 
     def segment(self, first: str, last: str) -> Segment:
         a, b = self.points[first], self.points[last]
@@ -179,6 +190,7 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
         bwd_blocks=[s(f"bwd_out_{i}", f"bwd_out_{i - 1}" if i else "bwd_in_0") for i in range(n)],
         bwd_embed=s("bwd_in_0", "bwd_end"),
         optimizer=s("bwd_end", "opt_end"),
+        fwd_transient=[mark.freed_between(f"fwd_pre_{i}", f"fwd_post_{i}", f"fwd_post_{n - 1}", "fwd_end") for i in range(n)],
         peak=max(p[1] for p in mark.points.values()),
         flops=fc.total,
         baseline=baseline,

@@ -26,11 +26,19 @@ class LiveMemory(TorchDispatchMode):
 
     ``round_to``: count each storage as an allocator would hand it out (512 for CUDA's caching
     allocator, whose ``max_memory_allocated`` counts whole blocks); 1 counts exact bytes.
+    ``allocator``: also replay each allocation and free, in order, through a model of an allocator
+    (anything with ``malloc(key, nbytes)`` and ``free(key)``).
     """
 
-    def __init__(self, round_to: int = 1) -> None:
+    def __init__(self, round_to: int = 1, allocator=None) -> None:
         super().__init__()
         self.round_to = round_to
+        self.allocator = allocator
+        self.epoch = 0
+        """Set by the caller (a segment number): each free is logged with the epochs of its birth and death."""
+        self.frees: list[tuple[int, int, int]] = []
+        """(epoch allocated, epoch freed, bytes) of every storage freed while the mode was active."""
+        self._born: dict[int, int] = {}
         self.current = 0
         self.peak = 0
         self._live: dict[int, int] = {}
@@ -38,14 +46,20 @@ class LiveMemory(TorchDispatchMode):
     def _free(self, key: int, nbytes: int) -> None:
         if self._live.pop(key, None) is not None:
             self.current -= nbytes
+            self.frees.append((self._born.pop(key), self.epoch, nbytes))
+            if self.allocator is not None:
+                self.allocator.free(key)
 
     def _track(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
         key = id(st)
         if key in self._live:
             return
+        if self.allocator is not None:
+            self.allocator.malloc(key, st.nbytes())
         nbytes = round_up(st.nbytes(), self.round_to)
         self._live[key] = nbytes
+        self._born[key] = self.epoch
         self.current += nbytes
         self.peak = max(self.peak, self.current)
         weakref.finalize(st, self._free, key, nbytes)

@@ -22,6 +22,7 @@ from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
 from fitgpt.memory.fake import fake_mode, fake_module
 from fitgpt.memory.profile import (
+    LiveMemory,
     StepTimeline,
     grad_bytes,
     optimizer_state_bytes,
@@ -31,6 +32,7 @@ from fitgpt.memory.profile import (
 from fitgpt.model import ModelConfig, Transformer
 from fitgpt.optim import build_optimizer
 from fitgpt.plan.target import Target, attention_saved_delta
+from fitgpt.step import optimizer_update
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,9 @@ class BlockOption:
     """Peak above the level at the start of its backward (recompute and gradient temporaries)."""
     recompute_flops: int
     """FLOPs its backward runs beyond the backward of the same block under ``none``."""
+    transient: int = 0
+    """Bytes its forward leaves alive only until the forward ends (autocast's weight copies when nothing
+    saves them): held through the rest of the forward, freed before any backward."""
 
 
 @dataclass(frozen=True)
@@ -116,13 +121,15 @@ class StepProfile:
 
 
 def _block_option(tl: StepTimeline, base: StepTimeline, i: int) -> BlockOption:
-    f, b = tl.fwd_blocks[i], tl.bwd_blocks[i]
-    return BlockOption(saved=f.delta, fwd_rise=f.rise, bwd_rise=b.rise, recompute_flops=b.flops - base.bwd_blocks[i].flops)
+    f, b, t = tl.fwd_blocks[i], tl.bwd_blocks[i], tl.fwd_transient[i]
+    return BlockOption(saved=f.delta - t, fwd_rise=f.rise, bwd_rise=b.rise, recompute_flops=b.flops - base.bwd_blocks[i].flops,
+                       transient=t)
 
 
 def _head_option(tl: StepTimeline, base: StepTimeline) -> HeadOption:
     extra = tl.fwd_head.flops + tl.bwd_head.flops - base.fwd_head.flops - base.bwd_head.flops
-    return HeadOption(saved=tl.fwd_head.delta, fwd_rise=tl.fwd_head.rise, bwd_rise=tl.bwd_head.rise,
+    # The head's own bytes: the blocks' transients, freed as the forward ends, are theirs.
+    return HeadOption(saved=tl.fwd_head.delta + sum(tl.fwd_transient), fwd_rise=tl.fwd_head.rise, bwd_rise=tl.bwd_head.rise,
                       bwd_delta=tl.bwd_head.delta, recompute_flops=extra)
 
 
@@ -148,11 +155,63 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
     torch.manual_seed(seed)
     if not fake:
         return _profile(Transformer(cfg).to(device), run, seed, t0)
+    if cfg.n_blocks >= DEEP:
+        return _deepen(run, t0)
+    return _fake_profile(run, t0)
+
+
+SHALLOW, DEEP = 3, 16
+"""A fake profile of a model of DEEP blocks or more is taken at SHALLOW blocks and one more, and deepened
+(exact: blocks are alike); below that, profiling every block is as quick."""
+
+
+def _fake_profile(run: _Run, t0: float) -> StepProfile:
     mode = fake_mode()
     with torch.device("meta"):
-        model = fake_module(Transformer(cfg), device, mode)
+        model = fake_module(Transformer(run.cfg), run.device, mode)
     with mode:
         return _profile(model, run, None, t0)
+
+
+def _deepen(run: _Run, t0: float) -> StepProfile:
+    """The profile of ``run``'s depth from fake profiles at SHALLOW and SHALLOW + 1 blocks (every block like
+    the last one; FLOPs grown by what one block added), with the fixed costs (weights, gradients,
+    optimizer state and step) measured on the full-depth model. Tested equal, byte for byte, to
+    profiling every block."""
+    n = run.cfg.n_blocks
+    a, b = (_fake_profile(dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, n_blocks=k)), t0)
+            for k in (SHALLOW, SHALLOW + 1))
+    deep = b.with_blocks(n)
+    return dataclasses.replace(deep, **_fixed_costs(run), step_flops=b.step_flops + (n - SHALLOW - 1) * (b.step_flops - a.step_flops),
+                               seconds=time.perf_counter() - t0)
+
+
+def _fixed_costs(run: _Run) -> dict[str, int]:
+    """Parameters, gradients, optimizer state and the optimizer step's workspace of the full model, on fake
+    tensors: the step's optimizer segment (as ``profile_step`` runs it) with every gradient present."""
+    round_to, accumulate = run.target.round_to, run.grad_accum > 1 or run.persistent_grads
+    mode = fake_mode()
+    with torch.device("meta"):
+        model = fake_module(Transformer(run.cfg), run.device, mode)
+    with mode:
+        optimizer = build_optimizer(model, run.optim, torch.device(run.target.device))
+        rises = []
+        for _ in range(2):  # the first step creates the optimizer state, the second is the steady one
+            for p in model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            with LiveMemory(round_to) as live:
+                optimizer_update(model, optimizer, 0.0, grad_clip=run.optim.grad_clip, check=False)
+                if accumulate:
+                    for p in model.parameters():
+                        p.grad.zero_()
+                else:
+                    model.zero_grad(set_to_none=True)
+            rises.append(live.peak)
+        params, opt = param_bytes(model, round_to), optimizer_state_bytes(optimizer, round_to)
+        held = grad_bytes(model, round_to) if accumulate else 0
+    return {"params": params, "optimizer": opt, "grads": held if accumulate else params, "baseline": params + opt + held,
+            "optimizer_rise": rises[-1]}
 
 
 @dataclass(frozen=True)
@@ -214,8 +273,8 @@ def _profile(model: Transformer, run: _Run, seed: int | None, t0: float) -> Step
         blocks = _with_cuda_attention(blocks, run)
     heads = {head: _head_option(timelines[o], base) for o, (_, head) in _RUNS.items() if head}
     # What a block's backward leaves behind besides freeing its saved bytes: the same under every option.
-    block_grads = [max(timelines[o].fwd_blocks[i].delta + timelines[o].bwd_blocks[i].delta for o in BLOCK_OPTIONS)
-                   for i in range(cfg.n_blocks)]
+    block_grads = [max(timelines[o].fwd_blocks[i].delta - timelines[o].fwd_transient[i] + timelines[o].bwd_blocks[i].delta
+                       for o in BLOCK_OPTIONS) for i in range(cfg.n_blocks)]
     params, opt_bytes = param_bytes(model, round_to), optimizer_state_bytes(optimizer, round_to)
     held_grads = grad_bytes(model, round_to) if accumulate else 0
     profile = StepProfile(

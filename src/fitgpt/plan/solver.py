@@ -15,6 +15,7 @@ the number of blocks that recompute anything (selective recomputes only cheap el
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 
@@ -92,9 +93,9 @@ def predict(profile: StepProfile, plan: Plan) -> Prediction:
     level += p.embed_saved
     for i, o in enumerate(plan.blocks):
         event(f"block {i} forward", level, p.blocks[i][o].fwd_rise, level)
-        level += p.blocks[i][o].saved
+        level += p.blocks[i][o].saved + p.blocks[i][o].transient
     event("head forward", level, head.fwd_rise, level)
-    level += head.saved
+    level += head.saved - sum(p.blocks[i][o].transient for i, o in enumerate(plan.blocks))  # autocast's cache let go
     end_of_forward = level
     event("head backward", level, head.bwd_rise, level)
     level += head.bwd_delta
@@ -123,6 +124,22 @@ def _cost(profile: StepProfile, plan: Plan) -> tuple[int, int]:
     return flops, sum(o != "none" for o in plan.blocks) + (plan.head != "plain")
 
 
+def _pareto(states: dict[tuple[int, int], tuple]) -> list[tuple]:
+    """The (s, u, cost, options) no other state beats on s, u and cost at once."""
+    front, us, costs = [], [], []  # a staircase of kept (u, cost): u rising, cost falling
+    for (s, u), (cost, opts) in sorted(states.items()):  # s rising: every earlier state has s' <= s
+        j = bisect.bisect_right(us, u) - 1
+        if j >= 0 and costs[j] <= cost:
+            continue
+        front.append((s, u, cost, opts))
+        k = bisect.bisect_left(us, u)
+        end = k
+        while end < len(us) and costs[end] >= cost:
+            end += 1
+        us[k:end], costs[k:end] = [u], [cost]
+    return front
+
+
 def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[int, int], tuple[str, ...]] | None:
     """Cheapest block options with this head within ``room`` bytes above the baseline, or None."""
     head = p.heads[head_name]
@@ -132,27 +149,22 @@ def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[int, i
     if max(p.embed_fwd_rise, c_head + grads_all + p.embed_bwd_rise,
            c_head + grads_all + p.embed_bwd_delta + p.optimizer_rise) > room:
         return None
-    # state: saved bytes so far -> (cost, options); pruned to the Pareto front over (bytes, cost)
-    states: list[tuple[int, tuple[int, int], tuple[str, ...]]] = [(p.embed_saved, (0, 0), ())]
+    # state: (bytes saved for backward, bytes held in the forward, cost, options), the latter also holding
+    # autocast's transient copies; pruned to the states no other beats on all three.
+    states: list[tuple[int, int, tuple[int, int], tuple[str, ...]]] = [(p.embed_saved, p.embed_saved, (0, 0), ())]
     for i in range(p.n_blocks):
-        nxt: dict[int, tuple[tuple[int, int], tuple[str, ...]]] = {}
-        for s, cost, opts in states:
+        nxt: dict[tuple[int, int], tuple[tuple[int, int], tuple[str, ...]]] = {}
+        for s, u, cost, opts in states:
             for o in BLOCK_OPTIONS:
                 b = p.blocks[i][o]
-                if s + b.fwd_rise > room or c_head - p.embed_saved + grads_after[i] + s + b.saved + b.bwd_rise > room:
+                if u + b.fwd_rise > room or c_head - p.embed_saved + grads_after[i] + s + b.saved + b.bwd_rise > room:
                     continue
-                s2, c2 = s + b.saved, (cost[0] + b.recompute_flops, cost[1] + (o != "none"))
-                if s2 not in nxt or c2 < nxt[s2][0]:
-                    nxt[s2] = (c2, opts + (o,))
-        front, best = [], None
-        for s2 in sorted(nxt):
-            c2, opts = nxt[s2]
-            if best is None or c2 < best:
-                front.append((s2, c2, opts))
-                best = c2
-        states = front
-    done = [(cost, opts) for s, cost, opts in states
-            if s + head.fwd_rise <= room and s + head.saved + head.bwd_rise <= room]
+                key, c2 = (s + b.saved, u + b.saved + b.transient), (cost[0] + b.recompute_flops, cost[1] + (o != "none"))
+                if key not in nxt or c2 < nxt[key][0]:
+                    nxt[key] = (c2, opts + (o,))
+        states = _pareto(nxt)
+    done = [(cost, opts) for s, u, cost, opts in states
+            if u + head.fwd_rise <= room and s + head.saved + head.bwd_rise <= room]
     if not done:
         return None
     cost, opts = min(done)

@@ -14,6 +14,7 @@ from fitgpt.memory.units import parse_bytes
 from fitgpt.model import ModelConfig
 from fitgpt.model.config import require_positive_ints
 from fitgpt.plan.profile import StepProfile, per_rank, profile_model
+from fitgpt.plan.simulate import simulate_step
 from fitgpt.plan.target import CUDA_CONTEXT, Target, find_gpu
 
 
@@ -95,6 +96,16 @@ class WorkloadConfig:
                              self.torch_device(), tcfg.optim, tcfg.grad_accum, self.dtype(), persistent_grads=ddp,
                              fake=self.fake, target=self.plan_target())
         return per_rank(prof, self.world_size, self.parallel)
+
+    def replay(self, policy: str) -> dict[str, int] | None:
+        """For a CUDA target planned here (one process): the plan's step replayed through CUDA's caching
+        allocator (modelled), giving max_memory_allocated and max_memory_reserved; None otherwise."""
+        t = self.plan_target()
+        if not (t.cuda and self.fake and self.world_size == 1):
+            return None
+        tcfg = self.train_config()
+        return simulate_step(tcfg.model, policy, tcfg.batch_size, tcfg.model.context_length, tcfg.grad_accum, self.dtype(),
+                             tcfg.optim, t)
 
     def where(self) -> str:
         """The device planned for, and how: measured on it, or fake tensors with a modelled CUDA."""

@@ -1,0 +1,123 @@
+"""A model of PyTorch's CUDA caching allocator, fed with the allocations and frees of a (fake) step.
+
+``max_memory_allocated`` counts the blocks the allocator hands out, and ``max_memory_reserved`` the
+segments it took from the driver; both depend on the order of requests. This replays that order
+through the native allocator's default rules (one stream, no ``PYTORCH_CUDA_ALLOC_CONF``):
+
+- a request is rounded up to a multiple of 512 bytes;
+- requests up to 1 MiB come from the small pool, whose segments are 2 MiB; larger ones from the
+  large pool, whose segments are 20 MiB for requests under 10 MiB and the request rounded up to
+  2 MiB otherwise;
+- the smallest free block of the pool that is large enough is taken (best fit), and split when what
+  remains is at least 512 bytes (small pool) or over 1 MiB (large pool); otherwise the whole block
+  is handed out and counted as allocated;
+- a freed block merges with free neighbours in its segment; segments are never returned (no
+  ``empty_cache``, no out-of-memory retry).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+MIN_BLOCK, SMALL_SIZE, SMALL_BUFFER = 512, 2**20, 2 * 2**20
+MIN_LARGE_ALLOC, LARGE_BUFFER, ROUND_LARGE = 10 * 2**20, 20 * 2**20, 2 * 2**20
+
+
+@dataclass(eq=False)
+class _Block:
+    segment: int
+    offset: int
+    size: int
+    free: bool = True
+    prev: _Block | None = None
+    next: _Block | None = None
+    small: bool = True
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.size, self.segment, self.offset)
+
+
+class CachingAllocatorModel:
+    """``malloc(key, nbytes)`` / ``free(key)``; ``allocated``, ``reserved`` and their peaks, in bytes."""
+
+    def __init__(self) -> None:
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # small? -> sorted keys
+        self._blocks: dict[tuple[int, int, int], _Block] = {}
+        self._used: dict[int, _Block] = {}
+        self._segments = 0
+
+    @staticmethod
+    def round_size(nbytes: int) -> int:
+        return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+
+    @staticmethod
+    def segment_size(size: int) -> int:
+        if size <= SMALL_SIZE:
+            return SMALL_BUFFER
+        if size < MIN_LARGE_ALLOC:
+            return LARGE_BUFFER
+        return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+    def _add_free(self, b: _Block) -> None:
+        b.free = True
+        bisect.insort(self._free[b.small], b.key())
+        self._blocks[b.key()] = b
+
+    def _remove_free(self, b: _Block) -> None:
+        keys = self._free[b.small]
+        del keys[bisect.bisect_left(keys, b.key())]
+        del self._blocks[b.key()]
+
+    def malloc(self, key: int, nbytes: int) -> None:
+        if nbytes == 0:
+            return
+        size = self.round_size(nbytes)
+        small = size <= SMALL_SIZE
+        keys = self._free[small]
+        i = bisect.bisect_left(keys, (size, -1, -1))
+        if i < len(keys):
+            block = self._blocks[keys[i]]
+            self._remove_free(block)
+        else:
+            seg = self.segment_size(size)
+            self._segments += 1
+            block = _Block(self._segments, 0, seg, small=small)
+            self.reserved += seg
+            self.peak_reserved = max(self.peak_reserved, self.reserved)
+        remaining = block.size - size
+        if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
+            rest = _Block(block.segment, block.offset + size, remaining, prev=block, next=block.next, small=small)
+            if block.next:
+                block.next.prev = rest
+            block.next, block.size = rest, size
+            self._add_free(rest)
+        block.free = False
+        self._used[key] = block
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+
+    def free(self, key: int) -> None:
+        block = self._used.pop(key, None)
+        if block is None:
+            return
+        self.allocated -= block.size
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.free:
+                self._remove_free(neighbour)
+                if neighbour is block.prev:  # merge into the earlier block
+                    neighbour.size += block.size
+                    neighbour.next = block.next
+                    if block.next:
+                        block.next.prev = neighbour
+                    block = neighbour
+                else:
+                    block.size += neighbour.size
+                    block.next = neighbour.next
+                    if neighbour.next:
+                        neighbour.next.prev = block
+        self._add_free(block)
+
+    def reset_peaks(self) -> None:
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved

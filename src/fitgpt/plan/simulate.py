@@ -1,0 +1,60 @@
+"""The chosen plan's step replayed on fake tensors through a model of CUDA's caching allocator.
+
+The solver composes a plan's peak from per-block profiles: the bytes of the tensors, each rounded to
+an allocator block. What the card reports also depends on the order of requests: blocks handed out
+whole because what would remain is too small to split (``max_memory_allocated``), and the segments
+taken from the driver (``max_memory_reserved``, which is what runs out). Both come from replaying the
+real sequence of allocations and frees of the plan's step, in seconds, with no GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from fitgpt.activation_checkpoint import apply_activation_checkpointing
+from fitgpt.config import OptimConfig
+from fitgpt.device import autocast
+from fitgpt.memory.allocator import CachingAllocatorModel
+from fitgpt.memory.fake import fake_mode, fake_module
+from fitgpt.memory.tracker import LiveMemory
+from fitgpt.model import ModelConfig, Transformer
+from fitgpt.optim import build_optimizer
+from fitgpt.plan.target import Target
+from fitgpt.step import train_step
+
+
+def simulate_step(model_cfg: ModelConfig, policy: str, batch: int, context: int, grad_accum: int, dtype: torch.dtype | None,
+                  optim: OptimConfig, target: Target, allocator=None) -> dict[str, int]:
+    """Peak allocated and reserved bytes of a steady-state step of ``policy`` on ``target`` (one process).
+
+    The weights are allocated first, then the cuBLAS workspaces; a first step creates the optimizer
+    state; the second step, of up to two micro-batches (later ones repeat the second), is measured,
+    its token batches included. ``allocator``: the model replayed through (default: CUDA's).
+    """
+    cfg = dataclasses.replace(model_cfg, context_length=max(context, model_cfg.context_length))
+    mode = fake_mode()
+    with torch.device("meta"):
+        model = fake_module(Transformer(cfg), torch.device("cpu"), mode)
+    apply_activation_checkpointing(model, policy)
+    alloc = allocator if allocator is not None else CachingAllocatorModel()
+    for p in {id(p): p for p in model.parameters()}.values():
+        alloc.malloc(id(p.untyped_storage()), p.untyped_storage().nbytes())
+    for handle in range(target.workspace_bytes() and 2):
+        alloc.malloc(-1 - handle, target.workspace_bytes() // 2)
+    math_only = target.attention_backend(dtype, cfg.n_embed // cfg.n_head) == "math"
+    step_kw = {"amp": autocast(torch.device("cpu"), dtype), "grad_clip": optim.grad_clip, "check": False}
+    with mode, LiveMemory(allocator=alloc), sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext():
+        optimizer = build_optimizer(model, optim, torch.device(target.device))
+
+        def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            return [(torch.zeros(batch, context, dtype=torch.long), torch.zeros(batch, context, dtype=torch.long))
+                    for _ in range(n)]
+
+        train_step(model, optimizer, batches(1), **step_kw)
+        alloc.reset_peaks()
+        train_step(model, optimizer, batches(min(grad_accum, 2)), **step_kw)
+    return {"max_allocated": alloc.peak_allocated, "max_reserved": alloc.peak_reserved}
