@@ -297,3 +297,21 @@ def test_fit_answers_are_confirmed_by_real_steps_at_the_sizes_named():
             predicted = predict(w.profile(batch, context), plan).peak
             assert abs(measured - predicted) <= 0.01 * measured, (policy, batch, context)
             assert (measured <= budget) == fits, (policy, batch, context, measured, budget)
+
+
+@pytest.mark.parametrize("guess", [0, 1, 37, 99, 100, 101, 180, 5000])
+def test_settle_finds_the_largest_size_that_fits_from_any_guess(guess, monkeypatch):
+    from fitgpt.plan import fit as fit_module
+
+    peak = {n: 1000 * n + (512 if n % 7 == 0 else 0) for n in range(0, 5002)}  # linear with a ripple
+    monkeypatch.setattr(fit_module, "_excess", lambda profile, policy, budget: profile - budget)
+    probes = []
+
+    def exact(n):
+        probes.append(n)
+        return peak[n]
+
+    assert fit_module._settle(exact, "none", 100_300, guess, 5000) == 100  # 100 fits, 101 does not
+    assert len(probes) <= 8, probes
+    assert fit_module._settle(lambda n: peak[n], "none", 500, guess, 5000) == 0  # not even 1 fits
+    assert fit_module._settle(lambda n: peak[n], "none", 10**9, guess, 5000) == 5000  # the cap

@@ -16,12 +16,14 @@ import math
 
 from fitgpt.activation_checkpoint.policy import DEFAULT_LOSS_CHUNK_ROWS
 from fitgpt.plan.profile import BlockOption, HeadOption, StepProfile
-from fitgpt.plan.solver import Plan, PlanError, predict, solve
+from fitgpt.plan.solver import Plan, PlanError, min_peak, predict, solve
 from fitgpt.plan.workload import WorkloadConfig
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("none", "block", "auto")
+EXACT_TOKENS = 2**18
+"""Answers up to this many tokens per micro-batch are settled on exact profiles; larger ones are extrapolated."""
 
 
 def _lagrange(xs: list[int], ys: list[float], x: int) -> float:
@@ -87,26 +89,34 @@ def _largest(at, policy: str, budget: int, lo: int, cap: int) -> int:
     return hi
 
 
+def _excess(profile: StepProfile, policy: str, budget: int) -> int:
+    """Bytes by which the policy's peak exceeds ``budget`` (<= 0: it fits); for auto, the lowest plan's."""
+    if policy == "auto":
+        return min_peak(profile)[1].peak - budget
+    option = "none" if policy == "none" else "full"
+    return predict(profile, Plan.uniform(profile.n_blocks, option)).peak - budget
+
+
 def _settle(exact, policy: str, budget: int, guess: int, cap: int) -> int:
-    """The largest n in [1, cap] that fits on exact profiles, searched outward from ``guess``: n fits and
-    n + 1 does not (0 if 1 does not)."""
-    n = min(max(guess, 1), cap)
-    if _fits(exact(n), policy, budget):
-        lo, step = n, 1
-        while lo < cap and _fits(exact(min(cap, lo + step)), policy, budget):
-            lo, step = min(cap, lo + step), step * 2
-        hi = min(cap, lo + step) if lo < cap else cap + 1  # the first size known not to fit
-    else:
-        hi, step = n, 1
-        while hi > 1 and not _fits(exact(max(1, hi - step)), policy, budget):
-            hi, step = max(1, hi - step), step * 2
-        if hi == 1:
-            return 0
-        lo = max(1, hi - step)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if _fits(exact(mid), policy, budget) else (lo, mid)
-    return lo
+    """The largest n in [1, cap] that fits on exact profiles: n fits and n + 1 does not (0 if 1 does not).
+
+    From ``guess``, each probe aims where the excess bytes would be zero (a secant through the last two
+    probes), staying inside the bracket of sizes known to fit and not; bisection closes what is left.
+    A good guess costs two profiles."""
+    fits_at, fails_at = 0, cap + 1  # the largest size known to fit, the smallest known not to
+    n, prev = min(max(guess, 1), cap), None
+    for _ in range(8):
+        e = _excess(exact(n), policy, budget)
+        fits_at, fails_at = (max(fits_at, n), fails_at) if e <= 0 else (fits_at, min(fails_at, n))
+        if fails_at - fits_at <= 1:
+            return fits_at
+        slope = (prev[1] - e) / (prev[0] - n) if prev else (e + budget) / n  # bytes per unit of size
+        prev = (n, e)
+        n = min(max(math.floor(n - e / max(slope, 1.0)), fits_at + 1), fails_at - 1, cap)
+    while fails_at - fits_at > 1:
+        mid = (fits_at + fails_at) // 2
+        fits_at, fails_at = (mid, fails_at) if _excess(exact(mid), policy, budget) <= 0 else (fits_at, mid)
+    return fits_at
 
 
 def fit(w: WorkloadConfig, budget: int, max_batch: int = 4096, max_context: int = 1 << 17, max_blocks: int = 1024) -> dict:
@@ -130,19 +140,29 @@ def fit(w: WorkloadConfig, budget: int, max_batch: int = 4096, max_context: int 
     by_context = [(c, prof(B, c)) for c in (c0, 2 * c0, 3 * c0)]
     here = prof(B, T)
     answers: dict[str, dict[str, int]] = {}
+    extrapolated: list[str] = []
+
+    def settle(name: str, policy: str, guess: int, cap: int, exact) -> int:
+        # A profile's cost grows with the chunked loss's chunks: past EXACT_TOKENS the bracket is the answer.
+        if guess * (T if name == "batch" else B) > EXACT_TOKENS:
+            extrapolated.append(f"{policy} {name}")
+            return guess
+        return _settle(exact, policy, budget, guess, cap)
+
     for policy in POLICIES:
         guess_b = _largest(lambda b: extrapolate(by_batch, b, "batch_size"), policy, budget, 1, max_batch)
         guess_c = _largest(lambda c: extrapolate(by_context, c, "context"), policy, budget, 1, max_context)
         answers[policy] = {
-            "batch_size": _settle(lambda b: prof(b, T), policy, budget, guess_b, max_batch),
-            "context": _settle(lambda c: prof(B, c), policy, budget, guess_c, max_context),
+            "batch_size": settle("batch", policy, guess_b, max_batch, lambda b: prof(b, T)),
+            "context": settle("context", policy, guess_c, max_context, lambda c: prof(B, c)),
             "n_blocks": _largest(here.with_blocks, policy, budget, 1, max_blocks),
         }
     return {
         "workload": w.describe(), "budget": budget, "answers": answers,
         "current": {"batch_size": B, "context": T, "n_blocks": mcfg.n_blocks},
-        "profiles": len(cache),
+        "profiles": len(cache), "extrapolated": extrapolated,
         "note": f"batch and context bracketed from profiles at batch {b0}, {2 * b0} and contexts {c0}, {2 * c0}, {3 * c0}, "
-                f"then settled on exact profiles of the sizes named ({len(cache)} profiles in all); depth from the profile "
-                f"at batch {B} x {T}",
+                f"then settled on exact profiles of the sizes named ({len(cache)} profiles in all"
+                + (f"; extrapolated only, over {EXACT_TOKENS} tokens: {', '.join(extrapolated)}" if extrapolated else "")
+                + f"); depth from the profile at batch {B} x {T}",
     }
