@@ -7,6 +7,9 @@
 # 2. --activation-checkpointing auto on CUDA: the measured (allocator) peak beside the predicted one
 # 3. With 2 GPUs: DDP and FSDP (NCCL) through torchrun, FSDP resumed on one GPU, and the CPU/gloo
 #    distributed tests re-run for good measure
+# 4. CPU-only predictions for this card (fake tensors, `--target cuda --gpu <card>`) against
+#    max_memory_allocated and max_memory_reserved of real steps: tiny, small, medium, 3b
+#    (benchmarks/plan_check.py cuda; the table goes to OUT_DIR/plan_check_cuda.md for RESULTS.md)
 # Everything lands in OUT_DIR (default gpu_check/), with a summary in OUT_DIR/summary.txt.
 set -euo pipefail
 OUT=${1:-gpu_check}
@@ -51,6 +54,9 @@ else
   echo "== 3. skipped: needs 2 GPUs, found $NGPU"
 fi
 
+echo "== 4. CPU-only predictions for this card vs the allocator"
+python benchmarks/plan_check.py cuda --out "$OUT/plan_check_cuda.json" | tee "$OUT/plan_check_cuda.md"
+
 python - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -66,6 +72,9 @@ for name in ("ddp", "fsdp", "fsdp_resumed_on_one_gpu"):
     if f.is_file():
         s = json.loads(f.read_text())
         lines.append(f"{name}: steps {s['steps']} train loss {s['train_loss']:.4f} val loss {s['val_loss']:.4f}")
+check = out / "plan_check_cuda.md"
+if check.is_file():
+    lines += ["", "CPU-only predictions vs the allocator:", check.read_text()]
 (out / "summary.txt").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY

@@ -22,9 +22,13 @@ def _cuda_notes(cfg: PlanConfig) -> list[str]:
     """What the numbers for a CUDA target rest on: modelled here, not measured on the card."""
     t, m = cfg.plan_target(), cfg.model_config
     backend = t.attention_backend(cfg.dtype(), m.n_embed // m.n_head)
-    card = f"{t.gpu.name}: {format_bytes(t.gpu.memory)} ({t.gpu.source})" if t.gpu else "no card named (sm 8.0+ assumed)"
-    return [
-        f"card: {card}",
+    card = (f"{t.gpu.name}, {format_bytes(t.gpu.memory)}, sm {t.gpu.sm[0]}.{t.gpu.sm[1]} (source: {t.gpu.source})" if t.gpu
+            else "none named (sm 8.0 or newer assumed)")
+    notes = [f"card: {card}"]
+    if t.gpu and cfg.device_budget > t.gpu.memory - CUDA_CONTEXT:
+        notes.append(f"note: --memory-budget {format_bytes(cfg.device_budget)} is more than the card leaves after the CUDA "
+                     f"context ({format_bytes(t.gpu.memory - CUDA_CONTEXT)}); the check against the card is below")
+    return notes + [
         f"budget: {format_bytes(cfg.device_budget)}"
         + ("" if cfg.memory_budget else f" (card less {format_bytes(CUDA_CONTEXT)} for the CUDA context, modelled)")
         + f", less {format_bytes(t.workspace_bytes())} of cuBLAS workspaces (2 handles, modelled) = {format_bytes(cfg.budget)} "

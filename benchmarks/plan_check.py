@@ -1,0 +1,179 @@
+"""Predictions against measurements: fake-tensor plans vs real steps, on this CPU or on a CUDA card.
+
+    python benchmarks/plan_check.py cpu  [--out benchmarks/plan_check_cpu.json]
+    python benchmarks/plan_check.py cuda [--out gpu_check/plan_check_cuda.json]
+
+cpu: planning time (fake tensors vs the real-step profiler), fake-vs-real profile equality, and the
+measured peak of a real training step against the fake prediction, for tiny, small and medium at
+CPU-sized shapes. cuda: for tiny, small, medium and 3b, the plan made on fake CPU tensors for this
+card (`--target cuda --gpu <card>`) against torch.cuda.max_memory_allocated / max_memory_reserved of
+real steps of that plan. Each run prints a Markdown table and writes the numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fitgpt.activation_checkpoint import apply_activation_checkpointing
+from fitgpt.config import load_config
+from fitgpt.device import autocast
+from fitgpt.memory.tracker import LiveMemory
+from fitgpt.model import Transformer
+from fitgpt.optim import build_optimizer
+from fitgpt.plan.profile import profile_model
+from fitgpt.plan.solver import min_peak, solve
+from fitgpt.plan.target import GPUS
+from fitgpt.plan.workload import BudgetConfig
+from fitgpt.step import grad_scaler, train_step
+
+GiB = 2**30
+
+
+def _cli_seconds(args: list[str]) -> float:
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "fitgpt", *args], check=True, capture_output=True)
+    return time.perf_counter() - t
+
+
+def measure(model_cfg, policy: str, batch: int, context: int, accum: int, dtype, device: torch.device) -> dict:
+    """A steady-state step of ``policy`` as the replay models it: weights, a first step (optimizer state),
+    then a measured step of min(accum, 2) micro-batches. CUDA: the allocator's peaks; CPU: live tensors."""
+    cfg = dataclasses.replace(model_cfg, context_length=context)
+    model = Transformer(cfg).to(device)
+    apply_activation_checkpointing(model, policy)
+    optimizer = build_optimizer(model, load_config("tiny").optim, device)
+    kw = {"amp": autocast(device, dtype), "scaler": grad_scaler(device, dtype), "grad_clip": 1.0}
+
+    def batches(n):
+        x = torch.zeros(batch, context, dtype=torch.long, device=device)
+        return [(x, x.clone()) for _ in range(n)]
+
+    train_step(model, optimizer, batches(1), **kw)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        train_step(model, optimizer, batches(min(accum, 2)), **kw)
+        torch.cuda.synchronize()
+        result = {"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved()}
+    else:
+        held = sum(t.untyped_storage().nbytes() for t in {id(p): p for p in model.parameters()}.values())
+        held += sum(v.untyped_storage().nbytes() for s in optimizer.state.values() for v in s.values())
+        with LiveMemory() as live:
+            train_step(model, optimizer, batches(min(accum, 2)), **kw)
+        result = {"max_allocated": held + live.peak, "max_reserved": None}
+    del model, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def cpu_check() -> dict:
+    rows = []
+    # Planning time: the default (fake) plan against the real-step profiler, same shape, same budget.
+    for preset, b, t in (("small", 8, 256), ("medium", 4, 256)):
+        args = ["plan", "--preset", preset, "--batch-size", str(b), "--context", str(t), "--memory-budget", "64GiB"]
+        rows.append({"what": "plan time", "preset": preset, "shape": f"{b}x{t}", "fake_s": _cli_seconds(args),
+                     "real_s": _cli_seconds(args + ["--device", "cpu"]) if preset == "small" else None})
+    rows.append({"what": "plan time", "preset": "3b", "shape": "4x512 (preset)", "fake_s": _cli_seconds(
+        ["plan", "--preset", "3b", "--target", "cuda", "--gpu", "h100-80gb", "--memory-budget", "80GiB"]), "real_s": None})
+    # Fake vs real profiles, field by field, and real trained steps against the fake prediction.
+    for preset, b, t, dtype in (("tiny", 4, 64, None), ("tiny", 4, 64, torch.bfloat16), ("small", 1, 64, None),
+                                ("small", 1, 64, torch.bfloat16), ("medium", 1, 64, None)):
+        cfg = load_config(preset)
+        fake = profile_model(cfg.model, b, t, "cpu", cfg.optim, 1, dtype, fake=True)
+        real = profile_model(cfg.model, b, t, "cpu", cfg.optim, 1, dtype) if preset != "medium" else None
+        a = dataclasses.asdict(fake)
+        equal = None if real is None else sum(a[k] == v for k, v in dataclasses.asdict(real).items() if k != "seconds")
+        none, lowest = solve(fake, 10**15)[1].peak, min_peak(fake)[1].peak
+        budget = (none + lowest) // 2  # a budget that needs a mixed plan
+        plan, pred = solve(fake, budget)
+        m = measure(cfg.model, plan.spec(), b, t, 1, dtype, torch.device("cpu"))
+        batch_bytes = 2 * b * t * 8  # the measured step holds its token batch, the prediction does not
+        rows.append({"what": "step", "preset": preset, "shape": f"{b}x{t}", "dtype": str(dtype or "fp32"), "plan": plan.spec(),
+                     "fields_equal": equal, "fields": len(a) - 1, "predicted": pred.peak,
+                     "measured": m["max_allocated"] - batch_bytes,
+                     "error": (m["max_allocated"] - batch_bytes) / pred.peak - 1})
+    return {"device": "cpu", "torch": torch.__version__, "rows": rows}
+
+
+def _card() -> str | None:
+    name = torch.cuda.get_device_name().lower()
+    keys = {"h100": "h100-80gb", "h200": "h200", "a100": "a100-80gb" if torch.cuda.get_device_properties(0).total_memory
+            > 60 * GiB else "a100-40gb", "l4": "l4", "4090": "rtx-4090", "3090": "rtx-3090", "t4": "t4"}
+    return next((v for k, v in keys.items() if k in name), None)
+
+
+def cuda_check() -> dict:
+    card = _card()
+    total = torch.cuda.get_device_properties(0).total_memory
+    rows = []
+    for preset, b, t in (("tiny", 16, 128), ("small", 8, 1024), ("medium", 4, 1024), ("3b", 4, 512)):
+        target = {"gpu": card} if card else {"target": "cuda", "memory_budget": f"{total // 2**20}MiB"}
+        w = BudgetConfig(preset=preset, batch_size=b, context=t, **target)
+        try:
+            plan, pred = solve(w.profile(), w.budget)
+        except Exception as e:  # too large for this card under any plan
+            rows.append({"preset": preset, "shape": f"{b}x{t}", "error": str(e)[:200]})
+            continue
+        replay = w.replay(plan.spec())
+        tcfg = w.train_config()
+        m = measure(tcfg.model, plan.spec(), b, t, tcfg.grad_accum, w.dtype(), torch.device("cuda"))
+        predicted = pred.peak + w.plan_target().workspace_bytes()
+        rows.append({"preset": preset, "shape": f"{b}x{t}", "plan": plan.spec(), "predicted_allocated": predicted,
+                     "replay_allocated": replay["max_allocated"], "replay_reserved": replay["max_reserved"], **m,
+                     "error_allocated": m["max_allocated"] / replay["max_allocated"] - 1,
+                     "error_reserved": m["max_reserved"] / replay["max_reserved"] - 1})
+    return {"device": torch.cuda.get_device_name(), "card": card, "torch": torch.__version__, "rows": rows,
+            "cards_known": list(GPUS)}
+
+
+def _table(result: dict) -> str:
+    rows = result["rows"]
+    if result["device"] == "cpu":
+        lines = ["| check | preset | shape | dtype | plan | fake s | real s | fields equal | predicted MiB | measured MiB | error |",
+                 "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            if r["what"] == "plan time":
+                real = f"{r['real_s']:.1f}" if r["real_s"] else "-"
+                lines.append(f"| plan time | {r['preset']} | {r['shape']} | | | {r['fake_s']:.1f} | {real} | | | | |")
+            else:
+                eq = f"{r['fields_equal']}/{r['fields']}" if r["fields_equal"] is not None else "-"
+                lines.append(f"| step | {r['preset']} | {r['shape']} | {r['dtype']} | `{r['plan']}` | | | {eq} | "
+                             f"{r['predicted'] / 2**20:.2f} | {r['measured'] / 2**20:.2f} | {r['error']:+.4%} |")
+        return "\n".join(lines)
+    lines = ["| preset | shape | plan | predicted alloc GiB | replay alloc GiB | measured alloc GiB | replay reserved GiB | "
+             "measured reserved GiB | alloc error | reserved error |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['preset']} | {r['shape']} | {r['error']} | | | | | | | |")
+            continue
+        lines.append(f"| {r['preset']} | {r['shape']} | `{r['plan']}` | {r['predicted_allocated'] / GiB:.3f} | "
+                     f"{r['replay_allocated'] / GiB:.3f} | {r['max_allocated'] / GiB:.3f} | {r['replay_reserved'] / GiB:.3f} | "
+                     f"{r['max_reserved'] / GiB:.3f} | {r['error_allocated']:+.2%} | {r['error_reserved']:+.2%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["cpu", "cuda"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.mode == "cuda" and not torch.cuda.is_available():
+        sys.exit("plan_check.py cuda: no CUDA device here")
+    result = cpu_check() if args.mode == "cpu" else cuda_check()
+    out = Path(args.out or f"benchmarks/plan_check_{args.mode}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print(_table(result))
+
+
+if __name__ == "__main__":
+    main()
