@@ -28,6 +28,7 @@ from fitgpt.device import autocast
 from fitgpt.memory.tracker import LiveMemory
 from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer
+from fitgpt.plan.fit import fit
 from fitgpt.plan.profile import profile_model
 from fitgpt.plan.solver import min_peak, solve
 from fitgpt.plan.target import GPUS
@@ -46,7 +47,7 @@ def _cli_seconds(args: list[str]) -> float:
 def measure(model_cfg, policy: str, batch: int, context: int, accum: int, dtype, device: torch.device) -> dict:
     """A steady-state step of ``policy`` as the replay models it: weights, a first step (optimizer state),
     then a measured step of min(accum, 2) micro-batches. CUDA: the allocator's peaks; CPU: live tensors."""
-    cfg = dataclasses.replace(model_cfg, context_length=context)
+    cfg = dataclasses.replace(model_cfg, context_length=max(context, model_cfg.context_length))  # as the profile builds it
     model = Transformer(cfg).to(device)
     apply_activation_checkpointing(model, policy)
     optimizer = build_optimizer(model, load_config("tiny").optim, device)
@@ -85,11 +86,11 @@ def cpu_check() -> dict:
     rows.append({"what": "plan time", "preset": "3b", "shape": "4x512 (preset)", "fake_s": _cli_seconds(
         ["plan", "--preset", "3b", "--target", "cuda", "--gpu", "h100-80gb", "--memory-budget", "80GiB"]), "real_s": None})
     # Fake vs real profiles, field by field, and real trained steps against the fake prediction.
-    for preset, b, t, dtype in (("tiny", 4, 64, None), ("tiny", 4, 64, torch.bfloat16), ("small", 1, 64, None),
-                                ("small", 1, 64, torch.bfloat16), ("medium", 1, 64, None)):
+    for preset, b, t, dtype in (("tiny", 8, 128, None), ("tiny", 8, 128, torch.bfloat16), ("small", 4, 256, None),
+                                ("small", 4, 256, torch.bfloat16), ("medium", 2, 256, None), ("medium", 2, 256, torch.bfloat16)):
         cfg = load_config(preset)
         fake = profile_model(cfg.model, b, t, "cpu", cfg.optim, 1, dtype, fake=True)
-        real = profile_model(cfg.model, b, t, "cpu", cfg.optim, 1, dtype) if preset != "medium" else None
+        real = profile_model(cfg.model, b, t, "cpu", cfg.optim, 1, dtype) if preset == "tiny" or dtype is None else None
         a = dataclasses.asdict(fake)
         equal = None if real is None else sum(a[k] == v for k, v in dataclasses.asdict(real).items() if k != "seconds")
         none, lowest = solve(fake, 10**15)[1].peak, min_peak(fake)[1].peak
@@ -101,7 +102,25 @@ def cpu_check() -> dict:
                      "fields_equal": equal, "fields": len(a) - 1, "predicted": pred.peak,
                      "measured": m["max_allocated"] - batch_bytes,
                      "error": (m["max_allocated"] - batch_bytes) / pred.peak - 1})
+    rows += fit_check("tiny", 4, 32, "24MiB") + fit_check("small", 1, 64, "2300MiB")
     return {"device": "cpu", "torch": torch.__version__, "rows": rows}
+
+
+def fit_check(preset: str, batch: int, context: int, budget: str) -> list[dict]:
+    """fit's batch answers for none and block, confirmed by real steps at n (fits) and n + 1 (does not)."""
+    w = BudgetConfig(preset=preset, batch_size=batch, context=context, grad_accum=1, memory_budget=budget)
+    t = time.perf_counter()
+    answers = fit(w, w.budget)["answers"]
+    seconds = time.perf_counter() - t
+    rows = []
+    for policy in ("none", "block"):
+        n = answers[policy]["batch_size"]
+        got = [measure(w.model_config, policy, k, context, 1, None, torch.device("cpu"))["max_allocated"] - 2 * k * context * 8
+               for k in (n, n + 1)]
+        rows.append({"what": "fit", "preset": preset, "shape": f"batch at context {context}", "dtype": "fp32",
+                     "plan": policy, "fit_s": seconds, "budget": w.budget, "answer": n, "measured_n": got[0],
+                     "measured_n1": got[1], "confirmed": got[0] <= w.budget < got[1]})
+    return rows
 
 
 def _card() -> str | None:
@@ -141,7 +160,11 @@ def _table(result: dict) -> str:
         lines = ["| check | preset | shape | dtype | plan | fake s | real s | fields equal | predicted MiB | measured MiB | error |",
                  "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
-            if r["what"] == "plan time":
+            if r["what"] == "fit":
+                lines.append(f"| fit ({r['fit_s']:.0f} s) | {r['preset']} | {r['shape']} | | `{r['plan']}`: batch {r['answer']} | | | "
+                             f"| budget {r['budget'] / 2**20:.1f} | n: {r['measured_n'] / 2**20:.2f}, n+1: "
+                             f"{r['measured_n1'] / 2**20:.2f} | {'confirmed' if r['confirmed'] else 'WRONG'} |")
+            elif r["what"] == "plan time":
                 real = f"{r['real_s']:.1f}" if r["real_s"] else "-"
                 lines.append(f"| plan time | {r['preset']} | {r['shape']} | | | {r['fake_s']:.1f} | {real} | | | | |")
             else:

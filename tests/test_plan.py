@@ -280,23 +280,30 @@ def test_train_config_budget_errors():
         load_config("tiny", overrides={"checkpointing": "auto", "memory_budget": "lots"})
 
 
-def test_fit_answers_are_confirmed_by_real_steps_at_the_sizes_named():
+@pytest.mark.parametrize("preset, batch, context, budget, dims", [
+    ("tiny", 4, 32, "24MiB", ("batch_size", "context")),
+    # The small preset (124M parameters) takes two minutes: `python benchmarks/plan_check.py cpu` runs it.
+])
+def test_fit_answers_are_confirmed_by_real_steps_at_the_sizes_named(preset, batch, context, budget, dims):
     """fit settles on fake profiles of the sizes it names: a real step of that size fits the budget, one
     size more does not, and both measured peaks are the predicted ones within 1%."""
-    w = BudgetConfig(preset="tiny", batch_size=4, context=32, memory_budget="24MiB")
+    w = BudgetConfig(preset=preset, batch_size=batch, context=context, grad_accum=1, memory_budget=budget)
     budget = w.budget
     answers = fit(w, budget)["answers"]
     cfg = w.model_config
     for policy, option in (("none", "none"), ("block", "full")):
         b, c = answers[policy]["batch_size"], answers[policy]["context"]
-        assert b > 4 and c > 32  # the budget leaves room beyond the profiled sizes
-        for batch, context, fits in ((b, 32, True), (b + 1, 32, False), (4, c, True), (4, c + 1, False)):
-            model_cfg = dataclasses.replace(cfg, context_length=context)
+        assert b > batch and c > context  # the budget leaves room beyond the profiled sizes
+        sizes = [(b, context, True), (b + 1, context, False)]
+        if "context" in dims:
+            sizes += [(batch, c, True), (batch, c + 1, False)]
+        for n, t, fits in sizes:
+            model_cfg = dataclasses.replace(cfg, context_length=max(t, cfg.context_length))
             plan = Plan.uniform(cfg.n_blocks, option)
-            measured = Measured(model_cfg, batch, context).peak(plan)
-            predicted = predict(w.profile(batch, context), plan).peak
-            assert abs(measured - predicted) <= 0.01 * measured, (policy, batch, context)
-            assert (measured <= budget) == fits, (policy, batch, context, measured, budget)
+            measured = Measured(model_cfg, n, t).peak(plan)
+            predicted = predict(w.profile(n, t), plan).peak
+            assert abs(measured - predicted) <= 0.01 * measured, (policy, n, t)
+            assert (measured <= budget) == fits, (policy, n, t, measured, budget)
 
 
 @pytest.mark.parametrize("guess", [0, 1, 37, 99, 100, 101, 180, 5000])

@@ -160,7 +160,7 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
     return _fake_profile(run, t0)
 
 
-SHALLOW, DEEP = 3, 16
+SHALLOW, DEEP = 3, 8
 """A fake profile of a model of DEEP blocks or more is taken at SHALLOW blocks and one more, and deepened
 (exact: blocks are alike); below that, profiling every block is as quick."""
 
@@ -179,7 +179,7 @@ def _deepen(run: _Run, t0: float) -> StepProfile:
     optimizer state and step) measured on the full-depth model. Tested equal, byte for byte, to
     profiling every block."""
     n = run.cfg.n_blocks
-    a, b = (_fake_profile(dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, n_blocks=k)), t0)
+    a, b = (_fake_profile(dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, n_blocks=k), optimizer_step=False), t0)
             for k in (SHALLOW, SHALLOW + 1))
     deep = b.with_blocks(n)
     return dataclasses.replace(deep, **_fixed_costs(run), step_flops=b.step_flops + (n - SHALLOW - 1) * (b.step_flops - a.step_flops),
@@ -229,6 +229,8 @@ class _Run:
     target: Target
     simulated: bool
     """A CUDA target profiled on CPU: the attention backend's saved tensors are modelled."""
+    optimizer_step: bool = True
+    """False for the shallow profiles of a deep model, whose optimizer costs are taken at full depth."""
 
     @property
     def backend(self) -> str:
@@ -240,7 +242,7 @@ def _profile(model: Transformer, run: _Run, seed: int | None, t0: float) -> Step
     batch_size, context, grad_accum = run.batch_size, run.context, run.grad_accum
     model.train()
     # The optimizer as it is built on the target (fused AdamW on CUDA).
-    optimizer = build_optimizer(model, run.optim, torch.device(run.target.device))
+    optimizer = build_optimizer(model, run.optim, torch.device(run.target.device)) if run.optimizer_step else None
     # (B, T + 1) token ids; their values matter to no byte count, so fake runs take zeros.
     if seed is None:
         idx = torch.zeros(batch_size, context + 1, dtype=torch.long, device=device)
@@ -259,8 +261,9 @@ def _profile(model: Transformer, run: _Run, seed: int | None, t0: float) -> Step
     accumulate = grad_accum > 1 or run.persistent_grads
     timelines: dict[str, StepTimeline] = {}
     with sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext():
-        if accumulate:
-            loss_fn().backward()  # gradients stay allocated between micro-batches
+        if accumulate:  # gradients stay allocated between micro-batches: give them their tensors up front
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
         # The first run (none) also creates the optimizer state, as any first step does: its forward and
         # backward segments are unaffected, and the optimizer's workspace is read from the later runs.
         for option, (spec, _) in _RUNS.items():
