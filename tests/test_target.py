@@ -128,3 +128,9 @@ def test_target_errors_name_the_flag(args, match, capsys):
         main(["plan", "--preset", "tiny", *args])
     assert e.value.code == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_measuring_on_a_missing_device_points_to_target(capsys):
+    assert main(["plan", "--preset", "tiny", "--device", "cuda", "--memory-budget", "1GiB"]) == 2
+    assert "use --target cuda or --gpu NAME instead of --device" in capsys.readouterr().err

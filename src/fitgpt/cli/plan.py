@@ -33,7 +33,9 @@ def _cuda_notes(cfg: PlanConfig) -> list[str]:
         + ("" if cfg.memory_budget else f" (card less {format_bytes(CUDA_CONTEXT)} for the CUDA context, modelled)")
         + f", less {format_bytes(t.workspace_bytes())} of cuBLAS workspaces (2 handles, modelled) = {format_bytes(cfg.budget)} "
         "for the step's tensors",
-        f"modelled: attention backend {backend} (its saved tensors from PyTorch's meta kernels); allocator blocks of "
+        f"modelled: attention backend {backend} "
+        + ("(run here as the math path)" if backend == "math" else "(its saved tensors from PyTorch's meta kernels)")
+        + "; allocator blocks of "
         "512 bytes; fused AdamW; autocast weight copies as on CPU. Measured: nothing on a GPU (fake tensors on this CPU)",
     ]
 

@@ -77,11 +77,17 @@ class WorkloadConfig:
             return Target("cuda", find_gpu(self.gpu))
         if self.target:
             return Target(self.target)
-        return Target(resolve_device(self.device or "auto").type)
+        return Target(self.torch_device().type if self.device else resolve_device("auto").type)
 
     def torch_device(self) -> torch.device:
         """Where the profiled step runs: the --device measured on, or the CPU for fake tensors (any target)."""
-        return resolve_device(self.device) if self.device else torch.device("cpu")
+        if not self.device:
+            return torch.device("cpu")
+        try:
+            return resolve_device(self.device)
+        except ValueError as e:
+            raise ValueError(f"{e}; to plan for a device this machine lacks, use --target cuda or --gpu NAME "
+                             "instead of --device") from None
 
     def dtype(self) -> torch.dtype | None:
         if self.device:
