@@ -36,6 +36,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, cfg) -> None:
             grads[spec] = {n.replace(".inner", ""): p.grad.clone() for n, p in model.named_parameters()}
         if rank == 0:
             torch.save(grads, os.path.join(out_dir, "grads.pt"))
+        dist.barrier()  # leave together: a rank tearing down while the other still writes can abort it (gloo)
     finally:
         dist.destroy_process_group()
 

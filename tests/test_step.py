@@ -5,6 +5,7 @@ import math
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fitgpt.data import BatchSampler, TokenData
 from fitgpt.device import autocast
@@ -36,8 +37,8 @@ def test_the_trainer_step_is_the_shared_train_step(make_cfg, tmp_path):
             g["lr"] = lr_at(step, cfg.optim, cfg.max_steps)
         batches = [sampler.next_batch(torch.device("cpu")) for _ in range(cfg.grad_accum)]
         result = train_step(model, opt, batches, grad_clip=cfg.optim.grad_clip)
-        norms.append(result.grad_norm)
-    assert result.applied and result.loss == summary["train_loss"]
+        norms.append(float(result.grad_norm))
+    assert bool(result.applied) and float(result.loss) == summary["train_loss"]
     assert min(norms) > cfg.optim.grad_clip  # the clip really scaled the gradients
     by_hand = model.state_dict()
     assert trained.keys() == set(by_hand) - set(tied_names(by_hand))
@@ -53,7 +54,7 @@ def test_a_non_finite_step_is_skipped_and_leaves_no_gradients(tiny_model_config)
         model.layer_norm.weight[0] = float("nan")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = train_step(model, opt, [(x, x)], grad_clip=1.0)
-    assert not result.applied and math.isnan(result.loss)
+    assert not bool(result.applied) and math.isnan(float(result.loss))
     assert all(p.grad is None for p in model.parameters())
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before if not torch.isnan(before[k]).any())
@@ -97,3 +98,79 @@ def test_tied_names_match_what_save_model_writes(tiny_model_config, tmp_path):
     sd = model.state_dict()
     assert tied_names(sd) == ["token_embed.weight"]
     assert written == set(sd) - set(tied_names(sd))
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts reads of tensor values on the host (.item(), float(), bool()): each one waits for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Poisoned(torch.nn.Module):
+    """The model, whose loss can be made NaN (and so every gradient)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.on = model, False
+
+    def forward(self, x, y):
+        logits, loss = self.model(x, y)
+        return logits, loss * float("nan") if self.on else loss
+
+
+def test_a_step_reads_nothing_on_the_host_and_skips_a_nan_step_on_the_device(tiny_model_config):
+    model = _Poisoned(Transformer(tiny_model_config()))
+    fused = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # skips on the device, as on CUDA
+    x = torch.randint(0, 128, (2, 32))
+    batches = [(x, x), (x, x)]
+    with _HostReads() as reads:
+        train_step(model, fused, batches, grad_clip=1.0)
+    assert reads.count == 0
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: {n: v.clone() for n, v in s.items()} for k, s in zip(range(len(fused.state)), fused.state.values())}
+    model.on = True
+    with _HostReads() as reads:
+        result = train_step(model, fused, batches, grad_clip=1.0)
+    assert reads.count == 0
+    assert not bool(result.applied) and math.isnan(float(result.loss))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # parameters untouched
+    for k, s in zip(range(len(fused.state)), fused.state.values()):
+        assert all(torch.equal(state[k][n], v) for n, v in s.items())  # moments and step counts too
+    # An unfused optimizer decides on the host (and PyTorch's unfused AdamW reads its step counts):
+    # a fixed number of reads per step, none per micro-batch.
+    model.on = False
+    unfused = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    counts = []
+    for n in (1, 1, 3):
+        with _HostReads() as reads:
+            train_step(model, unfused, [(x, x)] * n, grad_clip=1.0)
+        counts.append(reads.count)
+    assert counts[1] == counts[2] > 0
+
+
+def test_the_trainer_reports_a_skipped_step_at_its_next_read(make_cfg, tmp_path, monkeypatch):
+    """Results are read every --log-interval steps: a NaN at step 0 stops the run at step 4's read, before
+    the save at step 3 (checkpoints follow a read), naming step 0."""
+    import pytest
+
+    import fitgpt.train.trainer as trainer
+
+    real_build = trainer.build_model
+
+    def poisoned(cfg, vocab_size, device):
+        model = real_build(cfg, vocab_size, device)
+        with torch.no_grad():
+            model.layer_norm.weight.fill_(float("nan"))
+        return model
+
+    monkeypatch.setattr(trainer, "build_model", poisoned)
+    with pytest.raises(trainer.TrainingError, match=r"loss is nan at step 0 .*last good checkpoint: none"):
+        train(make_cfg(tmp_path / "run", log_interval=4, eval_interval=5, checkpoint_interval=3))
+    assert not list((tmp_path / "run").glob("checkpoints/step_*"))

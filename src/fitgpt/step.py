@@ -2,9 +2,9 @@
 
 Forward and backward over the micro-batches (gradients summed, each loss scaled by 1/n), then
 ``optimizer_update``: unscale (fp16), clip, skip a step whose loss or gradient norm is not finite,
-step, free the gradients. The trainer adds only what it needs around it (distributed reduction
-through ``sync``/``reduce``); the planner and ``bench`` call the same function, so the step they
-measure is the step that trains.
+step, free the gradients. The results stay on the device (the caller reads them when it logs).
+The trainer adds only what it needs around it (distributed reduction through ``sync``/``reduce``);
+the planner and ``bench`` call the same function, so the step they measure is the step that trains.
 """
 
 from __future__ import annotations
@@ -23,12 +23,15 @@ AmpFactory = Callable[[], contextlib.AbstractContextManager]
 
 @dataclass
 class StepResult:
-    loss: float
-    """Mean loss over the micro-batches (and over ranks, given ``reduce``)."""
-    grad_norm: float
-    """Total gradient norm before clipping (of the scaled gradients' unscaled values under fp16)."""
-    applied: bool
-    """False when the loss or the gradient norm was not finite and the optimizer step was skipped."""
+    """What a step leaves on the device: reading any of it on the host waits for the step to finish,
+    so the trainer reads them together, at its log, evaluation and save points."""
+
+    loss: torch.Tensor
+    """0-d: the mean loss over the micro-batches (and over ranks, given ``reduce``)."""
+    grad_norm: torch.Tensor
+    """0-d: the total gradient norm before clipping (unscaled under fp16)."""
+    applied: torch.Tensor
+    """0-d bool: False when the loss or the gradient norm was not finite and the update was skipped."""
 
 
 def grad_scaler(device: torch.device, dtype: torch.dtype | None) -> torch.amp.GradScaler:
@@ -36,39 +39,61 @@ def grad_scaler(device: torch.device, dtype: torch.dtype | None) -> torch.amp.Gr
     return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
 
-def optimizer_update(model: nn.Module, optimizer: torch.optim.Optimizer, loss: float,
-                     scaler: torch.amp.GradScaler | None = None, grad_clip: float = 0.0, check: bool = True) -> tuple[float, bool]:
-    """Unscale, clip, step unless something is not finite; returns (grad norm, applied). Gradients stay.
+def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Fused AdamW/Adam take a ``found_inf`` tensor and skip the update (step counts included) on the device."""
+    return bool(optimizer.defaults.get("fused"))
 
-    ``check=False`` steps without reading the norm on the host (the profiler, whose tensors may be
-    fake and hold no values); the device-side work, and so the memory, is the same.
+
+def optimizer_update(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor,
+                     scaler: torch.amp.GradScaler | None = None, grad_clip: float = 0.0,
+                     check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unscale, clip, and step unless the loss or the gradient norm is not finite; returns (grad norm,
+    applied) as device tensors. Gradients stay.
+
+    The decision is made on the device where the optimizer can skip there (fused AdamW: no host
+    sync); otherwise it is read on the host (free on CPU). ``check=False`` always steps and reads
+    nothing (the profiler, whose tensors may be fake and hold no values); the memory is the same.
     """
     if scaler is not None:
         scaler.unscale_(optimizer)
     # The norm is computed even without clipping: it is logged, and a non-finite one means skipping the step.
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
-    grad_norm = float(norm) if check else math.nan
+    if hasattr(norm, "full_tensor"):  # FSDP: a DTensor, the same total norm on every rank
+        norm = norm.full_tensor()
     fp16 = scaler is not None and scaler.is_enabled()
     # Under fp16 the scaler skips overflowing steps itself (and lowers its scale): an inf norm is routine.
-    applied = not check or (math.isfinite(loss) and (fp16 or math.isfinite(grad_norm)))
-    if applied:
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
+    ok = torch.isfinite(loss) if fp16 else torch.isfinite(loss) & torch.isfinite(norm)
+    if not check:
+        _step(optimizer, scaler)
+    elif _skips_on_device(optimizer) and not fp16:
+        optimizer.found_inf = (~ok).float()  # read by the fused kernel: 1 leaves parameters and state untouched
+        try:
             optimizer.step()
-    return grad_norm, applied
+        finally:
+            del optimizer.found_inf
+    elif bool(ok):
+        _step(optimizer, scaler)
+    return norm.detach(), ok
+
+
+def _step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch], *,
                amp: AmpFactory = contextlib.nullcontext, scaler: torch.amp.GradScaler | None = None, grad_clip: float = 0.0,
                sync: Callable[[bool], contextlib.AbstractContextManager] | None = None,
-               reduce: Callable[[float], float] | None = None, check: bool = True) -> StepResult:
-    """One optimizer step over ``batches`` (the micro-batches of gradient accumulation).
+               reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, check: bool = True) -> StepResult:
+    """One optimizer step over ``batches`` (the micro-batches of gradient accumulation), with no host sync
+    where the optimizer skips on the device (fused AdamW on CUDA).
 
     ``sync(is_last)``: the context each micro-batch runs in (DDP reduces gradients on the last one only).
-    ``reduce``: the mean of the loss over ranks, so that every rank decides alike whether to step.
-    ``check=False``: never read a value on the host (fake tensors have none); the step is always taken.
+    ``reduce``: the mean of the loss over ranks (a collective on the device), so that every rank decides alike.
+    ``check=False``: never decide on values (fake tensors have none); the step is always taken.
     Ends with ``zero_grad(set_to_none=True)``: between steps no gradient memory is held.
     """
     n = len(batches)
@@ -78,12 +103,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequ
             with amp():
                 loss = model(x, y)[1]  # only the loss: holding the (B, T, vocab) logits through backward costs memory
             (scaler.scale(loss / n) if scaler is not None else loss / n).backward()
-        part = loss.detach().float() / n
+        part = loss.detach().float() / n  # kept on the device: no .item() per micro-batch
         total = part if total is None else total + part
         del loss
-    value = float(total) if check else math.nan  # one host sync per step, not one per micro-batch
     if reduce is not None and check:
-        value = reduce(value)
-    grad_norm, applied = optimizer_update(model, optimizer, value, scaler, grad_clip, check)
+        total = reduce(total)
+    grad_norm, applied = optimizer_update(model, optimizer, total, scaler, grad_clip, check)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss=value, grad_norm=grad_norm, applied=applied)
+    return StepResult(loss=total, grad_norm=grad_norm, applied=applied)

@@ -165,7 +165,7 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
             loss.backward()
             mark("bwd_end")
             if optimizer is not None:
-                optimizer_update(model, optimizer, 0.0, grad_clip=grad_clip, check=False)
+                optimizer_update(model, optimizer, loss.detach(), grad_clip=grad_clip, check=False)
             if zero_grad:
                 model.zero_grad(set_to_none=True)
             else:

@@ -200,8 +200,9 @@ def _fixed_costs(run: _Run) -> dict[str, int]:
             for p in model.parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+            loss = torch.zeros(())  # the step's loss, alive since its forward
             with LiveMemory(round_to) as live:
-                optimizer_update(model, optimizer, 0.0, grad_clip=run.optim.grad_clip, check=False)
+                optimizer_update(model, optimizer, loss, grad_clip=run.optim.grad_clip, check=False)
                 if accumulate:
                     for p in model.parameters():
                         p.grad.zero_()

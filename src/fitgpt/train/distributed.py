@@ -53,6 +53,13 @@ def init_distributed(device_name: str, timeout_s: float) -> DistInfo:
     return info
 
 
+def leave_together(info: DistInfo) -> None:
+    """After a run that ended well on every rank: a rank tearing its connections down while another still
+    works (rank 0 drawing the loss curve) could abort that one at exit."""
+    if info.enabled and dist.is_initialized():
+        dist.barrier()
+
+
 def shutdown(info: DistInfo) -> None:
     if info.enabled and dist.is_initialized():
         dist.destroy_process_group()
@@ -65,12 +72,13 @@ def local_device(info: DistInfo, device: torch.device) -> torch.device:
     return device
 
 
-def all_mean(info: DistInfo, value: float, device: torch.device) -> float:
+def all_mean_tensor(info: DistInfo, value: torch.Tensor) -> torch.Tensor:
+    """The mean of a 0-d tensor over ranks, as a collective on the device (no host sync)."""
     if not info.enabled:
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+    t = value.detach().to(torch.float64).clone()
     dist.all_reduce(t)
-    return float(t.item()) / info.world
+    return t / info.world
 
 
 def any_rank(info: DistInfo, flag: bool, device: torch.device) -> bool:

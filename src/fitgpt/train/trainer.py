@@ -183,7 +183,9 @@ def train(cfg: TrainConfig, planner: Planner | None = None) -> dict:
         with DirLock(cfg.run_dir, "--out-dir") if info.is_main else contextlib.nullcontext():
             if info.is_main:
                 prepare_run_dir(cfg.run_dir, cfg.resume, cfg.overwrite)
-            return _train(cfg, info, planner)
+            summary = _train(cfg, info, planner)
+            dist_utils.leave_together(info)
+            return summary
     finally:
         dist_utils.shutdown(info)
 
@@ -215,6 +217,7 @@ class _Run:
 class _Progress:
     step: int
     loss: float = float("nan")
+    grad_norm: float = float("nan")
     val_loss: float | None = None
     bad_steps: int = 0
     checkpoint: Path | None = None
@@ -344,7 +347,10 @@ def _tokens_per_step(cfg: TrainConfig, info: dist_utils.DistInfo) -> int:
 
 
 def _loop(run: _Run, start_step: int) -> _Progress:
-    """Step, log, evaluate, save, until --max-steps or a signal."""
+    """Step, log, evaluate, save, until --max-steps or a signal.
+
+    The steps' results stay on the device; they are read together (one host sync) at each log,
+    evaluation or save point, where skipped (non-finite) steps are reported, or stop the run."""
     cfg, info = run.cfg, run.info
     p = _Progress(step=start_step)
     # disable=None hides the bar when stderr is not a terminal (CI logs, pipes).
@@ -353,28 +359,33 @@ def _loop(run: _Run, start_step: int) -> _Progress:
     run.model.train()
     # With --activation-checkpointing auto, the second step of this process is measured against the plan.
     probe_step = start_step + 1 if cfg.max_steps > start_step + 1 else start_step
+    pending: list[tuple[int, float, StepResult]] = []  # (step, lr, result) not read on the host yet
     with _StopFlag() as stop:
         while p.step < cfg.max_steps:
             lr = lr_at(p.step, cfg.optim, cfg.max_steps)
             for group in run.optimizer.param_groups:
                 group["lr"] = lr
-            result = _step(run, p.step, probe=run.planned is not None and p.step == probe_step)
-            if not result.applied:
-                _skip_bad_step(run, p, result, lr)
-                p.step += 1
-                continue
-            p.step, p.loss = p.step + 1, result.loss
+            pending.append((p.step, lr, _step(run, p.step, probe=run.planned is not None and p.step == probe_step)))
+            p.step += 1
             bar.update(1)
-            if info.is_main and (p.step % cfg.log_interval == 0 or p.step == cfg.max_steps):
-                t_log = _log_metrics(run, p.step, result, lr, bar, t_log)
-            if p.step % cfg.eval_interval == 0 or p.step == cfg.max_steps:
+            last = p.step == cfg.max_steps
+            log_due, eval_due = p.step % cfg.log_interval == 0 or last, p.step % cfg.eval_interval == 0 or last
+            save_due = p.step % cfg.checkpoint_interval == 0 or last
+            # A signal may reach one rank only: all of them stop, and save, at the same step (checked where
+            # the ranks meet anyway, so that a step never waits on a collective for it).
+            check_stop = not info.enabled or log_due or eval_due or save_due
+            stopping = check_stop and dist_utils.any_rank(info, stop.signal is not None, run.device)
+            if log_due or eval_due or save_due or stopping:
+                applied = _read_results(run, p, pending)
+                pending = []
+                if info.is_main and log_due and applied:
+                    t_log = _log_metrics(run, p, lr, bar, t_log)
+            if eval_due:
                 p.val_loss = evaluate(run.step_model, run.data, cfg, run.device, run.amp)
                 if run.metrics:
                     run.metrics.write({"step": p.step, "val_loss": p.val_loss})
                 log.info("step %d: train loss %.4f, val loss %.4f", p.step, p.loss, p.val_loss)
-            # A signal may reach one rank only: all of them stop, and save, at the same step.
-            stopping = dist_utils.any_rank(info, stop.signal is not None, run.device)
-            if p.step % cfg.checkpoint_interval == 0 or p.step == cfg.max_steps or stopping:
+            if save_due or stopping:
                 p.checkpoint = _save(run, p.step)
             if stopping:
                 p.interrupted = stop.signal or ("SIGNAL" if p.step < cfg.max_steps else None)
@@ -382,6 +393,18 @@ def _loop(run: _Run, start_step: int) -> _Progress:
                 break
     bar.close()
     return p
+
+
+def _read_results(run: _Run, p: _Progress, pending: list[tuple[int, float, StepResult]]) -> bool:
+    """Read the pending steps' results in one host sync: the newest applied loss and gradient norm go to
+    ``p``, each skipped step is reported (or stops the run). Returns whether the newest step was applied."""
+    values = torch.stack([torch.stack([r.loss.float(), r.grad_norm.float(), r.applied.float()]) for _, _, r in pending]).tolist()
+    for (step, lr, _), (loss, grad_norm, applied) in zip(pending, values):
+        if applied:
+            p.loss, p.grad_norm = loss, grad_norm
+        else:
+            _skip_bad_step(run, p, step, loss, grad_norm, lr)
+    return bool(values[-1][2])
 
 
 def _step(run: _Run, step: int, probe: bool) -> StepResult:
@@ -397,7 +420,7 @@ def _step(run: _Run, step: int, probe: bool) -> StepResult:
                 run.step_model, run.optimizer, batches, amp=run.amp, scaler=run.scaler, grad_clip=cfg.optim.grad_clip,
                 # Gradients are reduced across ranks once, on the last micro-batch; every rank decides on the same loss.
                 sync=lambda last: dist_utils.sync_context(run.step_model, cfg.parallel, last),
-                reduce=lambda v: dist_utils.all_mean(info, v, run.device),
+                reduce=lambda loss: dist_utils.all_mean_tensor(info, loss),
             )
     except torch.OutOfMemoryError:
         raise TrainingError(
@@ -414,24 +437,23 @@ def _step(run: _Run, step: int, probe: bool) -> StepResult:
     return result
 
 
-def _skip_bad_step(run: _Run, p: _Progress, result: StepResult, lr: float) -> None:
-    """A step with a non-finite loss or gradient was not applied: warn, or stop after --max-bad-steps of them."""
+def _skip_bad_step(run: _Run, p: _Progress, step: int, loss: float, grad_norm: float, lr: float) -> None:
+    """Step ``step`` had a non-finite loss or gradient and was not applied: warn, or stop after --max-bad-steps."""
     p.bad_steps += 1
     last = p.checkpoint or (ckpt.list_checkpoints(run.cfg.run_dir) or ["none"])[-1]
-    message = f"loss is {result.loss} at step {p.step} (lr {lr:.3g}, grad norm {result.grad_norm:.3g}); last good checkpoint: {last}"
+    message = f"loss is {loss} at step {step} (lr {lr:.3g}, grad norm {grad_norm:.3g}); last good checkpoint: {last}"
     if p.bad_steps > run.cfg.max_bad_steps:
         raise TrainingError(message + ". Lower --optim.lr, or allow skips with --max-bad-steps")
     log.warning("skipping bad step: %s", message)
 
 
-def _log_metrics(run: _Run, step: int, result: StepResult, lr: float, bar: tqdm, t_log: float) -> float:
+def _log_metrics(run: _Run, p: _Progress, lr: float, bar: tqdm, t_log: float) -> float:
     """Write a metrics line and update the bar; returns the time of this log, for the next throughput."""
     now = time.perf_counter()
     tps = _tokens_per_step(run.cfg, run.info) * run.cfg.log_interval / max(now - t_log, 1e-9)
     peak = peak_memory_bytes(run.device)
-    run.metrics.write({"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "tokens_per_s": tps,
-                       "peak_mem": peak})
-    bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}", mem=f"{peak / 2**20:.0f}MiB")
+    run.metrics.write({"step": p.step, "loss": p.loss, "lr": lr, "grad_norm": p.grad_norm, "tokens_per_s": tps, "peak_mem": peak})
+    bar.set_postfix(loss=f"{p.loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}", mem=f"{peak / 2**20:.0f}MiB")
     return now
 
 
