@@ -199,7 +199,7 @@ class _Run:
     device: torch.device
     data: TokenData
     model: nn.Module
-    """The bare model (checkpointing applied in place): what is saved and clipped."""
+    """The bare model (activation checkpointing applied in place): what is saved."""
     step_model: nn.Module
     """The model as it trains: compiled and/or wrapped in DDP/FSDP."""
     optimizer: torch.optim.Optimizer
