@@ -25,10 +25,12 @@ from fitgpt.model import Transformer
 
 # Policies whose op order equals `none`: gradients must be bitwise equal.
 BITWISE = ["none", "block", "full", "group:2", "group:3", "every:2", "blocks:0,3", "sqrt", "selective", "selective:1,2",
-           "blocks:0+selective:1,2", "offload", "block+offload", "offload:0,1"]
+           "blocks:0+selective:1,2", "offload", "block+offload", "offload:0,1", "pointwise", "pointwise:0,3",
+           "blocks:0+selective:1+pointwise:2,3", "pointwise+offload"]
 # Chunked loss sums per-chunk losses, then divides: a different summation order than one mean over
 # all tokens, so equality holds to float32 rounding (relative 1e-6), not bitwise.
-CHUNKED = ["chunked-loss:16", "every:2+chunked-loss:16", "block+chunked-loss", "selective+chunked-loss:7"]
+CHUNKED = ["chunked-loss:16", "every:2+chunked-loss:16", "block+chunked-loss", "selective+chunked-loss:7",
+           "pointwise+chunked-loss:7"]
 
 
 def _batch(cfg, B=2):
@@ -105,7 +107,8 @@ def counted(tiny_model_config):
     g = torch.Generator().manual_seed(0)
     idx, targets = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
     out = {}
-    for spec in ["none", "block", "group:2", "group:4", "every:2", "sqrt", "selective", "chunked-loss:64", "block+chunked-loss:64"]:
+    for spec in ["none", "block", "group:2", "group:4", "every:2", "sqrt", "selective", "pointwise", "chunked-loss:64",
+                 "block+chunked-loss:64"]:
         apply_activation_checkpointing(model, spec)
         mem = measure_step_memory(model, idx, targets, blocks=model.attn_blocks)
         out[spec] = (mem, measure_step_flops(model, idx, targets))
@@ -151,6 +154,17 @@ def test_selective_keeps_attention_and_the_up_projection(counted):
     # tensors; recomputed: norms, GELU, residual sums, the q/k/v and attention-output projections.
     assert sel.block_bytes == [6 * BOUNDARY + B * 4 * T * 4] * N
     assert sum(sel.block_bytes) < 0.4 * sum(none.block_bytes)
+
+
+def test_pointwise_keeps_every_matmul_output_and_recomputes_no_matmul(counted):
+    none, pw = counted["none"][0], counted["pointwise"][0]
+    # Kept: block input (1), q/k/v (3), attention out (1) with its logsumexp, attention projection (1),
+    # MLP up-projection (4) = 10 (B, T, C) tensors; recomputed: the two norms, GELU (4) and the residual
+    # sum: 6 of the 16 tensors plain autograd keeps (the down-projection feeds only the final residual sum).
+    assert pw.block_bytes == [10 * BOUNDARY + B * 4 * T * 4] * N
+    assert sum(pw.block_bytes) < 0.65 * sum(none.block_bytes)
+    # Not one matmul or attention is run twice: the step's FLOPs are none's, exactly.
+    assert counted["pointwise"][1] == counted["none"][1]
 
 
 def test_chunked_loss_removes_the_b_t_vocab_term(counted):
@@ -296,7 +310,8 @@ def test_find_blocks_knows_paths_and_falls_back_to_longest_modulelist(tiny_model
     [("block+selective", "same blocks"), ("none+block", "cannot be combined"), ("group:0", "at least 1"),
      ("every:x", "not an integer"), ("blocks:", "at least one block id"), ("block+every:2", "more than one"),
      ("blocks:1,1", "repeated"), ("wat", "unknown checkpointing term"), ("", "empty"),
-     ("blocks:0,1+selective:1", r"\[1\] are both")],
+     ("blocks:0,1+selective:1", r"\[1\] are both"), ("selective+pointwise", "same blocks"),
+     ("pointwise:2+blocks:2", r"\[2\] are both full and pointwise"), ("selective:0+pointwise:0,1", r"\[0\] are both")],
 )
 def test_nonsense_policies_get_clear_errors(spec, match):
     with pytest.raises(ValueError, match=match):
@@ -315,7 +330,7 @@ def test_policy_errors_that_need_the_depth(tiny_model_config):
         apply_activation_checkpointing(model, "every:2+selective:2")
 
 
-GRAMMAR = st.sampled_from(["block", "group", "every", "blocks", "sqrt", "selective", "offload", "chunked-loss", "none",
+GRAMMAR = st.sampled_from(["block", "group", "every", "blocks", "sqrt", "selective", "pointwise", "offload", "chunked-loss", "none",
                            ":", ",", "+", "0", "3", "-1", "x", " "])
 
 
@@ -337,7 +352,8 @@ def test_policy_parser_fuzz(text):
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from(["block", "group:2", "every:3", "blocks:0,2", "sqrt", "selective", "selective:1",
-                                 "offload", "offload:3", "chunked-loss", "chunked-loss:5", "none"]), min_size=1, max_size=3))
+                                 "pointwise", "pointwise:4", "offload", "offload:3", "chunked-loss", "chunked-loss:5", "none"]),
+                min_size=1, max_size=3))
 def test_policy_combinations_fuzz(terms):
     spec = "+".join(terms)
     try:

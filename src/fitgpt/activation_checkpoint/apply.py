@@ -21,13 +21,16 @@ from torch.utils.checkpoint import checkpoint
 
 from fitgpt.activation_checkpoint.policy import (
     RECOMPUTE_NONE,
+    RECOMPUTE_POINTWISE,
     RECOMPUTE_SELECTIVE,
     Policy,
     parse_policy,
 )
-from fitgpt.activation_checkpoint.selective import selective_context_fn
+from fitgpt.activation_checkpoint.selective import pointwise_context_fn, selective_context_fn
 
 log = logging.getLogger(__name__)
+
+_CONTEXT_FN = {RECOMPUTE_SELECTIVE: selective_context_fn, RECOMPUTE_POINTWISE: pointwise_context_fn}
 
 INNER = "inner"
 _STATE_ATTR = "_fitgpt_checkpointing"
@@ -107,8 +110,8 @@ class ActivationCheckpointWrapper(_Wrapper):
             if self.recompute == RECOMPUTE_NONE:
                 out = run(*args, **kwargs)
             else:
-                # torch.compile accepts a context_fn only if it yields dispatch modes: pass one for selective alone.
-                extra = {"context_fn": selective_context_fn} if self.recompute == RECOMPUTE_SELECTIVE else {}
+                # torch.compile accepts a context_fn only if it yields dispatch modes: pass one for op-level options alone.
+                extra = {"context_fn": _CONTEXT_FN[self.recompute]} if self.recompute in _CONTEXT_FN else {}
                 out = checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
         if self._members:
             self._group.output, self._group.pending = out, self._group.size - 1

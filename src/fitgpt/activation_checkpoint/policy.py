@@ -8,7 +8,9 @@ Grammar: terms joined by ``+``.
     every:K              only blocks 0, K, 2K, ... are checkpointed (partial recompute)
     blocks:0,3,5         an explicit subset (what `fitgpt plan` emits)
     sqrt                 round(sqrt(N)) groups of consecutive blocks (Chen et al. 2016)
-    selective[:i,j]      op-level: keep matmul/attention outputs, recompute the rest
+    selective[:i,j]      op-level: keep attention and widening matmul outputs, recompute the rest
+    pointwise[:i,j]      op-level: keep every matmul and attention output, recompute only the
+                         pointwise ops (norms, GELU, dropout, residual adds): no matmul is run twice
     offload[:i,j]        the blocks' saved tensors (or, under full recompute, their boundary) go to host memory
     chunked-loss[:ROWS]  head + cross-entropy in chunks of ROWS tokens, never holding all logits
 
@@ -20,7 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-RECOMPUTE_NONE, RECOMPUTE_FULL, RECOMPUTE_SELECTIVE = "none", "full", "selective"
+RECOMPUTE_NONE, RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, RECOMPUTE_POINTWISE = "none", "full", "selective", "pointwise"
+OP_LEVEL = (RECOMPUTE_SELECTIVE, RECOMPUTE_POINTWISE)
+"""Recompute options chosen op by op (a save list), each block its own region."""
 DEFAULT_LOSS_CHUNK_ROWS = 1024
 
 
@@ -65,17 +69,19 @@ class Policy:
     spec: str
     full: Selector | None = None
     selective: Selector | None = None
+    pointwise: Selector | None = None
     offload: Selector | None = None
     loss_chunk_rows: int | None = None
 
     @property
     def is_none(self) -> bool:
-        return self.full is None and self.selective is None and self.offload is None and self.loss_chunk_rows is None
+        return all(x is None for x in (self.full, self.selective, self.pointwise, self.offload, self.loss_chunk_rows))
 
     def regions(self, n_blocks: int) -> list[Region]:
         """One region per block (or per group), in order, covering all n_blocks blocks."""
         recompute = [RECOMPUTE_NONE] * n_blocks
-        for sel, option in ((self.full, RECOMPUTE_FULL), (self.selective, RECOMPUTE_SELECTIVE)):
+        for sel, option in ((self.full, RECOMPUTE_FULL), (self.selective, RECOMPUTE_SELECTIVE),
+                            (self.pointwise, RECOMPUTE_POINTWISE)):
             if sel is not None:
                 for i in sel.block_ids(n_blocks):
                     if recompute[i] != RECOMPUTE_NONE:
@@ -101,7 +107,7 @@ class Policy:
             return "none: no block is checkpointed"
         parts = []
         regions = self.regions(n_blocks)
-        for option in (RECOMPUTE_FULL, RECOMPUTE_SELECTIVE):
+        for option in (RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, RECOMPUTE_POINTWISE):
             hit = [r for r in regions if r.recompute == option]
             if hit:
                 spans = [f"{r.start}" if r.stop - r.start == 1 else f"{r.start}-{r.stop - 1}" for r in hit]
@@ -166,23 +172,29 @@ def parse_policy(spec: str | Policy) -> Policy:
             put("full", Selector("blocks", ids=_ids(arg, term)), term)
         elif head == "sqrt" and not arg:
             put("full", Selector("sqrt"), term)
-        elif head in ("selective", "offload"):
+        elif head in ("selective", "pointwise", "offload"):
             put(head, Selector("blocks", ids=_ids(arg, term)) if arg else Selector("all"), term)
         elif head == "chunked-loss":
             put("loss_chunk_rows", _int(arg, term, 1) if arg else DEFAULT_LOSS_CHUNK_ROWS, term)
         else:
             raise ValueError(
                 f"unknown checkpointing term {term!r} in {spec!r}; expected none, block, group:K, every:K, "
-                "blocks:i,j, sqrt, selective[:i,j], offload[:i,j] or chunked-loss[:ROWS], joined by '+'"
+                "blocks:i,j, sqrt, selective[:i,j], pointwise[:i,j], offload[:i,j] or chunked-loss[:ROWS], joined by '+'"
             )
-    full, selective = fields.get("full"), fields.get("selective")
-    if full is not None and selective is not None:
-        if full.kind in ("all", "group", "sqrt") or selective.kind == "all":
-            raise ValueError(
-                f"{spec!r} asks for full and selective recompute on the same blocks; "
-                "give them disjoint block lists, e.g. blocks:0,1+selective:2,3"
-            )
-        overlap = set(full.ids) & set(selective.ids) if full.kind == "blocks" else set()
-        if overlap:
-            raise ValueError(f"{spec!r}: blocks {sorted(overlap)} are both full and selective; give each block one")
+    _check_disjoint(spec, {name: fields[name] for name in ("full", "selective", "pointwise") if name in fields})
     return Policy(spec=spec, **fields)  # type: ignore[arg-type]
+
+
+def _check_disjoint(spec: str, selectors: dict) -> None:
+    """Each block gets one recompute option: two selectors may share no block (``every:K`` is checked once
+    the number of blocks is known)."""
+    names = list(selectors)
+    for a_i, a in enumerate(names):
+        for b in names[a_i + 1:]:
+            sa, sb = selectors[a], selectors[b]
+            if sa.kind in ("all", "group", "sqrt") or sb.kind in ("all", "group", "sqrt"):
+                raise ValueError(f"{spec!r} asks for {a} and {b} recompute on the same blocks; "
+                                 f"give them disjoint block lists, e.g. blocks:0,1+{b}:2,3")
+            overlap = set(sa.ids) & set(sb.ids) if sa.kind == sb.kind == "blocks" else set()
+            if overlap:
+                raise ValueError(f"{spec!r}: blocks {sorted(overlap)} are both {a} and {b}; give each block one")

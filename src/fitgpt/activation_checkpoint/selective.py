@@ -52,3 +52,23 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 def selective_context_fn():
     """The ``context_fn`` handed to ``torch.utils.checkpoint.checkpoint`` for selective regions."""
     return create_selective_checkpoint_contexts(_policy)
+
+
+def _narrows(op, args) -> bool:
+    a, b = (args[1], args[2]) if op is _aten.addmm.default else (args[0], args[1])
+    return b.shape[-1] < a.shape[-1]
+
+
+def _pointwise_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    # Matmul and attention outputs are kept, so backward reruns only the cheap element-wise ops (norms,
+    # GELU, dropout with its RNG replayed, residual adds) and never a matmul. A narrowing matmul (the
+    # MLP's down-projection) only feeds a residual sum whose backward needs no input: nothing asks to
+    # recompute it, so it is neither kept nor run twice.
+    if op in ATTENTION_OPS or (op in MATMUL_OPS and not _narrows(op, args)):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def pointwise_context_fn():
+    """The ``context_fn`` for pointwise regions: recompute only what is not a matmul or attention."""
+    return create_selective_checkpoint_contexts(_pointwise_policy)

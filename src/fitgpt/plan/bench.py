@@ -35,7 +35,7 @@ from fitgpt.step import grad_scaler, train_step
 
 log = logging.getLogger(__name__)
 
-DEFAULT_POLICIES = ("none", "block", "group:2", "every:2", "selective", "chunked-loss", "auto:50%")
+DEFAULT_POLICIES = ("none", "block", "group:2", "every:2", "selective", "pointwise", "chunked-loss", "auto:50%")
 
 
 @dataclass
