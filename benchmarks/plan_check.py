@@ -25,7 +25,7 @@ import torch
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import load_config
 from fitgpt.device import autocast
-from fitgpt.memory.tracker import LiveMemory
+from fitgpt.memory.profile import measure_train_step
 from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer
 from fitgpt.plan.fit import fit
@@ -58,18 +58,15 @@ def measure(model_cfg, policy: str, batch: int, context: int, accum: int, dtype,
         return [(x, x.clone()) for _ in range(n)]
 
     train_step(model, optimizer, batches(1), **kw)
+    measured = batches(min(accum, 2))  # made before the measurement: the prediction does not count the token batch
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        train_step(model, optimizer, batches(min(accum, 2)), **kw)
+        train_step(model, optimizer, measured, **kw)
         torch.cuda.synchronize()
         result = {"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved()}
     else:
-        held = sum(t.untyped_storage().nbytes() for t in {id(p): p for p in model.parameters()}.values())
-        held += sum(v.untyped_storage().nbytes() for s in optimizer.state.values() for v in s.values())
-        with LiveMemory() as live:
-            train_step(model, optimizer, batches(min(accum, 2)), **kw)
-        result = {"max_allocated": held + live.peak, "max_reserved": None}
+        result = {"max_allocated": measure_train_step(model, optimizer, measured, **kw).peak, "max_reserved": None}
     del model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -97,11 +94,9 @@ def cpu_check() -> dict:
         budget = (none + lowest) // 2  # a budget that needs a mixed plan
         plan, pred = solve(fake, budget)
         m = measure(cfg.model, plan.spec(), b, t, 1, dtype, torch.device("cpu"))
-        batch_bytes = 2 * b * t * 8  # the measured step holds its token batch, the prediction does not
         rows.append({"what": "step", "preset": preset, "shape": f"{b}x{t}", "dtype": str(dtype or "fp32"), "plan": plan.spec(),
                      "fields_equal": equal, "fields": len(a) - 1, "predicted": pred.peak,
-                     "measured": m["max_allocated"] - batch_bytes,
-                     "error": (m["max_allocated"] - batch_bytes) / pred.peak - 1})
+                     "measured": m["max_allocated"], "error": m["max_allocated"] / pred.peak - 1})
     rows += fit_check("tiny", 4, 32, "24MiB") + fit_check("small", 1, 64, "2300MiB")
     return {"device": "cpu", "torch": torch.__version__, "rows": rows}
 
@@ -115,7 +110,7 @@ def fit_check(preset: str, batch: int, context: int, budget: str) -> list[dict]:
     rows = []
     for policy in ("none", "block"):
         n = answers[policy]["batch_size"]
-        got = [measure(w.model_config, policy, k, context, 1, None, torch.device("cpu"))["max_allocated"] - 2 * k * context * 8
+        got = [measure(w.model_config, policy, k, context, 1, None, torch.device("cpu"))["max_allocated"]
                for k in (n, n + 1)]
         rows.append({"what": "fit", "preset": preset, "shape": f"batch at context {context}", "dtype": "fp32",
                      "plan": policy, "fit_s": seconds, "budget": w.budget, "answer": n, "measured_n": got[0],

@@ -93,3 +93,19 @@ def tmpfs(tmp_path):
     yield mount
     for d in reversed(mounts):
         subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+@pytest.fixture
+def nan_model(monkeypatch):
+    """Every model the trainer builds has a NaN final-norm weight: every step's loss is NaN."""
+    import fitgpt.train.trainer as trainer
+
+    real_build = trainer.build_model
+
+    def poisoned(cfg, vocab_size, device):
+        model = real_build(cfg, vocab_size, device)
+        with torch.no_grad():
+            model.layer_norm.weight.fill_(float("nan"))
+        return model
+
+    monkeypatch.setattr(trainer, "build_model", poisoned)

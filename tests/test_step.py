@@ -15,6 +15,7 @@ from fitgpt.optim import build_optimizer, lr_at
 from fitgpt.step import grad_scaler, train_step
 from fitgpt.train import train
 from fitgpt.train.checkpoint import tied_names
+from fitgpt.train.trainer import build_model
 
 
 def test_the_trainer_step_is_the_shared_train_step(make_cfg, tmp_path):
@@ -26,9 +27,7 @@ def test_the_trainer_step_is_the_shared_train_step(make_cfg, tmp_path):
     trained = load_file(str(tmp_path / "run" / "checkpoints" / "step_00000002" / "model.safetensors"))
 
     data = TokenData(cfg.data.path)
-    torch.manual_seed(cfg.seed)
-    vocab = math.ceil(data.vocab_size / 64) * 64
-    model = Transformer(type(cfg.model)(**{**cfg.model.__dict__, "vocab_size": vocab}))
+    model = build_model(cfg, math.ceil(data.vocab_size / 64) * 64, torch.device("cpu"))  # seeded as the trainer seeds it
     opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
     sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed)
     norms = []
@@ -155,22 +154,13 @@ def test_a_step_reads_nothing_on_the_host_and_skips_a_nan_step_on_the_device(tin
     assert counts[1] == counts[2] > 0
 
 
-def test_the_trainer_reports_a_skipped_step_at_its_next_read(make_cfg, tmp_path, monkeypatch):
+def test_the_trainer_reports_a_skipped_step_at_its_next_read(make_cfg, tmp_path, nan_model):
     """Results are read every --log-interval steps: a NaN at step 0 stops the run at step 4's read, before
     the save at step 3 (checkpoints follow a read), naming step 0."""
     import pytest
 
     import fitgpt.train.trainer as trainer
 
-    real_build = trainer.build_model
-
-    def poisoned(cfg, vocab_size, device):
-        model = real_build(cfg, vocab_size, device)
-        with torch.no_grad():
-            model.layer_norm.weight.fill_(float("nan"))
-        return model
-
-    monkeypatch.setattr(trainer, "build_model", poisoned)
     with pytest.raises(trainer.TrainingError, match=r"loss is nan at step 0 .*last good checkpoint: none"):
         train(make_cfg(tmp_path / "run", log_interval=4, eval_interval=5, checkpoint_interval=3))
     assert not list((tmp_path / "run").glob("checkpoints/step_*"))

@@ -126,18 +126,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(corpus_dir, tmp_path):
     ckpt.verify_checkpoint(saved[0])
 
 
-def test_nan_loss_stops_with_a_diagnostic(data_dir, corpus_dir, tmp_path, monkeypatch, caplog, make_cfg):
+def test_nan_loss_stops_with_a_diagnostic(tmp_path, caplog, make_cfg, nan_model):
     import fitgpt.train.trainer as trainer
 
-    real_build = trainer.build_model
-
-    def poisoned(cfg, vocab_size, device):
-        model = real_build(cfg, vocab_size, device)
-        with torch.no_grad():
-            model.layer_norm.weight.fill_(float("nan"))
-        return model
-
-    monkeypatch.setattr(trainer, "build_model", poisoned)
     with pytest.raises(trainer.TrainingError, match=r"loss is nan at step 0 \(lr .*grad norm .*last good checkpoint: none"):
         train(make_cfg(tmp_path / "a"))
     with pytest.raises(trainer.TrainingError, match="loss is nan at step 2"):

@@ -166,12 +166,7 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
             mark("bwd_end")
             if optimizer is not None:
                 optimizer_update(model, optimizer, loss.detach(), grad_clip=grad_clip, check=False)
-            if zero_grad:
-                model.zero_grad(set_to_none=True)
-            else:
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.grad.zero_()
+            model.zero_grad(set_to_none=zero_grad)  # False: zeroed in place, still allocated
             del loss
             mark("opt_end")
         finally:

@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
-from fitgpt.memory.fake import fake_mode, fake_module
+from fitgpt.memory.fake import FakeTensorMode, fake_mode, fake_module
 from fitgpt.memory.profile import (
     LiveMemory,
     StepTimeline,
@@ -165,10 +165,16 @@ SHALLOW, DEEP = 3, 8
 (exact: blocks are alike); below that, profiling every block is as quick."""
 
 
-def _fake_profile(run: _Run, t0: float) -> StepProfile:
+def fake_transformer(cfg: ModelConfig, device: torch.device) -> tuple[Transformer, FakeTensorMode]:
+    """The model built on the meta device (nothing allocated) with fake parameters on ``device``, and the
+    mode every step on it runs under."""
     mode = fake_mode()
     with torch.device("meta"):
-        model = fake_module(Transformer(run.cfg), run.device, mode)
+        return fake_module(Transformer(cfg), device, mode), mode
+
+
+def _fake_profile(run: _Run, t0: float) -> StepProfile:
+    model, mode = fake_transformer(run.cfg, run.device)
     with mode:
         return _profile(model, run, None, t0)
 
@@ -190,9 +196,7 @@ def _fixed_costs(run: _Run) -> dict[str, int]:
     """Parameters, gradients, optimizer state and the optimizer step's workspace of the full model, on fake
     tensors: the step's optimizer segment (as ``profile_step`` runs it) with every gradient present."""
     round_to, accumulate = run.target.round_to, run.grad_accum > 1 or run.persistent_grads
-    mode = fake_mode()
-    with torch.device("meta"):
-        model = fake_module(Transformer(run.cfg), run.device, mode)
+    model, mode = fake_transformer(run.cfg, run.device)
     with mode:
         optimizer = build_optimizer(model, run.optim, torch.device(run.target.device))
         rises = []
@@ -203,11 +207,7 @@ def _fixed_costs(run: _Run) -> dict[str, int]:
             loss = torch.zeros(())  # the step's loss, alive since its forward
             with LiveMemory(round_to) as live:
                 optimizer_update(model, optimizer, loss, grad_clip=run.optim.grad_clip, check=False)
-                if accumulate:
-                    for p in model.parameters():
-                        p.grad.zero_()
-                else:
-                    model.zero_grad(set_to_none=True)
+                model.zero_grad(set_to_none=not accumulate)  # as profile_step ends a step
             rises.append(live.peak)
         params, opt = param_bytes(model, round_to), optimizer_state_bytes(optimizer, round_to)
         held = grad_bytes(model, round_to) if accumulate else 0

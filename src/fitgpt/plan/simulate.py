@@ -19,10 +19,10 @@ from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
 from fitgpt.memory.allocator import CachingAllocatorModel
-from fitgpt.memory.fake import fake_mode, fake_module
 from fitgpt.memory.tracker import LiveMemory
-from fitgpt.model import ModelConfig, Transformer
+from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
+from fitgpt.plan.profile import fake_transformer
 from fitgpt.plan.target import Target
 from fitgpt.step import train_step
 
@@ -36,9 +36,7 @@ def simulate_step(model_cfg: ModelConfig, policy: str, batch: int, context: int,
     its token batches included. ``allocator``: the model replayed through (default: CUDA's).
     """
     cfg = dataclasses.replace(model_cfg, context_length=max(context, model_cfg.context_length))
-    mode = fake_mode()
-    with torch.device("meta"):
-        model = fake_module(Transformer(cfg), torch.device("cpu"), mode)
+    model, mode = fake_transformer(cfg, torch.device("cpu"))
     apply_activation_checkpointing(model, policy)
     alloc = allocator if allocator is not None else CachingAllocatorModel()
     for p in {id(p): p for p in model.parameters()}.values():

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fitgpt.device import autocast_dtype
+
 MiB, GiB = 2**20, 2**30
 ALLOCATOR_BLOCK = 512
 """The CUDA caching allocator's rounding (kMinBlockSize)."""
@@ -97,9 +99,9 @@ class Target:
 
     def autocast_dtype(self, precision: str) -> torch.dtype | None:
         """As the trainer picks it on this target: auto is bf16 on CUDA (fp16 on cards without bf16), fp32 on CPU."""
-        if precision == "auto":
-            return (torch.bfloat16 if self.sm >= (8, 0) else torch.float16) if self.cuda else None
-        return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        if precision == "auto" and self.cuda:  # the card is not here to ask whether it has bf16: its table row says
+            return torch.bfloat16 if self.sm >= (8, 0) else torch.float16
+        return autocast_dtype(precision, torch.device(self.device))
 
     def attention_backend(self, dtype: torch.dtype | None, head_dim: int) -> str:
         """The SDPA backend PyTorch picks on this card (causal, no mask): flash, efficient or math; cpu on CPU."""
