@@ -262,7 +262,7 @@ def test_bench_command_writes_table_json_and_png(tmp_path, capsys):
 
 
 def test_fit_command(capsys):
-    args = ["fit", "--device", "cpu", "--batch-size", "4", "--context", "32", "--memory-budget", "60MiB"]
+    args = ["fit", "--batch-size", "4", "--context", "32", "--memory-budget", "60MiB", "--precision", "fp32", "--top", "1"]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     a = result["answers"]

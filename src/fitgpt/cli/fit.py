@@ -9,12 +9,22 @@ import tyro
 
 from fitgpt.memory.units import format_bytes
 from fitgpt.plan.fit import POLICIES, fit
+from fitgpt.plan.search import fastest, format_choices
 from fitgpt.plan.workload import BudgetConfig
 
 
 @dataclass
 class FitConfig(BudgetConfig):
-    """How large a batch, context or model fits in a budget, without and with checkpointing."""
+    """How large a batch, context or model fits in a budget, without and with checkpointing; and the fastest
+    configuration (micro-batch x accumulation, precision, DDP/FSDP, checkpointing plan) that fits."""
+
+    top: int = 5
+    """How many of the fastest configurations to show."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.top < 1:
+            raise ValueError("--top must be at least 1")
 
 
 def run(args: list[str]) -> int:
@@ -30,5 +40,13 @@ def run(args: list[str]) -> int:
         ratios = [f"{v / vals[0]:.1f}x" if vals[0] else ("-" if not v else "fits only with it") for v in vals[1:]]
         print(f"| {label} | " + " | ".join(str(v) for v in vals) + " | " + " | ".join(ratios) + " |")
     print(f"\n({result['note']}; 0 means not even 1 fits)")
+    tcfg = cfg.train_config()
+    best = fastest(cfg, cfg.budget, top=cfg.top)
+    print("\nThe fastest configurations for the same tokens a step:\n")
+    print(format_choices(best, tcfg.preset, tcfg.model.context_length, cfg.world_size))
+    result["fastest"] = [{"micro_batch": c.micro_batch, "grad_accum": c.grad_accum, "precision": c.precision,
+                          "parallel": c.layout.name, "policy": c.plan.spec(), "predicted_peak": c.peak,
+                          "step_seconds": c.step_seconds, "link_seconds": c.link_seconds, "tokens_per_s": c.tokens_per_s}
+                         for c in best["choices"]]
     print(json.dumps(result))
     return 0

@@ -1,4 +1,4 @@
-"""`fitgpt plan --memory-budget 6GiB`: the cheapest checkpointing plan whose predicted peak fits."""
+"""`fitgpt plan --memory-budget 6GiB`: the fastest checkpointing plan whose predicted peak fits."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import tyro
 
 from fitgpt.memory.units import format_bytes
 from fitgpt.plan import Plan, predict, solve
+from fitgpt.plan.profile import BLOCK_OPTIONS
 from fitgpt.plan.target import CUDA_CONTEXT
 from fitgpt.plan.workload import BudgetConfig
 
 
 @dataclass
 class PlanConfig(BudgetConfig):
-    """Profile the model once per option, then solve for the cheapest plan within the budget."""
+    """Profile the model once per option, then solve for the fastest plan within the budget."""
 
 
 def _cuda_notes(cfg: PlanConfig) -> list[str]:
@@ -48,13 +49,17 @@ def run(args: list[str]) -> int:
     print(f"{cfg.describe()}; budget {format_bytes(budget)}; profiled in {profile.seconds:.1f}s")
     if cfg.plan_target().cuda and cfg.fake:
         print("\n".join("  " + line for line in _cuda_notes(cfg)))
-    print("\n| policy | predicted peak | FLOPs vs none | fits |\n|---|---:|---:|---|")
+    print(f"  time model: {profile.time_source}")
+    print("\n| policy | predicted peak | step time | time vs none | FLOPs vs none | fits |\n|---|---:|---:|---:|---:|---|")
     n = profile.n_blocks
-    for plan in (Plan.uniform(n, "none"), Plan.uniform(n, "selective"), Plan.uniform(n, "full"), Plan.uniform(n, "full", "chunked")):
+    for plan in [Plan.uniform(n, o) for o in BLOCK_OPTIONS] + [Plan.uniform(n, "full", "chunked")]:
         pred = predict(profile, plan)
-        print(f"| {plan.spec()} | {format_bytes(pred.peak)} | {pred.flops_ratio:.3f}x | {'yes' if pred.peak <= budget else 'no'} |")
+        print(f"| {plan.spec()} | {format_bytes(pred.peak)} | {pred.step_time * 1e3:.0f} ms | {pred.time_ratio:.3f}x | "
+              f"{pred.flops_ratio:.3f}x | {'yes' if pred.peak <= budget else 'no'} |")
     plan, pred = solve(profile, budget)
-    print(f"\nplan: {plan.spec()}")
+    tokens = tcfg.batch_size * tcfg.grad_accum * tcfg.model.context_length * cfg.world_size
+    print(f"\nplan: {plan.spec()} (the fastest that fits: {pred.step_time * 1e3:.0f} ms a step, {pred.time_ratio:.3f}x none's, "
+          f"{tokens / pred.step_time:,.0f} tokens/s predicted)")
     print(f"predicted peak {format_bytes(pred.peak)} of {format_bytes(budget)} (in the {pred.where}): "
           + ", ".join(f"{k} {format_bytes(v)}" for k, v in pred.breakdown().items()))
     workspaces = cfg.plan_target().workspace_bytes()
@@ -70,7 +75,7 @@ def run(args: list[str]) -> int:
             total = replay["max_reserved"] + CUDA_CONTEXT
             verdict = "fits" if total <= t.gpu.memory else "DOES NOT FIT: lower --memory-budget by the difference"
             print(f"on the card: reserved + CUDA context {format_bytes(total)} of {format_bytes(t.gpu.memory)}: {verdict}")
-    print(f"predicted overhead: {pred.flops_ratio:.3f}x FLOPs")
+    print(f"predicted overhead: {pred.time_ratio:.3f}x time, {pred.flops_ratio:.3f}x FLOPs")
     launch = "fitgpt train"
     if cfg.world_size > 1:
         launch = f"torchrun --nproc-per-node {cfg.world_size} -m fitgpt train --parallel {cfg.parallel}"
@@ -79,6 +84,7 @@ def run(args: list[str]) -> int:
           f"   (or: --activation-checkpointing auto --memory-budget {cfg.memory_budget})")
     print(json.dumps({"policy": plan.spec(), "budget": budget, "predicted_peak": pred.peak, "where": pred.where,
                       "breakdown": pred.breakdown(), "flops_ratio": pred.flops_ratio, "profile_seconds": profile.seconds,
+                      "step_seconds": pred.step_time, "time_ratio": pred.time_ratio, "time_model": profile.time_source,
                       "target": cfg.plan_target().device, "gpu": cfg.gpu, "fake": cfg.fake,
                       "predicted_max_allocated": pred.peak + workspaces, "replay": replay}))
     return 0

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import tyro
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from fitgpt.config import TrainConfig
+from fitgpt.memory.units import format_bytes
 from fitgpt.train import TrainingError, load_config, train
 
 
@@ -31,8 +33,27 @@ def _planner(cfg: TrainConfig):
     return plan_for
 
 
+def _auto_config(cfg: TrainConfig) -> TrainConfig:
+    """--auto-config: the fastest configuration that fits, chosen before the run (the loop is handed a plain config)."""
+    if not cfg.auto_config:
+        return cfg
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("--auto-config chooses for one process: run fitgpt fit --world-size N --memory-budget ... and "
+                         "launch the torchrun command it prints")
+    if cfg.resume:
+        raise ValueError("--auto-config chooses a new run's configuration; to continue a run, resume with its config.json "
+                         "(it records what was chosen): --config RUN/config.json --resume latest")
+    from fitgpt.plan.search import for_training
+
+    chosen, c, _ = for_training(cfg)
+    print(f"auto-config: micro-batch {c.micro_batch} x accumulation {c.grad_accum}, {c.precision}, checkpointing "
+          f"'{c.plan.spec()}': predicted peak {format_bytes(c.peak)} of {cfg.memory_budget}, {c.tokens_per_s:,.0f} tokens/s")
+    return chosen
+
+
 def run(args: list[str]) -> int:
     cfg = parse(args)
+    cfg = _auto_config(cfg)
     try:
         with logging_redirect_tqdm():
             summary = train(cfg, planner=_planner(cfg))

@@ -7,6 +7,8 @@ for the CUDA kernels.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import (
@@ -45,22 +47,36 @@ def count_flops(fn, *args, **kwargs) -> int:
     return mode.get_total_flops()
 
 
+OpCost = Callable[[object, tuple, dict, object, int], float]
+"""Seconds one op takes: ``cost(func, args, kwargs, out, flops)`` (see ``fitgpt.plan.timing``)."""
+
+
+def op_flops(func, args: tuple, kwargs: dict, out) -> int:
+    """FLOPs of one aten op by ``FlopCounterMode``'s formulas (0 for ops it has none for)."""
+    formula = flop_registry.get(func._overloadpacket)
+    return formula(*args, **kwargs, out_val=out) if formula is not None else 0
+
+
 class OpFlops(TorchDispatchMode):
-    """FLOPs of matmuls and attention seen by this mode, with ``FlopCounterMode``'s formulas.
+    """FLOPs of matmuls and attention seen by this mode, with ``FlopCounterMode``'s formulas, and with a
+    ``cost`` model the seconds those ops take by it.
 
     ``FlopCounterMode`` also tracks modules, and that tracking keeps the graphs that checkpoint
     recomputation builds in the backward pass alive until the mode exits. Measured together with
     memory, it would inflate the very bytes checkpointing frees; this mode counts and holds nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cost: OpCost | None = None) -> None:
         super().__init__()
         self.total = 0
+        self.seconds = 0.0
+        self.cost = cost
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.total += formula(*args, **kwargs, out_val=out)
+        flops = op_flops(func, args, kwargs, out)
+        self.total += flops
+        if self.cost is not None:
+            self.seconds += self.cost(func, args, kwargs, out, flops)
         return out

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from fitgpt.activation_checkpoint.apply import find_blocks
-from fitgpt.memory.flops import OpFlops
+from fitgpt.memory.flops import OpCost, OpFlops
 from fitgpt.memory.measure import default_loss
 from fitgpt.memory.tracker import LiveMemory, round_up
 from fitgpt.step import Batch, optimizer_update, train_step
@@ -36,6 +36,8 @@ class Segment:
     end: int
     peak: int
     flops: int
+    seconds: float = 0.0
+    """Its ops' time by the cost model given to ``profile_step`` (0 without one)."""
 
     @property
     def rise(self) -> int:
@@ -98,11 +100,11 @@ class _Marks:
 
     def __init__(self, live: LiveMemory, flops: OpFlops) -> None:
         self.live, self.flops = live, flops
-        self.points: dict[str, tuple[int, int, int]] = {}  # name -> (live, peak since previous mark, flops so far)
+        self.points: dict[str, tuple[int, int, int, float]] = {}  # name -> (live, peak since last mark, flops, seconds so far)
         self.epochs: dict[str, int] = {}  # name -> the epoch that begins at this mark
 
     def __call__(self, name: str) -> None:
-        self.points[name] = (self.live.current, self.live.peak, self.flops.total)
+        self.points[name] = (self.live.current, self.live.peak, self.flops.total, self.flops.seconds)
         self.live.reset_peak()
         self.live.epoch += 1
         self.epochs[name] = self.live.epoch
@@ -114,7 +116,7 @@ class _Marks:
 
     def segment(self, first: str, last: str) -> Segment:
         a, b = self.points[first], self.points[last]
-        return Segment(start=a[0], end=b[0], peak=max(b[1], a[0]), flops=b[2] - a[2])
+        return Segment(start=a[0], end=b[0], peak=max(b[1], a[0]), flops=b[2] - a[2], seconds=b[3] - a[3])
 
 
 def _hidden(out):
@@ -123,18 +125,19 @@ def _hidden(out):
 
 def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer | None = None,
                  loss_fn: Callable[[], torch.Tensor] | None = None, blocks: str | nn.ModuleList | None = None,
-                 zero_grad: bool = True, grad_clip: float = 0.0, round_to: int = 1) -> StepTimeline:
+                 zero_grad: bool = True, grad_clip: float = 0.0, round_to: int = 1, cost: OpCost | None = None) -> StepTimeline:
     """Run forward, backward and (if given) the optimizer step once, cut into segments.
 
     ``zero_grad``: free the gradients after the step (the trainer's ``set_to_none``); False zeroes
     them in place, as between the micro-batches of gradient accumulation. ``round_to``: as ``LiveMemory``.
+    ``cost``: a model of each op's seconds, summed per segment (``Segment.seconds``).
     """
     loss_fn = loss_fn or default_loss(model, idx, targets)
     _, block_list = find_blocks(model, blocks)
     n = len(block_list)
     baseline = param_bytes(model, round_to) + grad_bytes(model, round_to) + optimizer_state_bytes(optimizer, round_to)
     handles = []
-    with OpFlops() as fc, LiveMemory(round_to) as live:
+    with OpFlops(cost) as fc, LiveMemory(round_to) as live:
         mark = _Marks(live, fc)
 
         def pre(i):

@@ -100,6 +100,10 @@ class BenchRow:
     times: list[float] = field(default_factory=list)
     budget_bytes: int | None = None
     predicted_peak_bytes: int | None = None
+    predicted_seconds: float | None = None
+    """The planner's step time for this policy (its time model), to set against the measured one."""
+    predicted_exact: bool = True
+    """False where the policy is not a plan the planner composes (groups, offload): the nearest plan's time."""
 
 
 def _resolve_auto(spec: str, profile: StepProfile) -> tuple[str, int, int]:
@@ -111,20 +115,20 @@ def _resolve_auto(spec: str, profile: StepProfile) -> tuple[str, int, int]:
 
 
 def _resolve_specs(cfg: BenchConfig, device: torch.device, dtype: torch.dtype | None
-                   ) -> tuple[dict[str, tuple[str, int | None, int | None]], dict[str, str], StepProfile | None]:
-    """Each policy's concrete spec (auto:... solved on one profile), with budget and predicted peak for auto."""
+                   ) -> tuple[dict[str, tuple[str, int | None, int | None]], dict[str, str], StepProfile]:
+    """Each policy's concrete spec (auto:... solved on the planner's profile), with budget and predicted peak for auto.
+    The profile is the planner's own (on fake tensors on CPU, as ``plan`` and ``auto`` take it, with the time model
+    calibrated on this device): its predicted step times stand beside the measured ones."""
     tcfg, mcfg = cfg.train_config(), cfg.model_config
-    profile = None
+    profile = profile_model(mcfg, tcfg.batch_size, mcfg.context_length, device, tcfg.optim, tcfg.grad_accum, dtype,
+                            seed=cfg.seed, fake=device.type == "cpu", cost=cfg.cost_model())
+    log.info("profiled in %.1fs (time model: %s)", profile.seconds, profile.time_source)
     specs: dict[str, tuple[str, int | None, int | None]] = {}
     skipped: dict[str, str] = {}
     for spec in cfg.policies:
         if not spec.startswith("auto"):
             specs[spec] = (spec, None, None)
             continue
-        if profile is None:
-            profile = profile_model(mcfg, tcfg.batch_size, mcfg.context_length, device, tcfg.optim, tcfg.grad_accum, dtype,
-                                    seed=cfg.seed)
-            log.info("profiled for auto in %.1fs", profile.seconds)
         try:
             specs[spec] = _resolve_auto(spec, profile)
         except PlanError as e:
@@ -194,17 +198,19 @@ def run_bench(cfg: BenchConfig) -> dict:
     for name, (spec, budget, predicted) in specs.items():
         med = statistics.median(times[name])
         m = measured[name]
+        plan, exact = Plan.from_policy(spec, mcfg.n_blocks)
         rows.append(BenchRow(policy=name, spec=spec, peak_bytes=m["peak_bytes"], activation_bytes=m["activation_bytes"],
                              flops=m["flops"], step_seconds=med, tokens_per_s=B * T * accum / med, times=times[name],
-                             budget_bytes=budget, predicted_peak_bytes=predicted))
+                             budget_bytes=budget, predicted_peak_bytes=predicted,
+                             predicted_seconds=predict(profile, plan).step_time, predicted_exact=exact))
     result = {
         "setup": {
             "workload": cfg.describe(), "preset": tcfg.preset, "batch_size": B, "context": T, "grad_accum": accum,
             "device": str(device), "dtype": str(dtype or "fp32"), "params": sum(p.numel() for p in model.parameters()),
             "repeats": cfg.repeats, "warmup": cfg.warmup, "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.platform(), "peak_source": next(iter(measured.values()))["peak_source"],
-            "profile_seconds": profile.seconds if profile else None, "seconds": time.perf_counter() - t_start,
-            "skipped": skipped,
+            "profile_seconds": profile.seconds, "seconds": time.perf_counter() - t_start,
+            "skipped": skipped, "time_model": profile.time_source, "noise": timing_noise(times),
         },
         "rows": [r.__dict__ for r in rows],
     }
@@ -256,23 +262,40 @@ def plot_bench(result: dict, path: Path) -> Path | None:
     return path
 
 
+def timing_noise(times: dict[str, list[float]]) -> float:
+    """The run's noise: per policy the median absolute deviation of its step times over their median, and of those
+    the median. Two policies whose times differ by less than this are not told apart by the run."""
+    rel = []
+    for ts in times.values():
+        med = statistics.median(ts)
+        rel.append(statistics.median(abs(t - med) for t in ts) / med)
+    return statistics.median(rel) if rel else 0.0
+
+
 def format_table(result: dict) -> str:
     rows = result["rows"]
     base = rows[0]
+    setup = result["setup"]
     lines = [
-        f"{result['setup']['workload']}; peak from the {result['setup']['peak_source']}, "
-        f"median of {result['setup']['repeats']} interleaved steps",
+        f"{setup['workload']}; peak from the {setup['peak_source']}, median of {setup['repeats']} interleaved steps "
+        f"(noise: {setup.get('noise', 0):.1%} median absolute deviation)",
         "",
         "| policy | peak (MiB) | activations (MiB) | GFLOPs/step | step (ms) | tokens/s | peak saved | activations saved | "
-        f"time vs {base['policy']} | FLOPs vs {base['policy']} |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"time vs {base['policy']} | predicted | FLOPs vs {base['policy']} |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         name = f"`{r['policy']}`" + (f" = `{r['spec']}`" if r["spec"] != r["policy"] else "")
+        predicted = "-"
+        if r.get("predicted_seconds") and base.get("predicted_seconds"):
+            predicted = f"{r['predicted_seconds'] / base['predicted_seconds']:.2f}x" + ("" if r["predicted_exact"] else "*")
         lines.append(
             f"| {name} | {r['peak_bytes'] / 2**20:.1f} | {r['activation_bytes'] / 2**20:.1f} | {r['flops'] / 1e9:.1f} | "
             f"{r['step_seconds'] * 1e3:.0f} | {r['tokens_per_s']:.0f} | {1 - r['peak_bytes'] / base['peak_bytes']:.1%} | "
             f"{1 - r['activation_bytes'] / base['activation_bytes']:.1%} | {r['step_seconds'] / base['step_seconds']:.2f}x | "
-            f"{r['flops'] / base['flops']:.3f}x |"
+            f"{predicted} | {r['flops'] / base['flops']:.3f}x |"
         )
+    lines.append(f"\npredicted: the planner's step-time ratio ({setup.get('time_model') or 'no time model'})"
+                 + ("; * the nearest plan the planner composes (groups as blocks recomputed alone, offload left out)"
+                    if any(not r.get("predicted_exact", True) for r in rows) else ""))
     return "\n".join(lines)

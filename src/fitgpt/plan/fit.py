@@ -43,6 +43,8 @@ def extrapolate(points: list[tuple[int, StepProfile]], x: int, field_name: str) 
 
     def fit(values: list):
         v0 = values[0]
+        if isinstance(v0, float):  # seconds: linear in the batch, like the bytes
+            return max(0.0, _lagrange(xs, values, x))
         if isinstance(v0, bool) or not isinstance(v0, (int, list, dict, BlockOption, HeadOption)):
             return values[-1]
         if isinstance(v0, int):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
 from fitgpt.memory.fake import FakeTensorMode, fake_mode, fake_module
+from fitgpt.memory.flops import OpCost, OpFlops
 from fitgpt.memory.profile import (
     LiveMemory,
     StepTimeline,
@@ -36,10 +38,11 @@ from fitgpt.step import optimizer_update
 
 log = logging.getLogger(__name__)
 
-BLOCK_OPTIONS = ("none", "selective", "full")
+BLOCK_OPTIONS = ("none", "pointwise", "selective", "full")
 HEAD_OPTIONS = ("plain", "chunked")
 # One profiled step per option; the head option of each run is read from the same run.
-_RUNS = {"none": ("none", "plain"), "full": ("block+chunked-loss", "chunked"), "selective": ("selective", None)}
+_RUNS = {"none": ("none", "plain"), "full": ("block+chunked-loss", "chunked"), "selective": ("selective", None),
+         "pointwise": ("pointwise", None)}
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ class BlockOption:
     transient: int = 0
     """Bytes its forward leaves alive only until the forward ends (autocast's weight copies when nothing
     saves them): held through the rest of the forward, freed before any backward."""
+    time: float = 0.0
+    """Seconds of its forward and backward (recompute included) by the profile's cost model."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class HeadOption:
     bwd_rise: int
     bwd_delta: int
     recompute_flops: int
+    time: float = 0.0
 
 
 @dataclass
@@ -97,6 +103,12 @@ class StepProfile:
     """FLOPs of one forward + backward without checkpointing."""
     seconds: float = 0.0
     """How long profiling took."""
+    embed_time: float = 0.0
+    """Seconds of the embedding's forward and backward, per micro-batch (with a cost model; 0 without)."""
+    optimizer_time: float = 0.0
+    """Seconds of the optimizer step (clipping included), once per step."""
+    time_source: str = ""
+    """Where the seconds come from: measured on a device, or a roofline estimate ("" for none)."""
 
     @property
     def n_blocks(self) -> int:
@@ -120,28 +132,33 @@ class StepProfile:
         )
 
 
-def _block_option(tl: StepTimeline, base: StepTimeline, i: int) -> BlockOption:
+def _block_option(tl: StepTimeline, base: StepTimeline, i: int, machinery: float) -> BlockOption:
     f, b, t = tl.fwd_blocks[i], tl.bwd_blocks[i], tl.fwd_transient[i]
+    # Recomputing never makes a block faster: a cost model that says so is within its own error.
+    time = max(f.seconds + b.seconds, base.fwd_blocks[i].seconds + base.bwd_blocks[i].seconds) + machinery
     return BlockOption(saved=f.delta - t, fwd_rise=f.rise, bwd_rise=b.rise, recompute_flops=b.flops - base.bwd_blocks[i].flops,
-                       transient=t)
+                       transient=t, time=time)
 
 
 def _head_option(tl: StepTimeline, base: StepTimeline) -> HeadOption:
     extra = tl.fwd_head.flops + tl.bwd_head.flops - base.fwd_head.flops - base.bwd_head.flops
+    time = max(tl.fwd_head.seconds + tl.bwd_head.seconds, base.fwd_head.seconds + base.bwd_head.seconds)
     # The head's own bytes: the blocks' transients, freed as the forward ends, are theirs.
     return HeadOption(saved=tl.fwd_head.delta + sum(tl.fwd_transient), fwd_rise=tl.fwd_head.rise, bwd_rise=tl.bwd_head.rise,
-                      bwd_delta=tl.bwd_head.delta, recompute_flops=extra)
+                      bwd_delta=tl.bwd_head.delta, recompute_flops=extra, time=time)
 
 
 def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None = None, device: str | torch.device = "cpu",
                   optim_cfg=None, grad_accum: int = 1, dtype: torch.dtype | None = None, seed: int = 0,
-                  persistent_grads: bool = False, fake: bool = False, target: Target | None = None) -> StepProfile:
-    """Profile one training step per option (three in all) of ``model_cfg`` on ``device``.
+                  persistent_grads: bool = False, fake: bool = False, target: Target | None = None,
+                  cost: OpCost | None = None) -> StepProfile:
+    """Profile one training step per option (four in all) of ``model_cfg`` on ``device``.
 
     ``fake``: on fake tensors (shapes, no storage, no arithmetic), so that any size plans in seconds
     with no memory; the same numbers as real tensors (tested byte for byte on CPU).
     ``target``: a CUDA target planned on fake CPU tensors, with what differs on CUDA modelled (see
     ``fitgpt.plan.target``); by default the device itself.
+    ``cost``: a model of each op's seconds (``fitgpt.plan.timing``), giving every segment its time.
     """
     t0 = time.perf_counter()
     device = torch.device(device)
@@ -151,7 +168,7 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
     context = context or model_cfg.context_length
     cfg = dataclasses.replace(model_cfg, context_length=max(context, model_cfg.context_length))
     run = _Run(cfg, batch_size, context, device, optim_cfg or OptimConfig(), grad_accum, dtype, persistent_grads, target,
-               simulated=target.cuda and device.type != "cuda")
+               simulated=target.cuda and device.type != "cuda", cost=cost)
     torch.manual_seed(seed)
     if not fake:
         return _profile(Transformer(cfg).to(device), run, seed, t0)
@@ -192,27 +209,28 @@ def _deepen(run: _Run, t0: float) -> StepProfile:
                                seconds=time.perf_counter() - t0)
 
 
-def _fixed_costs(run: _Run) -> dict[str, int]:
+def _fixed_costs(run: _Run) -> dict[str, int | float]:
     """Parameters, gradients, optimizer state and the optimizer step's workspace of the full model, on fake
     tensors: the step's optimizer segment (as ``profile_step`` runs it) with every gradient present."""
     round_to, accumulate = run.target.round_to, run.grad_accum > 1 or run.persistent_grads
     model, mode = fake_transformer(run.cfg, run.device)
     with mode:
         optimizer = build_optimizer(model, run.optim, torch.device(run.target.device))
-        rises = []
+        rises, times = [], []
         for _ in range(2):  # the first step creates the optimizer state, the second is the steady one
             for p in model.parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             loss = torch.zeros(())  # the step's loss, alive since its forward
-            with LiveMemory(round_to) as live:
+            with LiveMemory(round_to) as live, OpFlops(run.cost) as clock:
                 optimizer_update(model, optimizer, loss, grad_clip=run.optim.grad_clip, check=False)
                 model.zero_grad(set_to_none=not accumulate)  # as profile_step ends a step
             rises.append(live.peak)
+            times.append(clock.seconds)
         params, opt = param_bytes(model, round_to), optimizer_state_bytes(optimizer, round_to)
         held = grad_bytes(model, round_to) if accumulate else 0
     return {"params": params, "optimizer": opt, "grads": held if accumulate else params, "baseline": params + opt + held,
-            "optimizer_rise": rises[-1]}
+            "optimizer_rise": rises[-1], "optimizer_time": times[-1]}
 
 
 @dataclass(frozen=True)
@@ -232,6 +250,8 @@ class _Run:
     """A CUDA target profiled on CPU: the attention backend's saved tensors are modelled."""
     optimizer_step: bool = True
     """False for the shallow profiles of a deep model, whose optimizer costs are taken at full depth."""
+    cost: OpCost | None = None
+    """Each op's seconds, for the segments' times."""
 
     @property
     def backend(self) -> str:
@@ -270,11 +290,14 @@ def _profile(model: Transformer, run: _Run, seed: int | None, t0: float) -> Step
         for option, (spec, _) in _RUNS.items():
             apply_activation_checkpointing(model, spec)
             timelines[option] = profile_step(model, x, y, optimizer, loss_fn=loss_fn, zero_grad=not accumulate,
-                                             grad_clip=run.optim.grad_clip, round_to=round_to)
+                                             grad_clip=run.optim.grad_clip, round_to=round_to, cost=run.cost)
     base = timelines["none"]
-    blocks = [{o: _block_option(timelines[o], base, i) for o in BLOCK_OPTIONS} for i in range(cfg.n_blocks)]
+    machinery = getattr(run.cost, "recompute_overhead", {})
+    blocks = [{o: _block_option(timelines[o], base, i, machinery.get(o, 0.0)) for o in BLOCK_OPTIONS} for i in range(cfg.n_blocks)]
     if run.simulated:
         blocks = _with_cuda_attention(blocks, run)
+    if run.target.cuda:
+        blocks = [{**b, "offload": _offload_option(b["none"], run)} for b in blocks]
     heads = {head: _head_option(timelines[o], base) for o, (_, head) in _RUNS.items() if head}
     # What a block's backward leaves behind besides freeing its saved bytes: the same under every option.
     block_grads = [max(timelines[o].fwd_blocks[i].delta - timelines[o].fwd_transient[i] + timelines[o].bwd_blocks[i].delta
@@ -292,6 +315,9 @@ def _profile(model: Transformer, run: _Run, seed: int | None, t0: float) -> Step
         block_flops=[f.flops + b.flops for f, b in zip(base.fwd_blocks, base.bwd_blocks)],
         block_param_bytes=param_bytes(model.attn_blocks[-1], round_to),
         step_flops=base.flops, seconds=time.perf_counter() - t0,
+        embed_time=base.fwd_embed.seconds + base.bwd_embed.seconds,
+        optimizer_time=statistics.median(timelines[o].optimizer.seconds for o in list(_RUNS)[1:]),
+        time_source=getattr(run.cost, "source", ""),
     )
     log.debug("profiled %d blocks at batch %d x %d in %.1fs", cfg.n_blocks, batch_size, context, profile.seconds)
     return profile
@@ -313,6 +339,19 @@ def _with_cuda_attention(blocks: list[dict[str, BlockOption]], run: _Run) -> lis
         return dataclasses.replace(o, saved=o.saved + delta, fwd_rise=o.fwd_rise + delta)
 
     return [{k: adjust(k, o) for k, o in b.items()} for b in blocks]
+
+
+def _offload_option(none: BlockOption, run: _Run) -> BlockOption:
+    """A block that keeps its activations (none) but sends what autograd saves to pinned host memory
+    (``save_on_cpu``), modelled, not profiled (on the CPU we profile on, offload is no copy at all): nothing
+    stays on the card but its output until the next block has read it; its backward brings everything back
+    first. The copies run on the compute stream (``save_on_cpu`` does not overlap them), out in the forward
+    and back in the backward, at the card's host-link bandwidth."""
+    out = run.batch_size * run.context * run.cfg.n_embed * 4  # (B, T, C) fp32 residual stream
+    out = -(-out // run.target.round_to) * run.target.round_to
+    pcie = run.target.gpu.pcie if run.target.gpu else 32e9
+    return dataclasses.replace(none, saved=0, fwd_rise=none.fwd_rise + out, bwd_rise=none.bwd_rise + none.saved,
+                               time=none.time + 2 * none.saved / pcie)
 
 
 def per_rank(profile: StepProfile, world: int, parallel: str) -> StepProfile:

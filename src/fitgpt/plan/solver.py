@@ -1,6 +1,7 @@
-"""Predict the peak of any plan from a profile, and find the cheapest plan under a memory budget.
+"""Predict the peak and step time of any plan from a profile, and find the fastest plan under a memory budget.
 
-A plan gives every block an option (none, selective, full) and the head one (plain, chunked).
+A plan gives every block an option (none, pointwise, selective, full; on CUDA also offload) and the head one
+(plain, chunked).
 ``predict`` walks the step as the profile cut it: the level of live bytes moves by each segment's
 measured delta, and each segment adds its measured rise on top.
 
@@ -9,8 +10,9 @@ where ``S(i)`` is the bytes the blocks before i saved: the forward of block i ru
 ``S(i)``, and so does its backward (what the later blocks saved is freed by then, but their
 gradients are not, and those do not depend on the options). So a dynamic programme over blocks whose
 state is ``S`` suffices, and a state with both more saved bytes and more recompute than another can
-be dropped: nothing after it can prefer it. The cost is lexicographic: recomputed FLOPs first, then
-the number of blocks that recompute anything (selective recomputes only cheap element-wise ops).
+be dropped: nothing after it can prefer it. The cost is lexicographic: predicted seconds first (the sum
+of the plan's segments by the profile's cost model, see ``fitgpt.plan.timing``), then recomputed
+FLOPs (all a profile without a cost model has), then the number of blocks that recompute anything.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import bisect
 import itertools
 from dataclasses import dataclass
 
+from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.memory.units import format_bytes
-from fitgpt.plan.profile import BLOCK_OPTIONS, HEAD_OPTIONS, StepProfile
+from fitgpt.plan.profile import HEAD_OPTIONS, StepProfile
 
 
 class PlanError(ValueError):
@@ -36,12 +39,13 @@ class Plan:
         """The plan as a ``--activation-checkpointing`` policy string."""
         n = len(self.blocks)
         terms = []
-        for option, whole in (("full", "block"), ("selective", "selective")):
+        for option, whole, some in (("full", "block", "blocks:"), ("selective", "selective", "selective:"),
+                                    ("pointwise", "pointwise", "pointwise:"), ("offload", "offload", "offload:")):
             ids = [i for i, o in enumerate(self.blocks) if o == option]
             if len(ids) == n:
                 terms.append(whole)
             elif ids:
-                terms.append(("blocks:" if option == "full" else "selective:") + ",".join(map(str, ids)))
+                terms.append(some + ",".join(map(str, ids)))
         if self.head == "chunked":
             terms.append("chunked-loss")
         return "+".join(terms) or "none"
@@ -49,6 +53,17 @@ class Plan:
     @classmethod
     def uniform(cls, n: int, option: str, head: str = "plain") -> Plan:
         return cls(tuple([option] * n), head)
+
+    @classmethod
+    def from_policy(cls, spec: str, n: int) -> tuple[Plan, bool]:
+        """The plan closest to any policy, and whether it is that policy exactly: a group of blocks recomputed as
+        one region runs as many FLOPs as each recomputed alone (its memory differs); offload is an option of a block
+        that recomputes nothing."""
+        policy = parse_policy(spec)
+        regions = policy.regions(n)
+        options = [("offload" if r.offload and r.recompute == "none" else r.recompute) for r in regions for _ in range(r.start, r.stop)]
+        exact = all(r.stop - r.start == 1 and not (r.offload and r.recompute != "none") for r in regions)
+        return cls(tuple(options), "chunked" if policy.loss_chunk_rows else "plain"), exact
 
 
 @dataclass(frozen=True)
@@ -67,10 +82,18 @@ class Prediction:
     activations_end_of_forward: int
     recompute_flops: int
     step_flops: int
+    step_time: float = 0.0
+    """Predicted seconds of the step (every micro-batch and the optimizer step); 0 without a cost model."""
+    none_time: float = 0.0
+    """The same without checkpointing, for the ratio."""
 
     @property
     def flops_ratio(self) -> float:
         return (self.step_flops + self.recompute_flops) / self.step_flops
+
+    @property
+    def time_ratio(self) -> float | None:
+        return self.step_time / self.none_time if self.none_time else None
 
     def breakdown(self) -> dict[str, int]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
@@ -109,19 +132,26 @@ def predict(profile: StepProfile, plan: Plan) -> Prediction:
     level += p.embed_bwd_delta
     event("optimizer step", level, p.optimizer_rise, 0)
     total, where, activations, grads, temporaries = max(events)
-    recompute = _cost(p, plan)[0]
     held_grads = p.baseline - p.params - p.optimizer
     return Prediction(
         peak=p.baseline + total, where=where, params=p.params, optimizer=p.optimizer, grads=held_grads + grads,
         activations=activations, temporaries=temporaries, activations_end_of_forward=end_of_forward,
-        recompute_flops=recompute, step_flops=p.step_flops,
+        recompute_flops=_cost(p, plan)[1], step_flops=p.step_flops, step_time=step_time(p, plan),
+        none_time=step_time(p, Plan.uniform(p.n_blocks, "none")),
     )
 
 
-def _cost(profile: StepProfile, plan: Plan) -> tuple[int, int]:
+def step_time(profile: StepProfile, plan: Plan) -> float:
+    """Predicted seconds of a step under ``plan``: each micro-batch's segments, then the optimizer step."""
+    return profile.grad_accum * (profile.embed_time + _cost(profile, plan)[0]) + profile.optimizer_time
+
+
+def _cost(profile: StepProfile, plan: Plan) -> tuple[float, int, int]:
+    """(seconds of the blocks and head per micro-batch, recomputed FLOPs, options that recompute): the solver's order."""
     head = profile.heads[plan.head]
-    flops = head.recompute_flops + sum(profile.blocks[i][o].recompute_flops for i, o in enumerate(plan.blocks))
-    return flops, sum(o != "none" for o in plan.blocks) + (plan.head != "plain")
+    chosen = [profile.blocks[i][o] for i, o in enumerate(plan.blocks)]
+    return (head.time + sum(b.time for b in chosen), head.recompute_flops + sum(b.recompute_flops for b in chosen),
+            sum(o != "none" for o in plan.blocks) + (plan.head != "plain"))
 
 
 def _pareto(states: dict[tuple[int, int], tuple]) -> list[tuple]:
@@ -140,7 +170,7 @@ def _pareto(states: dict[tuple[int, int], tuple]) -> list[tuple]:
     return front
 
 
-def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[int, int], tuple[str, ...]] | None:
+def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[float, int, int], tuple[str, ...]] | None:
     """Cheapest block options with this head within ``room`` bytes above the baseline, or None."""
     head = p.heads[head_name]
     c_head = p.embed_saved + head.saved + head.bwd_delta  # the level after the head's backward, less S(N)
@@ -151,15 +181,15 @@ def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[int, i
         return None
     # state: (bytes saved for backward, bytes held in the forward, cost, options), the latter also holding
     # autocast's transient copies; pruned to the states no other beats on all three.
-    states: list[tuple[int, int, tuple[int, int], tuple[str, ...]]] = [(p.embed_saved, p.embed_saved, (0, 0), ())]
+    states: list[tuple[int, int, tuple, tuple[str, ...]]] = [(p.embed_saved, p.embed_saved, (0.0, 0, 0), ())]
     for i in range(p.n_blocks):
-        nxt: dict[tuple[int, int], tuple[tuple[int, int], tuple[str, ...]]] = {}
+        nxt: dict[tuple[int, int], tuple[tuple, tuple[str, ...]]] = {}
         for s, u, cost, opts in states:
-            for o in BLOCK_OPTIONS:
-                b = p.blocks[i][o]
+            for o, b in p.blocks[i].items():
                 if u + b.fwd_rise > room or c_head - p.embed_saved + grads_after[i] + s + b.saved + b.bwd_rise > room:
                     continue
-                key, c2 = (s + b.saved, u + b.saved + b.transient), (cost[0] + b.recompute_flops, cost[1] + (o != "none"))
+                key = (s + b.saved, u + b.saved + b.transient)
+                c2 = (cost[0] + b.time, cost[1] + b.recompute_flops, cost[2] + (o != "none"))
                 if key not in nxt or c2 < nxt[key][0]:
                     nxt[key] = (c2, opts + (o,))
         states = _pareto(nxt)
@@ -168,7 +198,7 @@ def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[int, i
     if not done:
         return None
     cost, opts = min(done)
-    return (cost[0] + head.recompute_flops, cost[1] + (head_name != "plain")), opts
+    return (cost[0] + head.time, cost[1] + head.recompute_flops, cost[2] + (head_name != "plain")), opts
 
 
 def _cheapest(profile: StepProfile, budget: int) -> Plan | None:
@@ -182,7 +212,7 @@ def _cheapest(profile: StepProfile, budget: int) -> Plan | None:
 
 
 def solve(profile: StepProfile, budget: int) -> tuple[Plan, Prediction]:
-    """The plan with the least recompute whose predicted peak is within ``budget`` bytes."""
+    """The fastest plan (least recompute without a cost model) whose predicted peak is within ``budget`` bytes."""
     plan = _cheapest(profile, budget)
     if plan is None:
         raise PlanError(_no_fit_message(profile, budget))
@@ -190,9 +220,9 @@ def solve(profile: StepProfile, budget: int) -> tuple[Plan, Prediction]:
 
 
 def solve_exhaustive(profile: StepProfile, budget: int) -> tuple[Plan, Prediction] | None:
-    """Try every plan (3^N x 2): the reference the dynamic programme is tested against."""
+    """Try every plan (options^N x 2): the reference the dynamic programme is tested against."""
     best = None
-    for opts in itertools.product(BLOCK_OPTIONS, repeat=profile.n_blocks):
+    for opts in itertools.product(list(profile.blocks[0]), repeat=profile.n_blocks):
         for head in HEAD_OPTIONS:
             plan = Plan(opts, head)
             pred = predict(profile, plan)
@@ -203,7 +233,7 @@ def solve_exhaustive(profile: StepProfile, budget: int) -> tuple[Plan, Predictio
 
 def min_peak(profile: StepProfile) -> tuple[Plan, Prediction]:
     """The plan with the lowest predicted peak (the most aggressive one that exists)."""
-    candidates = [Plan.uniform(profile.n_blocks, o, h) for o in BLOCK_OPTIONS for h in HEAD_OPTIONS]
+    candidates = [Plan.uniform(profile.n_blocks, o, h) for o in profile.blocks[0] for h in HEAD_OPTIONS]
     # The best uniform plan bounds it from above; a mixed plan can be lower (full recompute has the
     # larger backward workspace). Bisect on the budget, each probe an exact solve; hi always fits.
     hi, lo = min(predict(profile, c).peak for c in candidates), profile.baseline
@@ -244,7 +274,5 @@ def _no_fit_message(p: StepProfile, budget: int) -> str:
         knobs.append(f"a smaller batch (about --batch-size {b}, with --grad-accum to keep the tokens per step)")
     knobs.append(f"a shorter context (about --model.context-length {max(1, int(p.context * scale))})")
     knobs.append("fewer blocks (--model.n-blocks)")
-    if p.device.startswith("cuda"):
-        knobs.append("offloading saved activations to host memory (add +offload to --activation-checkpointing)")
     lines.append("To fit, try " + "; or ".join(knobs) + ".")
     return " ".join(lines)

@@ -48,6 +48,14 @@ class GPU:
     sm: tuple[int, int]
     """Compute capability."""
     source: str
+    pcie: float = 32e9
+    """Host link, bytes/s per direction (PCIe 4.0 x16 unless the datasheet says otherwise)."""
+    nvlink: float = 0.0
+    """GPU-to-GPU link, bytes/s per direction (0: none; peers talk over PCIe)."""
+
+    @property
+    def peer_link(self) -> float:
+        return self.nvlink or self.pcie
 
     @property
     def bf16(self) -> bool:
@@ -60,14 +68,20 @@ class GPU:
 
 
 GPUS = {g.name: g for g in (
-    GPU("h100-80gb", 81559 * MiB, 989.4e12, 66.9e12, 3.35e12, (9, 0), "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
-    GPU("h200", 143771 * MiB, 989.4e12, 66.9e12, 4.8e12, (9, 0), "NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
-    GPU("a100-80gb", 81920 * MiB, 312e12, 19.5e12, 2.039e12, (8, 0), "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)"),
-    GPU("a100-40gb", 40960 * MiB, 312e12, 19.5e12, 1.555e12, (8, 0), "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)"),
+    GPU("h100-80gb", 81559 * MiB, 989.4e12, 66.9e12, 3.35e12, (9, 0), "NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
+        64e9, 450e9),
+    GPU("h200", 143771 * MiB, 989.4e12, 66.9e12, 4.8e12, (9, 0), "NVIDIA H200 Tensor Core GPU datasheet (SXM)",
+        64e9, 450e9),
+    GPU("a100-80gb", 81920 * MiB, 312e12, 19.5e12, 2.039e12, (8, 0), "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)",
+        32e9, 300e9),
+    GPU("a100-40gb", 40960 * MiB, 312e12, 19.5e12, 1.555e12, (8, 0), "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)",
+        32e9, 300e9),
     GPU("l4", 23034 * MiB, 121e12, 30.3e12, 300e9, (8, 9), "NVIDIA L4 Tensor Core GPU datasheet"),
     GPU("rtx-4090", 24564 * MiB, 165.2e12, 82.6e12, 1008e9, (8, 9), "NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090)"),
-    GPU("rtx-3090", 24576 * MiB, 71e12, 35.6e12, 936e9, (8, 6), "NVIDIA Ampere GA102 GPU architecture whitepaper (RTX 3090)"),
-    GPU("t4", 15360 * MiB, 65e12, 8.1e12, 320e9, (7, 5), "NVIDIA T4 Tensor Core GPU datasheet (FP16 mixed precision)"),
+    GPU("rtx-3090", 24576 * MiB, 71e12, 35.6e12, 936e9, (8, 6), "NVIDIA Ampere GA102 GPU architecture whitepaper (RTX 3090)",
+        32e9, 56.25e9),
+    GPU("t4", 15360 * MiB, 65e12, 8.1e12, 320e9, (7, 5), "NVIDIA T4 Tensor Core GPU datasheet (FP16 mixed precision)",
+        16e9),
 )}
 
 

@@ -7,21 +7,24 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
+import tyro
 
 from fitgpt.config import TrainConfig, load_config
 from fitgpt.device import autocast_dtype, resolve_device
+from fitgpt.memory.flops import OpCost
 from fitgpt.memory.units import parse_bytes
 from fitgpt.model import ModelConfig
 from fitgpt.model.config import require_positive_ints
 from fitgpt.plan.profile import StepProfile, per_rank, profile_model
 from fitgpt.plan.simulate import simulate_step
 from fitgpt.plan.target import CUDA_CONTEXT, Target, find_gpu
+from fitgpt.plan.timing import calibrate, roofline
 
 
 @dataclass
 class WorkloadConfig:
     preset: str = "tiny"
-    """Named preset: tiny, small, medium or 3b."""
+    """Named preset: tiny, small, medium, 3b, llama-tiny or llama-1b."""
     config: Optional[str] = None
     """A JSON config file (for example a run's config.json) applied over the preset."""
     batch_size: Optional[int] = None
@@ -42,8 +45,11 @@ class WorkloadConfig:
     """Processes (GPUs) to plan for: memory is reported per rank, --batch-size is per rank."""
     parallel: Literal["ddp", "fsdp"] = "ddp"
     """With --world-size > 1: ddp (whole model per rank) or fsdp (weights, gradients, optimizer state sharded)."""
+    base: tyro.conf.Suppress[Optional[TrainConfig]] = None
+    """A training config to plan for instead of --preset/--config (``fitgpt train --auto-config``)."""
 
     def __post_init__(self) -> None:
+        self._cost: OpCost | None = None
         names = ("batch_size", "context", "grad_accum", "world_size")
         require_positive_ints(self, tuple(n for n in names if getattr(self, n) is not None))
         if self.device is not None and (self.target or self.gpu):
@@ -54,7 +60,7 @@ class WorkloadConfig:
                 raise ValueError("--gpu names a CUDA card: drop --target cpu (or --gpu)")
 
     def train_config(self) -> TrainConfig:
-        cfg = load_config(self.preset, self.config)
+        cfg = self.base or load_config(self.preset, self.config)
         model = cfg.model
         if self.context is not None:
             model = dataclasses.replace(model, context_length=self.context)
@@ -100,15 +106,27 @@ class WorkloadConfig:
         ddp = self.world_size > 1 and self.parallel == "ddp"
         prof = profile_model(self.model_config, batch_size or tcfg.batch_size, context or tcfg.model.context_length,
                              self.torch_device(), tcfg.optim, tcfg.grad_accum, self.dtype(), persistent_grads=ddp,
-                             fake=self.fake, target=self.plan_target())
+                             fake=self.fake, target=self.plan_target(), cost=self.cost_model())
         return per_rank(prof, self.world_size, self.parallel)
+
+    def cost_model(self) -> OpCost:
+        """Each op's seconds on the target: measured on the device at hand when it is of the target's kind, the
+        card's roofline when it is not (a CUDA card planned from here). Calibrated once per workload."""
+        if self._cost is None:
+            t, tcfg = self.plan_target(), self.train_config()
+            if t.cuda and self.fake:
+                self._cost = roofline(t.gpu, self.dtype())
+            else:
+                self._cost = calibrate(tcfg.model, tcfg.batch_size, tcfg.model.context_length, self.torch_device(), self.dtype(),
+                                       tcfg.optim)
+        return self._cost
 
     def replay(self, policy: str) -> dict[str, int] | None:
         """For a CUDA target planned here (one process): the plan's step replayed through CUDA's caching
         allocator (modelled), giving max_memory_allocated and max_memory_reserved; None otherwise."""
         t = self.plan_target()
-        if not (t.cuda and self.fake and self.world_size == 1):
-            return None
+        if not (t.cuda and self.fake and self.world_size == 1) or "offload" in policy:
+            return None  # offload copies nothing on the CPU the replay runs on
         tcfg = self.train_config()
         return simulate_step(tcfg.model, policy, tcfg.batch_size, tcfg.model.context_length, tcfg.grad_accum, self.dtype(),
                              tcfg.optim, t)

@@ -90,6 +90,15 @@ def any_rank(info: DistInfo, flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
+def from_main(info: DistInfo, fn):
+    """``fn()`` computed on rank 0 and handed to every rank (a choice all ranks must share, made once)."""
+    if not info.enabled:
+        return fn()
+    box = [fn() if info.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def gather_objects(info: DistInfo, obj) -> list:
     """Every rank's ``obj``, in rank order (on every rank)."""
     if not info.enabled:
@@ -99,8 +108,10 @@ def gather_objects(info: DistInfo, obj) -> list:
     return out
 
 
-def wrap(model: nn.Module, info: DistInfo, parallel: str, device: torch.device, param_dtype: torch.dtype | None) -> nn.Module:
-    """DDP around the (checkpointed, maybe compiled) model, or FSDP2 per block and then the root."""
+def wrap(model: nn.Module, info: DistInfo, parallel: str, device: torch.device, param_dtype: torch.dtype | None,
+         offload: bool = False) -> nn.Module:
+    """DDP around the (checkpointed, maybe compiled) model, or FSDP2 per block and then the root (``offload``: FSDP2's
+    CPUOffloadPolicy, parameters, gradients and optimizer state in pinned host memory)."""
     if not info.enabled:
         return model
     if parallel == "ddp":
@@ -108,15 +119,16 @@ def wrap(model: nn.Module, info: DistInfo, parallel: str, device: torch.device, 
 
         # Gradients as views into the all-reduce buckets: no second copy of every gradient.
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype is not None else MixedPrecisionPolicy()
+    kw = {"mp_policy": mp, "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()}
     _, blocks = find_blocks(model)
     for block in blocks:
         # Shard the block itself, not its checkpoint wrapper: a group's first wrapper runs the
         # other blocks of its group directly, and their own hooks must gather their weights.
-        fully_shard(block.inner if isinstance(block, ActivationCheckpointWrapper) else block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block.inner if isinstance(block, ActivationCheckpointWrapper) else block, **kw)
+    fully_shard(model, **kw)
     return model
 
 

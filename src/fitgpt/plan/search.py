@@ -1,0 +1,245 @@
+"""The fastest whole configuration that fits: ``fitgpt fit`` prints it, ``fitgpt train --auto-config`` trains with it.
+
+For a fixed number of sequences per step and rank (``--batch-size`` x ``--grad-accum``): every split into a
+micro-batch and accumulation, each precision the target trains in, and with ``--world-size`` DDP and FSDP; on
+CUDA also FSDP2's CPU offload of parameters, gradients and optimizer state (``CPUOffloadPolicy``) where the
+weights and optimizer state leave no room otherwise. Each gets the fastest checkpointing plan that fits (the
+solver), and all are ranked by predicted tokens per second.
+
+Bytes are the planner's: micro-batches are fitted through two exact profiles (bytes are affine in the batch),
+and every configuration shown is settled on a profile of its own size. Compute time is the profile's time
+model; what crosses links (DDP's all-reduce, FSDP's gathers, the offload's copies and its CPU optimizer step)
+is estimated from link bandwidths and named as an estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from fitgpt.config import TrainConfig
+from fitgpt.device import resolve_device
+from fitgpt.memory.units import format_bytes
+from fitgpt.model import Transformer
+from fitgpt.plan.fit import extrapolate
+from fitgpt.plan.profile import StepProfile
+from fitgpt.plan.solver import Plan, PlanError, solve
+from fitgpt.plan.workload import BudgetConfig
+
+log = logging.getLogger(__name__)
+
+GLOO_LINK, HOST_BANDWIDTH = 5e9, 20e9
+"""Assumed: bytes/s between CPU processes (gloo over loopback), and host memory bandwidth for an offloaded
+optimizer step on the CPU."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    parallel: str
+    """single, ddp or fsdp."""
+    offload: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.parallel + ("+offload" if self.offload else "")
+
+
+@dataclass(frozen=True)
+class Choice:
+    micro_batch: int
+    grad_accum: int
+    precision: str
+    layout: Layout
+    plan: Plan
+    peak: int
+    compute_seconds: float
+    link_seconds: float
+    """Communication and offload time not hidden behind compute (estimated)."""
+    tokens: int
+    """Tokens per step, all ranks."""
+    settled: bool
+    """Its bytes from a profile of its own micro-batch (not fitted between two)."""
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute_seconds + self.link_seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_seconds
+
+    def train_args(self, preset: str, context: int, world: int) -> str:
+        launch = "fitgpt train" if self.layout.parallel == "single" else (
+            f"torchrun --nproc-per-node {world} -m fitgpt train --parallel {self.layout.parallel}")
+        return (f"{launch} --preset {preset} --batch-size {self.micro_batch} --grad-accum {self.grad_accum} "
+                f"--model.context-length {context} --precision {self.precision} "
+                f"--activation-checkpointing '{self.plan.spec()}'" + (" --fsdp-offload" if self.layout.offload else ""))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _precisions(w: BudgetConfig) -> list[str]:
+    """What the target trains in: on CUDA its half precision and fp32; on CPU fp32 and bf16."""
+    t = w.plan_target()
+    if w.precision != "auto":
+        return [w.precision]
+    if t.cuda:
+        return ["bf16" if t.sm >= (8, 0) else "fp16", "fp32"]
+    return ["fp32", "bf16"]
+
+
+def _layouts(w: BudgetConfig) -> list[Layout]:
+    cuda = w.plan_target().cuda
+    if w.world_size == 1:
+        return [Layout("single")] + ([Layout("fsdp", True)] if cuda else [])
+    return [Layout("ddp"), Layout("fsdp")] + ([Layout("fsdp", True)] if cuda else [])
+
+
+def _param_count(w: BudgetConfig) -> int:
+    with torch.device("meta"):
+        model = Transformer(w.model_config)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def _offloaded(p: StepProfile, params: int, world: int) -> StepProfile:
+    """The per-rank FSDP profile with parameters, gradients and optimizer state in host memory: the device keeps
+    the root's gathered weights and what a block gathers while it runs (its segments' rises, as under FSDP)."""
+    root = max(0, 4 * params - p.block_param_bytes * p.n_blocks)
+    return dataclasses.replace(p, params=root, optimizer=0, grads=0, baseline=root, optimizer_rise=0,
+                               optimizer_time=3 * 16 * params / world / HOST_BANDWIDTH)  # AdamW reads and writes 16 B a parameter
+
+
+def _link_seconds(w: BudgetConfig, layout: Layout, accum: int, micro: float, params: int, dtype_bytes: int) -> float:
+    """Estimated seconds of communication and offload traffic not overlapped with compute."""
+    n, t = w.world_size, w.plan_target()
+    gpu = t.gpu
+    peer = (gpu.peer_link if gpu else 32e9) if t.cuda else GLOO_LINK
+    share = (n - 1) / n
+    seconds = 0.0
+    if layout.parallel == "ddp":  # one all-reduce of fp32 gradients a step, overlapped with the last backward
+        seconds = max(0.0, 2 * share * 4 * params / peer - micro * 2 / 3)
+    elif layout.parallel == "fsdp" and n > 1:  # gathers every micro-batch (forward, backward), one reduce-scatter
+        traffic = share * params * (2 * accum * dtype_bytes + 4)
+        seconds = max(0.0, traffic / peer - accum * micro)
+    if layout.offload:  # the shard in (forward and backward) every micro-batch, its gradients out once
+        pcie = gpu.pcie if gpu else 32e9
+        seconds += (2 * accum + 1) * 4 * params / n / pcie
+    return seconds
+
+
+def fastest(w: BudgetConfig, budget: int, top: int = 5) -> dict:
+    """Every configuration that fits ``budget`` (see the module's docstring), fastest first, ``top`` of them
+    settled on their own profiles."""
+    tcfg = w.train_config()
+    seqs, T = tcfg.batch_size * tcfg.grad_accum, tcfg.model.context_length
+    tokens = seqs * T * w.world_size
+    params = _param_count(w)
+    costs: dict[str, object] = {}
+    profiles = 0
+
+    def workload(precision: str, layout: Layout, micro: int, accum: int) -> BudgetConfig:
+        v = dataclasses.replace(w, precision=precision, parallel="ddp" if layout.parallel == "single" else layout.parallel,
+                                batch_size=micro, grad_accum=accum)
+        if precision not in costs:  # one calibration per precision
+            costs[precision] = v.cost_model()
+        v._cost = costs[precision]
+        return v
+
+    def exact(precision: str, layout: Layout, micro: int, accum: int) -> StepProfile:
+        nonlocal profiles
+        profiles += 1
+        p = workload(precision, layout, micro, min(accum, 2)).profile()
+        return _offloaded(p, params, w.world_size) if layout.offload else p
+
+    def choose(p: StepProfile, precision: str, layout: Layout, micro: int, accum: int, settled: bool) -> Choice | None:
+        p = dataclasses.replace(p, grad_accum=accum)
+        try:
+            plan, pred = solve(p, budget)
+        except PlanError:
+            return None
+        micro_s = (pred.step_time - p.optimizer_time) / accum
+        half = 2 if precision in ("bf16", "fp16") or (precision == "auto" and w.plan_target().cuda) else 4
+        link = _link_seconds(w, layout, accum, micro_s, params, half)
+        return Choice(micro, accum, precision, layout, plan, pred.peak, pred.step_time, link, tokens, settled)
+
+    found: list[Choice] = []
+    layouts = _layouts(w)
+    for offload in (False, True):  # offload only where nothing fits without it (its copies cost time)
+        for precision in _precisions(w):
+            for layout in (x for x in layouts if x.offload == offload):
+                found += _family(seqs, precision, layout, exact, choose)
+        if found:
+            break
+    found.sort(key=lambda c: -c.tokens_per_s)
+    settled: list[Choice] = []
+    for c in found:  # settle the leaders on profiles of their own size; one that no longer fits drops out
+        if len(settled) >= top:
+            break
+        if not c.settled:
+            c = choose(exact(c.precision, c.layout, c.micro_batch, c.grad_accum), c.precision, c.layout,
+                       c.micro_batch, c.grad_accum, True)
+        if c is not None:
+            settled.append(c)
+    settled.sort(key=lambda c: -c.tokens_per_s)
+    return {"workload": w.describe(), "budget": budget, "tokens_per_step": tokens, "choices": settled,
+            "considered": len(found), "profiles": profiles,
+            "time_models": {precision: getattr(c, "source", "") for precision, c in costs.items()},
+            "note": f"{len(found)} configurations fit {format_bytes(budget)} of those searched; the {len(settled)} fastest, "
+                    f"each settled on a profile of its own micro-batch ({profiles} profiles in all)"}
+
+
+def _family(seqs: int, precision: str, layout: Layout, exact, choose) -> list[Choice]:
+    """Every micro-batch of one precision and layout: micro-batches below the whole step accumulate (gradients
+    held between micro-batches), fitted through exact profiles at the two largest of them; the whole step at once
+    is profiled as it is."""
+    out = []
+    micro = _divisors(seqs)
+    whole = choose(exact(precision, layout, seqs, 1), precision, layout, seqs, 1, True)
+    out += [whole] if whole else []
+    accumulating = micro[:-1]
+    if not accumulating:
+        return out
+    points = [(m, exact(precision, layout, m, seqs // m)) for m in accumulating[-2:]]
+    for m in accumulating:
+        p = dict(points).get(m) or extrapolate(points, m, "batch_size")
+        c = choose(p, precision, layout, m, seqs // m, m in dict(points))
+        if c:
+            out.append(c)
+    return out
+
+
+def format_choices(result: dict, preset: str, context: int, world: int) -> str:
+    lines = [f"{result['workload']}; budget {format_bytes(result['budget'])}; {result['tokens_per_step']:,} tokens a step",
+             "", "| # | micro-batch x accum | precision | parallel | checkpointing | predicted peak | step (ms) | tokens/s | "
+             "of which links (ms) |", "|---:|---|---|---|---|---:|---:|---:|---:|"]
+    for i, c in enumerate(result["choices"], 1):
+        lines.append(f"| {i} | {c.micro_batch} x {c.grad_accum} | {c.precision} | {c.layout.name} | `{c.plan.spec()}` | "
+                     f"{format_bytes(c.peak)} | {c.step_seconds * 1e3:.0f} | {c.tokens_per_s:,.0f} | {c.link_seconds * 1e3:.0f} |")
+    models = "; ".join(f"{p}: {source}" for p, source in result["time_models"].items())
+    lines.append(f"\n({result['note']}; time models: {models}"
+                 + ("; links estimated from bandwidths" if any(c.link_seconds for c in result["choices"]) else "") + ")")
+    if result["choices"]:
+        lines.append(f"train the fastest: {result['choices'][0].train_args(preset, context, world)}")
+    return "\n".join(lines)
+
+
+def for_training(cfg: TrainConfig) -> tuple[TrainConfig, Choice, dict]:
+    """``fitgpt train --auto-config``: the fastest configuration for ``cfg``'s tokens a step within its
+    --memory-budget, on the device it trains on (fake tensors on CPU; measured on an accelerator), as the
+    training config to run (every choice written into it, so config.json records what ran)."""
+    device = resolve_device(cfg.device)
+    w = BudgetConfig(preset=cfg.preset, memory_budget=cfg.memory_budget, base=cfg,
+                     precision=cfg.precision, device=None if device.type == "cpu" else str(device))
+    result = fastest(w, w.budget, top=1)
+    if not result["choices"]:
+        raise PlanError(f"no configuration of {result['tokens_per_step']:,} tokens a step fits --memory-budget "
+                        f"{cfg.memory_budget}; fitgpt fit --memory-budget {cfg.memory_budget} says what does")
+    c = result["choices"][0]
+    chosen = dataclasses.replace(cfg, batch_size=c.micro_batch, grad_accum=c.grad_accum, precision=c.precision,
+                                 activation_checkpointing=c.plan.spec(), memory_budget=None, auto_config=False)
+    return chosen, c, result

@@ -1,0 +1,315 @@
+"""How long a plan's step takes: a cost per aten op, summed over the segments ``profile_step`` cuts.
+
+The planner's profiles run every op of a step at its real size (on fake tensors): costing each op and
+summing per segment gives each block option, head option, the embedding and the optimizer step
+their time, and a plan's step time is the sum of its segments. Where the per-op costs come from:
+
+- ``calibrate`` (measured, the device at hand): a small real training step of a one-block copy of the
+  model, run twice at two token counts, every op timed as it runs (a CPU op returns when done; on CUDA
+  each op is synchronised). Each op type gets a fixed cost and a rate, fitted through the two sizes:
+  seconds per FLOP for ops with a FLOP formula (matmuls, attention), per byte moved for the rest
+  (norms, GELU, dropout, residual adds, copies, AdamW's). The wall time the ops do not account for
+  (Python, autograd, the dispatcher) is spread over the ops as a fixed cost each: recompute pays it
+  too. Interleaved repeats, medians.
+- ``roofline`` (estimated, a CUDA card not at hand): each op takes max(FLOPs / peak, bytes /
+  bandwidth) at the card's datasheet figures times a typical achieved fraction, plus a launch cost.
+  An estimate, and named as one wherever it is shown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from fitgpt.activation_checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
+from fitgpt.config import OptimConfig
+from fitgpt.device import autocast
+from fitgpt.memory.flops import OpFlops, op_flops
+from fitgpt.model import ModelConfig, Transformer
+from fitgpt.optim import build_optimizer
+from fitgpt.plan.target import GPU, GPUS
+from fitgpt.step import grad_scaler, train_step
+
+log = logging.getLogger(__name__)
+
+ROOFLINE_MATMUL, ROOFLINE_MEMORY, LAUNCH = 0.6, 0.75, 5e-6
+"""Typical achieved fractions of a card's peak FLOP/s (large bf16 GEMMs reach 60-75%) and bandwidth, and the
+cost of launching one kernel: the roofline's assumptions."""
+CALIBRATION_FLOPS = 8e9
+"""FLOPs of the smaller calibration step (the larger has twice the tokens): a few hundredths of a second on a
+laptop core, so that ops run at sizes near the real step's without calibration costing more than the plan."""
+CALIBRATION_SECONDS = 2.0
+"""About how long calibration repeats its rounds for."""
+CALIBRATION_VOCAB = 2048
+"""The calibration model's vocabulary at most: the head's matmul is costed at the rate of every matmul, and a
+50k vocabulary would make calibration cost more than the plan."""
+
+
+def _is_free(func) -> bool:
+    """Ops that move no data: views, allocations whose contents are not written, metadata queries."""
+    return func.is_view or func._overloadpacket in (torch.ops.aten.empty, torch.ops.aten.empty_strided,
+                                                   torch.ops.aten.empty_like)
+
+
+def _counted(func) -> bool:
+    """Ops a real step dispatches: fake tensors also dispatch metadata queries (``prim.device``) a real run does not."""
+    return func.namespace != "prim"
+
+
+def moved_bytes(args: tuple, kwargs: dict, out) -> int:
+    """Bytes an op reads and writes: its tensor inputs and outputs (what a roofline charges)."""
+    return sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
+
+
+def op_key(func) -> str:
+    return str(func._overloadpacket)
+
+
+def op_work(func, args: tuple, kwargs: dict, out, flops: int) -> tuple[str, int]:
+    """What an op's time scales with: ("flops", n) where it has a FLOP formula, else ("bytes", n)."""
+    if flops:
+        return "flops", flops
+    return "bytes", 0 if _is_free(func) else moved_bytes(args, kwargs, out)
+
+
+@dataclass
+class OpRates:
+    """Seconds of an op of each type: ``fixed + per_unit * work`` (work in FLOPs or bytes, see ``op_work``),
+    plus ``overhead`` per op for what runs around the kernels."""
+
+    fixed: dict[str, float] = field(default_factory=dict)
+    per_unit: dict[str, float] = field(default_factory=dict)
+    default_per_flop: float = 0.0
+    default_per_byte: float = 0.0
+    default_fixed: float = 0.0
+    overhead: float = 0.0
+    recompute_overhead: dict[str, float] = field(default_factory=dict)
+    """Per recompute option, seconds per block and step beyond its ops (the checkpoint machinery's Python)."""
+    source: str = ""
+    """How the rates were obtained, for the output: measured on a device, or a roofline estimate."""
+
+    def __call__(self, func, args: tuple, kwargs: dict, out, flops: int) -> float:
+        if not _counted(func):
+            return 0.0
+        kind, work = op_work(func, args, kwargs, out, flops)
+        key = op_key(func)
+        if key in self.per_unit:
+            return self.overhead + self.fixed[key] + self.per_unit[key] * work
+        rate = self.default_per_flop if kind == "flops" else self.default_per_byte
+        return self.overhead + (self.default_fixed if work else 0.0) + rate * work
+
+
+@dataclass
+class Roofline:
+    """Per-op costs on a CUDA card from its datasheet: ``LAUNCH + max(FLOPs * per_flop, bytes * per_byte)``."""
+
+    per_flop: float
+    per_byte: float
+    source: str
+    recompute_overhead: dict[str, float] = field(default_factory=dict)
+    """None estimated: on a card the checkpoint machinery's Python runs while the kernels queue."""
+
+    def __call__(self, func, args: tuple, kwargs: dict, out, flops: int) -> float:
+        if _is_free(func) or not _counted(func):
+            return 0.0
+        return LAUNCH + max(flops * self.per_flop, moved_bytes(args, kwargs, out) * self.per_byte)
+
+
+def roofline(gpu: GPU | None, dtype: torch.dtype | None) -> Roofline:
+    """The card's roofline: FLOPs at the tensor-core peak under bf16/fp16 autocast (FP32 peak otherwise), bytes
+    at its bandwidth, each at a typical achieved fraction. An unnamed card is costed as an A100 80GB."""
+    gpu = gpu or GPUS["a100-80gb"]
+    peak = gpu.half_flops if dtype in (torch.float16, torch.bfloat16) else gpu.fp32_flops
+    return Roofline(1 / (peak * ROOFLINE_MATMUL), 1 / (gpu.bandwidth * ROOFLINE_MEMORY),
+                    f"estimated: roofline of {gpu.name} ({peak / 1e12:.0f} TFLOP/s x {ROOFLINE_MATMUL:.0%}, "
+                    f"{gpu.bandwidth / 1e12:.2f} TB/s x {ROOFLINE_MEMORY:.0%}, {LAUNCH * 1e6:.0f} us a kernel)")
+
+
+class _OpTimer(TorchDispatchMode):
+    """Times every op as it runs: (key, kind, work, seconds) per op."""
+
+    def __init__(self, sync) -> None:
+        super().__init__()
+        self.sync, self.ops = sync, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.sync()
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.sync()
+        dt = time.perf_counter() - t0
+        kind, work = op_work(func, args, kwargs, out, op_flops(func, args, kwargs, out))
+        self.ops.append((op_key(func), kind, work, dt))
+        return out
+
+
+def _median_run(runs: list[list]) -> list[tuple[str, str, int, float]]:
+    """One run of (key, kind, work, seconds) per op, the seconds the median over the repeats (same op sequence)."""
+    first = runs[0]
+    if any(len(r) != len(first) for r in runs):
+        raise RuntimeError("calibration steps ran different ops from one repeat to the next")
+    return [(k, kind, w, statistics.median(r[j][3] for r in runs)) for j, (k, kind, w, _) in enumerate(first)]
+
+
+def _line(points: list[tuple[int, float]], pooled: float, big: int) -> tuple[float, float]:
+    """(fixed, per_unit) of seconds = fixed + per_unit * work for one op type, neither negative: least squares
+    where its work varies and some of it is large; small ops (scalars, norms' statistics) take the pooled rate
+    of their kind, their time beyond it fixed; one large size of work is all rate."""
+    n = len(points)
+    mw, ms = sum(w for w, _ in points) / n, sum(s for _, s in points) / n
+    if max(w for w, _ in points) < big:
+        return max(0.0, ms - pooled * mw), pooled
+    var = sum((w - mw) ** 2 for w, _ in points)
+    if var == 0:
+        return 0.0, ms / mw
+    per_unit = max(0.0, sum((w - mw) * (s - ms) for w, s in points) / var)
+    return max(0.0, ms - per_unit * mw), per_unit
+
+
+BIG = {"flops": 1 << 20, "bytes": 1 << 16}
+"""Work above which an op's time is mostly its rate, not its fixed cost: what rates are fitted on."""
+
+
+def _fit_rates(runs: list[list[list]], walls: list[float]) -> OpRates:
+    """Per op type, ``fixed + per_unit * work`` through every op of that type at both sizes (medians over
+    repeats); the wall time the ops leave unexplained becomes a cost per op."""
+    ops = [_median_run(r) for r in runs]
+    points, kinds = defaultdict(list), {}
+    for run in ops:
+        for key, kind, w, dt in run:
+            points[key].append((w, dt))
+            kinds[key] = kind
+    rates = OpRates()
+    pooled = {}
+    for kind in BIG:
+        large = [p for key, pp in points.items() if kinds[key] == kind for p in pp if p[0] >= BIG[kind]]
+        pooled[kind] = sum(s for _, s in large) / sum(w for w, _ in large) if large else 0.0
+    rates.default_per_flop, rates.default_per_byte = pooled["flops"], pooled["bytes"]
+    for key, pts in points.items():
+        rates.fixed[key], rates.per_unit[key] = _line(pts, pooled[kinds[key]], BIG[kinds[key]])
+    rates.default_fixed = statistics.median(rates.fixed.values()) if rates.fixed else 0.0
+    # Per op: the plain run's wall time less what the timed run's ops explain (at the larger size).
+    rates.overhead = max(0.0, (statistics.median(walls) - sum(o[3] for o in ops[1])) / len(ops[1]))
+    return rates
+
+
+def _calibration_shape(cfg: ModelConfig, batch: int, context: int) -> tuple[int, int]:
+    """(batch, context) of the smaller calibration step: about CALIBRATION_FLOPS, at most half the real step's
+    tokens, at least 64 tokens (or the real step's)."""
+    C, V = cfg.n_embed, min(cfg.vocab_size, CALIBRATION_VOCAB)
+    per_token = 6 * (12 * C * C + C * V)  # a block's matmuls and the head's, forward and backward
+    tokens = max(min(64, batch * context), min(int(CALIBRATION_FLOPS / per_token), batch * context // 2))
+    c = min(context, tokens)
+    return max(1, tokens // c), c
+
+
+RECOMPUTE_SPECS = {"pointwise": "pointwise", "selective": "selective", "full": "block"}
+"""Each recompute option of a block, as the policy that applies it to every block."""
+
+
+def calibrate(model_cfg: ModelConfig, batch: int, context: int, device: torch.device, dtype: torch.dtype | None,
+              optim_cfg: OptimConfig | None = None, seconds: float = CALIBRATION_SECONDS, seed: int = 0) -> OpRates:
+    """Per-op costs measured on ``device`` for steps of ``batch`` x ``context``: a one-block model's training
+    step (forward, backward, optimizer) at two token counts, each op timed; see the module's docstring. Rounds
+    repeat for about ``seconds`` (2 to 25 of them): medians of many short steps, or of a few long ones."""
+    t0 = time.perf_counter()
+    b, c = _calibration_shape(model_cfg, batch, context)
+    cfg = dataclasses.replace(model_cfg, n_blocks=1, context_length=c, vocab_size=min(model_cfg.vocab_size, CALIBRATION_VOCAB))
+    torch.manual_seed(seed)
+    model = Transformer(cfg).to(device).train()
+    optim_cfg = optim_cfg or OptimConfig()
+    optimizer = build_optimizer(model, optim_cfg, device)
+    kw = {"amp": autocast(device, dtype), "scaler": grad_scaler(device, dtype), "grad_clip": optim_cfg.grad_clip}
+    sizes = [_tokens(cfg, rows, c, device, seed) for rows in (b, 2 * b)]
+    sync = _sync(device)
+
+    def step(batches) -> float:
+        return _timed(lambda: train_step(model, optimizer, batches, **kw), sync)
+
+    for batches in sizes:  # warm-up: the optimizer state exists from here on, as in training
+        step(batches)
+    timed: list[list[list]] = [[], []]
+    walls: list[float] = []
+    rounds = 0
+    while rounds < 2 or (rounds < 25 and time.perf_counter() - t0 < seconds):  # interleaved: noise falls on all alike
+        rounds += 1
+        for i, batches in enumerate(sizes):
+            with _OpTimer(sync) as timer:
+                step(batches)
+            timed[i].append(timer.ops)
+        walls.append(step(sizes[1]))
+    rates = _fit_rates(timed, walls)
+    rates.recompute_overhead = _machinery(model_cfg, device, dtype, rates, seed)
+    rates.source = (f"measured on {device} (ops of a one-block step at {b * c} and {2 * b * c} tokens, medians of {rounds} "
+                    f"interleaved rounds; {time.perf_counter() - t0:.1f}s)")
+    log.debug("calibrated op costs: %s; %.1f us overhead per op; recompute machinery per block %s", rates.source,
+              rates.overhead * 1e6, {k: f"{v * 1e3:.2f} ms" for k, v in rates.recompute_overhead.items()})
+    return rates
+
+
+def _sync(device: torch.device):
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def _timed(fn, sync) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def _tokens(cfg: ModelConfig, rows: int, context: int, device: torch.device, seed: int) -> list[tuple]:
+    """One micro-batch of (rows, context) inputs and targets."""
+    idx = torch.randint(0, cfg.vocab_size, (rows, context + 1), generator=torch.Generator().manual_seed(seed)).to(device)
+    return [(idx[:, :-1].contiguous(), idx[:, 1:].contiguous())]
+
+
+MACHINERY_SECONDS, MACHINERY_TOKENS = 0.5, 16
+
+
+def _machinery(model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype | None, rates: OpRates,
+               seed: int) -> dict[str, float]:
+    """Per recompute option, the seconds a block's forward and backward take beyond what its ops cost: the
+    checkpoint machinery (saved-tensor hooks, the op-level policies' dispatch mode), Python whose cost does not
+    grow with the tokens. Measured on one block at MACHINERY_TOKENS tokens, where the ops cost next to nothing
+    and many interleaved rounds fit in MACHINERY_SECONDS: the wall time each option adds over none, less what
+    its extra ops cost by ``rates``."""
+    cfg = dataclasses.replace(model_cfg, n_blocks=1, context_length=MACHINERY_TOKENS, vocab_size=256)
+    torch.manual_seed(seed)
+    model = Transformer(cfg).to(device).train()
+    (x, y), = _tokens(cfg, 1, MACHINERY_TOKENS, device, seed)
+    amp, sync = autocast(device, dtype), _sync(device)
+
+    def fwd_bwd() -> None:
+        with amp():
+            loss = model(x, y)[1]
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    specs = {"none": None, **RECOMPUTE_SPECS}
+    walls: dict[str, list[float]] = {o: [] for o in specs}
+    costs: dict[str, float] = {}
+    t0 = time.perf_counter()
+    while len(walls["none"]) < 5 or (len(walls["none"]) < 50 and time.perf_counter() - t0 < MACHINERY_SECONDS):
+        for option, spec in specs.items():
+            if spec:
+                apply_activation_checkpointing(model, spec)
+            if option not in costs:
+                fwd_bwd()  # warm-up, and the ops' cost by the rates
+                with OpFlops(rates) as costed:
+                    fwd_bwd()
+                costs[option] = costed.seconds
+            walls[option].append(_timed(fwd_bwd, sync))
+            remove_activation_checkpointing(model)
+    base = statistics.median(walls["none"]) - costs["none"]
+    return {o: max(0.0, statistics.median(walls[o]) - costs[o] - base) for o in RECOMPUTE_SPECS}
