@@ -55,10 +55,14 @@ def _reference(cfg, idx, targets, **kw):
     return model, _loss_and_grads(model, idx, targets, **kw)
 
 
+LLAMA = {"arch": "llama", "n_kv_head": 2}
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("spec", BITWISE + CHUNKED)
-def test_policy_is_exact_fp32(spec, dropout, tiny_model_config):
-    cfg = tiny_model_config(dropout=dropout)
+def test_policy_is_exact_fp32(spec, dropout, arch, tiny_model_config):
+    cfg = tiny_model_config(dropout=dropout, **(LLAMA if arch == "llama" else {}))
     idx, targets = _batch(cfg)
     model, (ref_loss, ref) = _reference(cfg, idx, targets)
     apply_activation_checkpointing(model, spec)
@@ -74,9 +78,10 @@ def test_policy_is_exact_fp32(spec, dropout, tiny_model_config):
             torch.testing.assert_close(grads[name], ref[name], rtol=1e-5, atol=1e-8, msg=name)
 
 
-@pytest.mark.parametrize("spec", ["block", "group:2", "every:2", "selective", "block+chunked-loss:16"])
-def test_policy_is_exact_under_cpu_bf16_autocast(spec, tiny_model_config):
-    cfg = tiny_model_config(dropout=0.1)
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("spec", ["block", "group:2", "every:2", "selective", "pointwise", "block+chunked-loss:16"])
+def test_policy_is_exact_under_cpu_bf16_autocast(spec, arch, tiny_model_config):
+    cfg = tiny_model_config(dropout=0.1, **(LLAMA if arch == "llama" else {}))
     idx, targets = _batch(cfg)
     model, (ref_loss, ref) = _reference(cfg, idx, targets, autocast=torch.bfloat16)
     apply_activation_checkpointing(model, spec)
@@ -382,12 +387,20 @@ def test_compiled_checkpointed_model_matches_eager(spec, tiny_model_config):
         torch.testing.assert_close(grads[key], ref[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_hf_gpt2_gets_equal_gradients_and_fewer_bytes():
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hf_models_get_equal_gradients_and_fewer_bytes(arch):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=300, n_positions=64,
-                                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=300, n_positions=64,
+                                      attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        cls, path = transformers.GPT2LMHeadModel, "transformer.h"
+    else:
+        cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=300, max_position_embeddings=64, bos_token_id=0,
+                                       eos_token_id=0)
+        cls, path = transformers.LlamaForCausalLM, "model.layers"
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg)
+    model = cls(cfg)
     idx = torch.randint(0, 300, (2, 64))
 
     def loss_and_grads():
@@ -402,7 +415,7 @@ def test_hf_gpt2_gets_equal_gradients_and_fewer_bytes():
     none_bytes = measure_step_memory(model, idx, idx).activation_bytes
     for spec in ("block", "group:2", "selective"):
         apply_activation_checkpointing(model, spec)
-        assert find_blocks(model)[0] == "transformer.h"
+        assert find_blocks(model)[0] == path
         assert list(model.state_dict()) == keys
         loss, grads = loss_and_grads()
         # Not bitwise: one CI run saw last-ulp differences in HF's loss with `block` (its mask and

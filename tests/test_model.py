@@ -74,7 +74,8 @@ def test_every_preset_loads_and_builds(name):
     with torch.device("meta"):
         model = Transformer(cfg.model)
     n = model.num_params()
-    expected = {"tiny": (0.5e6, 2e6), "small": (120e6, 130e6), "medium": (340e6, 360e6), "3b": (3.0e9, 3.4e9)}[name]
+    expected = {"tiny": (0.5e6, 2e6), "small": (120e6, 130e6), "medium": (340e6, 360e6), "3b": (3.0e9, 3.4e9), "llama-tiny": (0.5e6, 2e6),
+                "llama-1b": (1.0e9, 1.2e9)}[name]
     assert expected[0] < n < expected[1], n
 
 

@@ -57,7 +57,7 @@ class TrainConfig:
     """Train a GPT from scratch. Flags override the preset, which --config overrides in turn."""
 
     preset: str = "tiny"
-    """Named preset: tiny, small, medium or 3b (files in fitgpt/presets/)."""
+    """Named preset: tiny, small, medium, 3b (GPT-2 blocks), llama-tiny or llama-1b (files in fitgpt/presets/)."""
     config: Optional[str] = None
     """A JSON config file (for example a run's config.json) applied over the preset."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -91,12 +91,22 @@ class TrainConfig:
     block+chunked-loss, ..., or auto (needs --memory-budget)."""
     parallel: Literal["ddp", "fsdp"] = "ddp"
     """Under torchrun: ddp (a full replica per process) or fsdp (weights, gradients and optimizer state sharded)."""
+    fsdp_offload: bool = False
+    """With --parallel fsdp: keep parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy);
+    the optimizer steps on the CPU. For weights and optimizer state larger than the card."""
     dist_timeout: float = 600.0
     """Seconds a collective waits for the other processes before the run fails (a crashed rank never hangs the rest)."""
     memory_budget: Optional[str] = None
-    """Peak memory of a training step to plan for with --activation-checkpointing auto, e.g. 6GiB (per process under torchrun)."""
+    """Peak memory of a training step to plan for with --activation-checkpointing auto or --auto-config, e.g. 6GiB (per
+    process under torchrun)."""
+    auto_config: bool = False
+    """Before training, choose the fastest configuration that fits --memory-budget (micro-batch x --grad-accum for the
+    same tokens per step, precision, checkpointing plan), as fitgpt fit prints it. One process only."""
     out_dir: Optional[str] = None
     """Run directory; default runs/<preset>."""
+    init_from: Optional[str] = None
+    """Start from the weights of a local Hugging Face folder (GPT-2 or Llama, written by save_pretrained or fitgpt
+    export); its config replaces --model.*, and the data must be tokenized with its tokenizer."""
     resume: Optional[str] = None
     """'latest' or a checkpoint directory to continue from."""
     overwrite: bool = False
@@ -117,6 +127,10 @@ class TrainConfig:
             raise ValueError("dist_timeout must be positive (set --dist-timeout)")
         if self.max_bad_steps < 0:
             raise ValueError("max_bad_steps must not be negative (set --max-bad-steps)")
+        if self.fsdp_offload and self.parallel != "fsdp":
+            raise ValueError("--fsdp-offload is FSDP's: add --parallel fsdp (and launch with torchrun)")
+        if self.auto_config and not self.memory_budget:
+            raise ValueError("--auto-config chooses for a budget: add --memory-budget, e.g. --memory-budget 6GiB")
         if self.activation_checkpointing == "auto":
             if not self.memory_budget:
                 raise ValueError("--activation-checkpointing auto plans for a budget: add --memory-budget, e.g. --memory-budget 6GiB")
@@ -126,8 +140,8 @@ class TrainConfig:
                 object.__setattr__(self, "_policy", parse_policy(self.activation_checkpointing))
             except ValueError as e:
                 raise ValueError(f"activation_checkpointing: {e} (set --activation-checkpointing)") from None
-            if self.memory_budget:
-                raise ValueError("--memory-budget is for --activation-checkpointing auto; set --activation-checkpointing auto "
+            if self.memory_budget and not self.auto_config:
+                raise ValueError("--memory-budget is for --activation-checkpointing auto or --auto-config; set one of them "
                                  "or drop --memory-budget (fitgpt plan predicts the peak of any fixed policy)")
         if self.memory_budget:
             parse_bytes(self.memory_budget)
@@ -145,7 +159,7 @@ class TrainConfig:
 
 # ---- loading from dicts and files ----------------------------------------------------------------
 
-PRESETS = ("tiny", "small", "medium", "3b")
+PRESETS = ("tiny", "small", "medium", "3b", "llama-tiny", "llama-1b")
 
 
 def _check_type(value: Any, tp: Any, where: str) -> Any:

@@ -41,11 +41,11 @@ def load_run(run_dir: str | Path, checkpoint: str = "latest", device: torch.devi
 
 
 def sample_text(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, temperature: float,
-                top_k: int | None, seed: int, num_samples: int = 1) -> list[str]:
+                top_k: int | None, seed: int, num_samples: int = 1, use_cache: bool = True) -> list[str]:
     device = next(model.parameters()).device
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)  # (n, T)
     gen = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen)
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen, use_cache=use_cache)
     start = len(ids) if prompt else 1
     return [prompt + tokenizer.decode(row[start:].tolist()) for row in out]

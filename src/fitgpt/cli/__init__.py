@@ -1,4 +1,4 @@
-"""The `fitgpt` command: prepare, train, generate, bench, plan, fit. Only this package prints."""
+"""The `fitgpt` command: prepare, train, generate, bench, plan, fit, export. Only this package prints."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ COMMANDS = {
     "train": ("fitgpt.cli.train", "train a model (no arguments: the tiny preset on the built-in corpus)"),
     "generate": ("fitgpt.cli.generate", "sample text from a trained run"),
     "bench": ("fitgpt.cli.bench", "measure checkpointing policies side by side: peak memory, FLOPs, step time"),
-    "plan": ("fitgpt.cli.plan", "the cheapest checkpointing plan that fits --memory-budget"),
-    "fit": ("fitgpt.cli.fit", "the largest batch, context and depth that fit --memory-budget"),
+    "plan": ("fitgpt.cli.plan", "the fastest checkpointing plan that fits --memory-budget"),
+    "fit": ("fitgpt.cli.fit", "the largest sizes and the fastest configurations that fit --memory-budget"),
+    "export": ("fitgpt.cli.export", "write a run as a Hugging Face transformers folder (the [hf] extra)"),
 }
 
 

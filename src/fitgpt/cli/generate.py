@@ -29,6 +29,8 @@ class GenerateConfig:
     checkpoint: str = "latest"
     """'latest' or a checkpoint directory of the run."""
     device: str = "auto"
+    cache: bool = True
+    """Keep each layer's keys and values (--no-cache recomputes the whole prefix for every token, for comparison)."""
 
     def __post_init__(self) -> None:
         try:
@@ -48,7 +50,8 @@ class GenerateConfig:
 def run(args: list[str]) -> int:
     cfg = tyro.cli(GenerateConfig, args=args, prog="fitgpt generate")
     model, tokenizer, _ = load_run(cfg.run, cfg.checkpoint, resolve_device(cfg.device))
-    texts = sample_text(model, tokenizer, cfg.prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.num_samples)
+    texts = sample_text(model, tokenizer, cfg.prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.num_samples,
+                        use_cache=cfg.cache)
     for i, text in enumerate(texts):
         if cfg.num_samples > 1:
             print(f"----- sample {i} -----")

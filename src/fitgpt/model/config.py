@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, Optional
 
 
 def require_positive_ints(obj: object, names: tuple[str, ...], section: str = "") -> None:
@@ -16,8 +17,11 @@ def require_positive_ints(obj: object, names: tuple[str, ...], section: str = ""
 
 @dataclass
 class ModelConfig:
-    """Shape of the GPT model."""
+    """Shape of the model: a GPT-2 block (the seed's) or a Llama-family one."""
 
+    arch: Literal["gpt2", "llama"] = "gpt2"
+    """gpt2: LayerNorm, learned positions, GELU MLP, biases. llama: RMSNorm, rotary positions, SwiGLU MLP,
+    grouped-query attention, no biases."""
     vocab_size: int = 2048
     """Number of token ids the embedding and head cover (taken from the prepared data when training)."""
     context_length: int = 128
@@ -30,8 +34,20 @@ class ModelConfig:
     """Number of transformer blocks."""
     dropout: float = 0.0
     """Dropout probability on attention weights, residual branches and embeddings."""
-    bias: bool = True
-    """Use biases in Linear and LayerNorm layers (GPT-2 does)."""
+    bias: Optional[bool] = None
+    """Use biases in Linear and LayerNorm layers (default: gpt2 yes; llama has none)."""
+    n_kv_head: Optional[int] = None
+    """llama: key/value heads, each shared by n_head / n_kv_head query heads (default n_head: no sharing)."""
+    ffn_hidden: Optional[int] = None
+    """llama: width of the SwiGLU MLP (default 8/3 n_embed, rounded up to a multiple of 64)."""
+    tie_embeddings: Optional[bool] = None
+    """The head reuses the token embedding matrix (default: gpt2 yes, llama no)."""
+    gelu: Literal["exact", "tanh"] = "exact"
+    """gpt2: the MLP's GELU, exact or OpenAI GPT-2's tanh approximation (for checkpoints imported from it)."""
+    rope_theta: float = 10000.0
+    """llama: base of the rotary embedding's frequencies."""
+    norm_eps: float = 1e-5
+    """llama: RMSNorm epsilon."""
 
     def __post_init__(self) -> None:
         require_positive_ints(self, ("vocab_size", "context_length", "n_embed", "n_head", "n_blocks"), "model.")
@@ -40,5 +56,44 @@ class ModelConfig:
                 f"model.n_embed ({self.n_embed}) must be divisible by model.n_head ({self.n_head}); "
                 "change --model.n-embed or --model.n-head"
             )
+        llama = self.arch == "llama"
+        if llama and self.bias:
+            raise ValueError("Llama blocks have no biases: drop --model.bias (or use --model.arch gpt2)")
+        require_positive_ints(self, tuple(n for n in ("n_kv_head", "ffn_hidden") if getattr(self, n) is not None), "model.")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"model.n_kv_head ({self.n_kv_head}) must divide model.n_head ({self.n_head}); "
+                             "change --model.n-kv-head")
+        if not llama and (self.kv_heads != self.n_head or self.mlp_hidden != 4 * self.n_embed):
+            raise ValueError("--model.n-kv-head and --model.ffn-hidden are for --model.arch llama; GPT-2 blocks have "
+                             "one key/value head per query head and a 4x MLP")
+        if llama and (self.n_embed // self.n_head) % 2:
+            raise ValueError(f"rotary embeddings need an even head size; n_embed / n_head is {self.n_embed // self.n_head} "
+                             "(change --model.n-embed or --model.n-head)")
+        if not self.rope_theta > 0 or not self.norm_eps > 0:
+            raise ValueError("model.rope_theta and model.norm_eps must be positive (set --model.rope-theta / --model.norm-eps)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout} (set --model.dropout)")
+
+    # The settings whose default depends on the architecture, resolved (the fields keep None when unset, so that
+    # switching --model.arch changes them too).
+    @property
+    def has_bias(self) -> bool:
+        return self.arch == "gpt2" if self.bias is None else self.bias
+
+    @property
+    def tied(self) -> bool:
+        return self.arch == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return -(-8 * self.n_embed // 3 // 64) * 64 if self.arch == "llama" else 4 * self.n_embed
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embed // self.n_head

@@ -1,8 +1,11 @@
-"""A GPT-style decoder: token + position embeddings, pre-LayerNorm blocks, a tied LM head.
+"""A GPT-style decoder: token (+ position) embeddings, pre-norm blocks, an LM head.
 
-The names follow the train-llm-from-scratch layout (``_pre_attn_pass``, ``attn_blocks``,
-``layer_norm``, ``lm_head``) so that code written for it runs here. The model holds no training
-or memory tricks: checkpointing is applied from outside, by the checkpointing package.
+Two block families (``ModelConfig.arch``): GPT-2's (LayerNorm, learned positions, GELU MLP, tied head)
+and Llama's (``fitgpt.model.llama``). The names follow the train-llm-from-scratch layout
+(``_pre_attn_pass``, ``attn_blocks``, ``layer_norm``, ``lm_head``) for both, so that code written for
+it, and every checkpointing policy, runs on either. The model holds no training or memory tricks:
+checkpointing is applied from outside, by the checkpointing package. Generation may pass a
+``KVCache`` (``fitgpt.model.kv_cache``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fitgpt.model.config import ModelConfig
+from fitgpt.model.kv_cache import KVCache, LayerCache, attend
+from fitgpt.model.llama import LlamaBlock
 
 
 class CausalSelfAttention(nn.Module):
@@ -21,19 +26,17 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.dropout = config.dropout
-        self.qkv = nn.Linear(config.n_embed, 3 * config.n_embed, bias=config.bias)
-        self.proj = nn.Linear(config.n_embed, config.n_embed, bias=config.bias)
+        self.qkv = nn.Linear(config.n_embed, 3 * config.n_embed, bias=config.has_bias)
+        self.proj = nn.Linear(config.n_embed, config.n_embed, bias=config.has_bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )  # (B, nh, T, hs)
+        y = attend(q, k, v, cache, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.proj(y))
 
@@ -41,9 +44,9 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.n_embed, 4 * config.n_embed, bias=config.bias)
-        self.gelu = nn.GELU()
-        self.proj = nn.Linear(4 * config.n_embed, config.n_embed, bias=config.bias)
+        self.fc = nn.Linear(config.n_embed, 4 * config.n_embed, bias=config.has_bias)
+        self.gelu = nn.GELU(approximate="tanh" if config.gelu == "tanh" else "none")
+        self.proj = nn.Linear(4 * config.n_embed, config.n_embed, bias=config.has_bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,13 +73,13 @@ class Block(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(config.n_embed, bias=config.bias)
+        self.ln1 = nn.LayerNorm(config.n_embed, bias=config.has_bias)
         self.attn = CausalSelfAttention(config)
-        self.ln2 = nn.LayerNorm(config.n_embed, bias=config.bias)
+        self.ln2 = nn.LayerNorm(config.n_embed, bias=config.has_bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache)
         x = x + self.mlp(self.ln2(x))
         return x  # (B, T, C)
 
@@ -85,19 +88,22 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        llama = config.arch == "llama"
         self.token_embed = nn.Embedding(config.vocab_size, config.n_embed)
-        self.position_embed = nn.Embedding(config.context_length, config.n_embed)
+        # Llama's positions are rotary, inside attention.
+        self.position_embed = None if llama else nn.Embedding(config.context_length, config.n_embed)
         self.embed_dropout = nn.Dropout(config.dropout)
-        self.attn_blocks = nn.ModuleList([Block(config) for _ in range(config.n_blocks)])
-        self.layer_norm = nn.LayerNorm(config.n_embed, bias=config.bias)
+        block = LlamaBlock if llama else Block
+        self.attn_blocks = nn.ModuleList([block(config) for _ in range(config.n_blocks)])
+        self.layer_norm = nn.RMSNorm(config.n_embed, eps=config.norm_eps) if llama else nn.LayerNorm(config.n_embed, bias=config.has_bias)
         self.lm_head = LMHead(config.n_embed, config.vocab_size, bias=False)
-        # Weight tying (GPT-2): the head reuses the token embedding matrix.
-        self.lm_head.weight = self.token_embed.weight
+        if config.tied:  # the head reuses the token embedding matrix (GPT-2 does)
+            self.lm_head.weight = self.token_embed.weight
         self.apply(self._init_weights)
         # GPT-2 scales the init of the projections that write into the residual stream by 1/sqrt(2N),
         # so that the residual's variance does not grow with depth.
         for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
+            if name.endswith(("attn.proj.weight", "mlp.proj.weight", "o_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_blocks))
 
     @staticmethod
@@ -111,25 +117,32 @@ class Transformer(nn.Module):
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
+        if non_embedding and self.position_embed is not None:
             n -= self.position_embed.weight.numel()
         return n
 
-    def _pre_attn_pass(self, idx: torch.Tensor) -> torch.Tensor:
+    def _pre_attn_pass(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
         B, T = idx.shape
-        if T > self.config.context_length:
+        if start + T > self.config.context_length:
             raise ValueError(
-                f"sequence length {T} exceeds the model's context_length {self.config.context_length}"
+                f"sequence length {start + T} exceeds the model's context_length {self.config.context_length}"
             )
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        return self.embed_dropout(self.token_embed(idx) + self.position_embed(pos))  # (B, T, C)
+        x = self.token_embed(idx)  # (B, T, C)
+        if self.position_embed is not None:
+            x = x + self.position_embed(torch.arange(start, start + T, device=idx.device))  # + (T, C)
+        return self.embed_dropout(x)  # (B, T, C)
+
+    def new_cache(self, batch: int) -> KVCache:
+        """An empty key/value cache for generating ``batch`` sequences, as long as the context."""
+        c, p = self.config, self.token_embed.weight
+        return KVCache(c.n_blocks, batch, c.kv_heads, c.context_length, c.head_dim, p.device, p.dtype)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = self._pre_attn_pass(idx)  # (B, T, C)
-        for block in self.attn_blocks:
-            x = block(x)
+        x = self._pre_attn_pass(idx, cache.pos if cache else 0)  # (B, T, C)
+        for i, block in enumerate(self.attn_blocks):
+            x = block(x, cache.layers[i]) if cache is not None else block(x)
         x = self.layer_norm(x)
         if targets is None:
             return self.lm_head(x), None  # logits (B, T, vocab)
@@ -145,11 +158,23 @@ class Transformer(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        use_cache: bool = True,
     ) -> torch.Tensor:
-        """Append max_new_tokens sampled tokens to idx (B, T); temperature 0 picks greedily."""
+        """Append max_new_tokens sampled tokens to idx (B, T); temperature 0 picks greedily.
+
+        With the cache, each new token runs alone through the model; once the context is full, the cache is
+        refilled from the last context_length tokens for each token, exactly what recomputing does."""
+        T_max = self.config.context_length
+        cache = self.new_cache(idx.size(0)) if use_cache else None
         for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.config.context_length :]
-            logits, _ = self(idx_cond)
+            if cache is None:
+                logits, _ = self(idx[:, -T_max:])
+            else:
+                if cache.pos == 0 or cache.pos + 1 > T_max:  # (re)fill from the prompt or the last window
+                    cache.reset()
+                    logits, _ = self(idx[:, -T_max:], cache=cache)
+                else:
+                    logits, _ = self(idx[:, -1:], cache=cache)
             logits = logits[:, -1, :]  # (B, vocab)
             if temperature <= 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)

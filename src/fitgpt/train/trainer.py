@@ -26,7 +26,9 @@ from tqdm.auto import tqdm
 from fitgpt.activation_checkpoint import Policy, apply_activation_checkpointing, parse_policy, remove_activation_checkpointing
 from fitgpt.config import OptimConfig, TrainConfig, to_dict
 from fitgpt.data import BatchSampler, TokenData, ensure_prepared
+from fitgpt.data.tokenizer import TOKENIZER_FILE
 from fitgpt.device import autocast, autocast_dtype, peak_memory_bytes, resolve_device
+from fitgpt.hf import check_tokenizer, import_config, import_weights
 from fitgpt.memory import measure_step_memory
 from fitgpt.memory.profile import PeakProbe
 from fitgpt.memory.units import format_bytes
@@ -231,8 +233,14 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
         logging.getLogger("fitgpt").setLevel(logging.WARNING)  # one log, from rank 0
     if info.enabled and cfg.parallel == "fsdp" and cfg.compile:
         raise ValueError("--compile with --parallel fsdp is not supported yet; drop --compile or use --parallel ddp")
+    if cfg.init_from and not cfg.resume:  # a resumed run's config.json already holds the imported model
+        cfg = dataclasses.replace(cfg, model=import_config(cfg.init_from))
     data, cfg = _load_data(cfg, info)
     model = build_model(cfg, cfg.model.vocab_size, device)
+    if cfg.init_from and not cfg.resume:
+        check_tokenizer(cfg.init_from, cfg.data.path / TOKENIZER_FILE)
+        import_weights(cfg.init_from, model)
+        log.info("initialised from %s (%s, %d blocks x %d)", cfg.init_from, cfg.model.arch, cfg.model.n_blocks, cfg.model.n_embed)
     tied = ckpt.tied_names(model.state_dict())  # read before sharding hides which tensors are one
     scaler = grad_scaler(device, dtype)
     # Each rank samples its own windows; rank 0 draws exactly what a single process would.
@@ -240,11 +248,12 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     start_step, state = _resume(cfg, info, model, scaler, sampler, device, data) if cfg.resume else (0, None)
     if info.is_main:
         _write_run_files(cfg)
-    policy, planned = _choose_policy(cfg, planner, device, dtype, info.world)
+    policy, planned = _choose_policy(cfg, planner, device, dtype, info)
     act = _log_activation_memory(model, policy.spec, cfg, data, device) if info.is_main else None
     step_model = prepare_model(model, policy, cfg, info, device, dtype)
     # Built after sharding: under FSDP the optimizer holds only this rank's shard of every state.
-    optimizer = build_optimizer(model, cfg.optim, device)
+    # Offloaded, the parameters live in host memory and the optimizer steps there.
+    optimizer = build_optimizer(model, cfg.optim, torch.device("cpu") if cfg.fsdp_offload else device)
     if state is not None:
         dist_utils.load_full_optimizer_state(optimizer, state["optimizer"])
     _log_start(cfg, info, model, device, dtype, start_step)
@@ -276,8 +285,13 @@ def _load_data(cfg: TrainConfig, info: dist_utils.DistInfo) -> tuple[TokenData, 
         torch.distributed.barrier()  # the other ranks wait while rank 0 prepares
     data = TokenData(cfg.data.path)
     data.check_context(cfg.model.context_length)
-    # Rounded up to a multiple of 64 for fast matmuls.
+    # Rounded up to a multiple of 64 for fast matmuls; a model started from elsewhere keeps its own.
     vocab_size = int(math.ceil(data.vocab_size / 64) * 64)
+    if cfg.init_from:
+        if data.vocab_size > cfg.model.vocab_size:
+            raise ValueError(f"--init-from {cfg.init_from}: the data has {data.vocab_size} token ids, the model "
+                             f"{cfg.model.vocab_size}; prepare the data with the model's tokenizer")
+        vocab_size = cfg.model.vocab_size
     return data, dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
 
 
@@ -311,13 +325,14 @@ def _write_run_files(cfg: TrainConfig) -> None:
 
 
 def _choose_policy(cfg: TrainConfig, planner: Planner | None, device: torch.device, dtype: torch.dtype | None,
-                   world: int) -> tuple[Policy, dict | None]:
-    """The run's checkpointing policy; for auto, the planner's plan for this device and process count."""
+                   info: dist_utils.DistInfo) -> tuple[Policy, dict | None]:
+    """The run's checkpointing policy; for auto, the planner's plan for this device and process count, made on
+    rank 0 (its time model is measured, so ranks planning apart could choose apart) and shared."""
     if cfg.activation_checkpointing != "auto":
         return cfg.policy, None
     if planner is None:
         raise ValueError("--activation-checkpointing auto needs a planner: pass the planner's plan_for as train(cfg, planner=...)")
-    planned = planner(cfg, device, dtype, world)
+    planned = dist_utils.from_main(info, lambda: planner(cfg, device, dtype, info.world))
     return parse_policy(planned["policy"]), planned
 
 
@@ -328,7 +343,7 @@ def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist
     apply_activation_checkpointing(model, policy)
     log.info("checkpointing %s", policy.describe(cfg.model.n_blocks))
     step_model = torch.compile(model) if cfg.compile else model
-    return dist_utils.wrap(step_model, info, cfg.parallel, device, dtype if cfg.parallel == "fsdp" else None)
+    return dist_utils.wrap(step_model, info, cfg.parallel, device, dtype if cfg.parallel == "fsdp" else None, cfg.fsdp_offload)
 
 
 def _log_start(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, device: torch.device, dtype: torch.dtype | None,
