@@ -10,6 +10,10 @@
 # 4. CPU-only predictions for this card (fake tensors, `--target cuda --gpu <card>`) against
 #    max_memory_allocated and max_memory_reserved of real steps: tiny, small, medium, 3b
 #    (benchmarks/plan_check.py cuda; the table goes to OUT_DIR/plan_check_cuda.md for RESULTS.md)
+# 5. The time model on the card: bench's predicted step-time ratios (calibrated on the GPU) beside the
+#    measured ones are in step 1's table; here the roofline estimate made from the CPU for this card
+#    (`fitgpt plan --gpu`) beside them, and the 3b preset trained with the configuration `fitgpt fit`
+#    picks (bf16, compile), its MFU from tokens/s (6 N FLOPs a token) against the card's bf16 peak.
 # Everything lands in OUT_DIR (default gpu_check/), with a summary in OUT_DIR/summary.txt.
 set -euo pipefail
 OUT=${1:-gpu_check}
@@ -24,7 +28,7 @@ NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
 
 echo "== 1. bench (CUDA, bf16, small preset, batch 8 x 1024)"
 fitgpt bench --preset small --batch-size 8 --context 1024 --grad-accum 1 --device cuda --precision bf16 \
-  --policies none block group:2 every:2 selective chunked-loss block+chunked-loss auto:50% auto:25% \
+  --policies none pointwise selective block group:2 every:2 chunked-loss block+chunked-loss auto:50% auto:25% \
   --repeats 10 --warmup 3 --out-dir "$OUT/bench" | tail -n 1 > "$OUT/bench_line.json"
 
 echo "== 2. auto on CUDA: predicted vs allocator peak"
@@ -57,6 +61,33 @@ fi
 echo "== 4. CPU-only predictions for this card vs the allocator"
 python benchmarks/plan_check.py cuda --out "$OUT/plan_check_cuda.json" | tee "$OUT/plan_check_cuda.md"
 
+echo "== 5. roofline from the CPU vs the card; 3b with the configuration fit picks"
+GPU=$(python - <<'PY'
+import torch
+from fitgpt.plan.target import GPUS
+name = torch.cuda.get_device_name(0).lower()
+print(next((g for g in GPUS if g.split("-")[0].replace("rtx-", "") in name.replace(" ", "-")), "h100-80gb"))
+PY
+)
+CUDA_VISIBLE_DEVICES="" fitgpt plan --preset small --batch-size 8 --context 1024 --grad-accum 1 --gpu "$GPU" \
+  --precision bf16 --memory-budget 70GiB | tail -n 1 > "$OUT/roofline_small.json"
+CUDA_VISIBLE_DEVICES="" fitgpt fit --preset 3b --gpu "$GPU" --precision bf16 --top 3 | tee "$OUT/fit_3b.txt" | tail -n 8
+CMD=$(grep "^train the fastest:" "$OUT/fit_3b.txt" | sed 's/^train the fastest: //')
+eval "$CMD --max-steps 30 --log-interval 10 --eval-interval 1000 --compile --out-dir $OUT/3b --no-progress" 2>&1 \
+  | tee "$OUT/3b.log" | grep -E "step 30|run:"
+python - "$OUT" "$GPU" <<'PY'
+import json, pathlib, sys
+from fitgpt.plan.target import GPUS
+out, gpu = pathlib.Path(sys.argv[1]), GPUS[sys.argv[2]]
+metrics = out / "3b" / "metrics.jsonl"
+rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+tps = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")][1:]  # the first interval includes compilation
+params = 3.2e9
+if tps:
+    mfu = 6 * params * tps[-1] / gpu.half_flops
+    (out / "mfu_3b.txt").write_text(f"3b: {tps[-1]:.0f} tokens/s, MFU {mfu:.1%} of {gpu.half_flops / 1e12:.0f} TFLOP/s\n")
+PY
+
 python - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -72,6 +103,12 @@ for name in ("ddp", "fsdp", "fsdp_resumed_on_one_gpu"):
     if f.is_file():
         s = json.loads(f.read_text())
         lines.append(f"{name}: steps {s['steps']} train loss {s['train_loss']:.4f} val loss {s['val_loss']:.4f}")
+for r in bench["rows"]:
+    lines.append(f"time {r['policy']:>20}: measured {r['step_seconds'] / bench['rows'][0]['step_seconds']:.2f}x, "
+                 f"predicted {(r.get('predicted_seconds') or 0) / (bench['rows'][0].get('predicted_seconds') or 1):.2f}x")
+for name in ("mfu_3b.txt",):
+    if (out / name).is_file():
+        lines.append((out / name).read_text().strip())
 check = out / "plan_check_cuda.md"
 if check.is_file():
     lines += ["", "CPU-only predictions vs the allocator:", check.read_text()]

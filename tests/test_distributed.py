@@ -263,3 +263,17 @@ def test_fsdp_with_compile_is_refused_with_a_clear_message(data_dir, corpus_dir,
                                          "data": {"dir": str(data_dir), "inputs": [str(corpus_dir)], "vocab_size": 512}})
     with pytest.raises(ValueError, match="--compile with --parallel fsdp"):
         train(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fsdp_cpu_offload_trains_exactly_as_fsdp(data_dir, corpus_dir, tmp_path):
+    """--fsdp-offload (FSDP2's CPUOffloadPolicy: parameters, gradients and AdamW state in host memory, the
+    optimizer stepping there) changes where the state lives, not the arithmetic: the same losses as FSDP."""
+    runs = {}
+    for name, extra in (("plain", ()), ("offload", ("--fsdp-offload",))):
+        p = torchrun(train_flags(data_dir, corpus_dir, tmp_path / name, 3, "--parallel", "fsdp", *extra), tmp_path)
+        out, _ = finish(p)
+        runs[name] = json.loads(out.strip().splitlines()[-1])
+    assert runs["offload"]["train_loss"] == runs["plain"]["train_loss"]
+    assert runs["offload"]["val_loss"] == runs["plain"]["val_loss"]

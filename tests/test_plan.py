@@ -152,7 +152,7 @@ def long_context(tiny_model_config):
 
 @pytest.mark.parametrize("frac", [0.5, 0.25])
 def test_auto_within_two_percent_of_measured_exhaustive_optimum(long_context, frac):
-    """Measure every one of the 3^4 x 2 plans: auto's FLOPs are within 2% of the best that truly fits."""
+    """Measure every one of the 4^4 x 2 plans: auto's FLOPs are within 2% of the best that truly fits."""
     tiny_profile, tiny_measured = long_context
     none = predict(tiny_profile, Plan.uniform(4, "none"))
     budget = none.peak - int((1 - frac) * none.activations_end_of_forward)

@@ -110,8 +110,9 @@ def _offloaded(p: StepProfile, params: int, world: int) -> StepProfile:
     """The per-rank FSDP profile with parameters, gradients and optimizer state in host memory: the device keeps
     the root's gathered weights and what a block gathers while it runs (its segments' rises, as under FSDP)."""
     root = max(0, 4 * params - p.block_param_bytes * p.n_blocks)
+    # AdamW on the host reads parameter, gradient and both moments (16 B, fp32) and writes three of them (12 B).
     return dataclasses.replace(p, params=root, optimizer=0, grads=0, baseline=root, optimizer_rise=0,
-                               optimizer_time=3 * 16 * params / world / HOST_BANDWIDTH)  # AdamW reads and writes 16 B a parameter
+                               optimizer_time=28 * params / world / HOST_BANDWIDTH)
 
 
 def _link_seconds(w: BudgetConfig, layout: Layout, accum: int, micro: float, params: int, dtype_bytes: int) -> float:
