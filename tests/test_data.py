@@ -140,3 +140,54 @@ def test_empty_and_missing_inputs_fail_naming_the_path(tmp_path):
     with pytest.raises(ValueError, match=r"missing\.txt.*does not exist"):
         prepare(DataConfig(dir=str(tmp_path / "d"), inputs=(str(tmp_path / "missing.txt"),), vocab_size=300), progress=False)
     assert not (tmp_path / "d" / "meta.json").exists()
+
+
+def _documents(out) -> list[tuple[int, ...]]:
+    """The prepared tokens cut at end-of-text into documents, sorted: what was tokenized, whatever the split order."""
+    meta = json.loads((out / "meta.json").read_text())
+    tokens = np.concatenate([np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")])
+    docs, start = [], 0
+    for i in np.flatnonzero(tokens == meta["eot_id"]):
+        docs.append(tuple(tokens[start:i].tolist()))
+        start = i + 1
+    return sorted(docs)
+
+
+def test_jsonl_gzip_json_and_parquet_records_give_the_tokens_of_the_same_documents_as_files(corpus_dir, tmp_path):
+    """Each record is a document tokenized exactly as the same text given as a file (same tokenizer, reused)."""
+    import gzip
+
+    texts = [p.read_text() for p in sorted(corpus_dir.iterdir())]
+    as_files = tmp_path / "files"
+    as_files.mkdir()
+    for i, t in enumerate(texts):
+        (as_files / f"{i}.py").write_text(t)
+    records = [{"id": i, "content": t} for i, t in enumerate(texts)]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    with gzip.open(tmp_path / "c.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write("\n".join(json.dumps(r) for r in records))
+    (tmp_path / "c.json").write_text(json.dumps(records))
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"id": list(range(len(texts))), "content": texts}), tmp_path / "c.parquet", row_group_size=3)
+    ref = prepare(DataConfig(dir=str(tmp_path / "ref"), inputs=(str(as_files),), tokenizer="gpt2"), progress=False)
+    expected = _documents(tmp_path / "ref")
+    assert len(expected) == len(texts) == ref["documents"]
+    for name in ("c.jsonl", "c.jsonl.gz", "c.json", "c.parquet"):
+        out = tmp_path / ("out-" + name)
+        meta = prepare(DataConfig(dir=str(out), inputs=(str(tmp_path / name),), tokenizer="gpt2", text_field="content"),
+                       progress=False)
+        assert meta["documents"] == len(texts) and meta["text_field"] == "content", name
+        assert _documents(out) == expected, name
+
+
+def test_record_files_without_the_field_name_the_fields_they_have(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"body": "hello there"}) + "\n")
+    with pytest.raises(ValueError, match=r"no record has a text field 'text' \(its records have: body\); set --text-field"):
+        prepare(DataConfig(dir=str(tmp_path / "o"), inputs=(str(tmp_path / "a.jsonl"),)), progress=False)
+    (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n{not json\n')
+    with pytest.raises(ValueError, match=r"b.jsonl:2: not a JSON record"):
+        prepare(DataConfig(dir=str(tmp_path / "o"), inputs=(str(tmp_path / "b.jsonl"),)), progress=False)
+    # a .json that is not an array of records is an ordinary text document
+    (tmp_path / "package.json").write_text('{"name": "x", "version": "1.0"}')
+    meta = prepare(DataConfig(dir=str(tmp_path / "p"), inputs=(str(tmp_path / "package.json"),), tokenizer="gpt2"), progress=False)
+    assert meta["documents"] == 1

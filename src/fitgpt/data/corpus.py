@@ -1,5 +1,9 @@
 """Where training text comes from: files, directories, globs, the built-in corpus, or a HF dataset.
 
+Files are one document each, except record files, whose records are documents: JSON Lines (``.jsonl``,
+``.jsonl.gz``, read as a stream), a ``.json`` array of objects, and Parquet (``.parquet``, read a row
+group at a time with pyarrow, the ``[parquet]`` extra); the text is each record's ``text_field``.
+
 The built-in corpus is the source of the running Python's standard library (about 12 MB of real code
 and English docstrings): it is on every machine that runs fitgpt, so the first run needs no download.
 """
@@ -7,7 +11,9 @@ and English docstrings): it is on every machine that runs fitgpt, so the first r
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
+import json
 import logging
 import os
 import sysconfig
@@ -79,8 +85,11 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
     return files
 
 
-def read_documents(inputs: list[str], stats: CorpusStats) -> Iterator[Document]:
-    """One document per usable text file; binary and non-UTF-8 files are skipped and counted."""
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+
+
+def read_documents(inputs: list[str], stats: CorpusStats, text_field: str = "text") -> Iterator[Document]:
+    """One document per usable text file or record; binary and non-UTF-8 files are skipped and counted."""
     hf = [i for i in inputs if i.startswith("hf:")]
     if hf:
         yield from _hf_documents(hf, stats)
@@ -88,6 +97,10 @@ def read_documents(inputs: list[str], stats: CorpusStats) -> Iterator[Document]:
         stats.files += 1
         st = path.stat()
         stats.seen[str(path)] = [st.st_size, st.st_mtime_ns]
+        name = path.name.lower()
+        if name.endswith(RECORD_SUFFIXES):
+            yield from _record_documents(path, _records(path, text_field), text_field, stats)
+            continue
         raw = path.read_bytes()
         if b"\x00" in raw[:8192]:
             stats.skipped_binary.append(str(path))
@@ -100,9 +113,77 @@ def read_documents(inputs: list[str], stats: CorpusStats) -> Iterator[Document]:
         if not text.strip():
             stats.skipped_empty.append(str(path))
             continue
+        records = _json_array(text, text_field) if name.endswith(".json") else None
+        if records is not None:  # a .json array of records; any other .json is a text document like any file
+            yield from _record_documents(path, records, text_field, stats)
+            continue
         stats.documents += 1
         stats.bytes += len(raw)
         yield Document(str(path), text, hashlib.sha256(raw).hexdigest())
+
+
+def _record_documents(path: Path, records: Iterator[dict], text_field: str, stats: CorpusStats) -> Iterator[Document]:
+    """Each record's text a document, named ``path#index``; a file none of whose records has the field is an error."""
+    used, keys = 0, None
+    for i, record in enumerate(records):
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if keys is None and isinstance(record, dict):
+            keys = sorted(record)
+        if not isinstance(text, str) or not text.strip():
+            continue
+        used += 1
+        data = text.encode("utf-8")
+        stats.documents += 1
+        stats.bytes += len(data)
+        yield Document(f"{path}#{i}", text, hashlib.sha256(data).hexdigest())
+    if not used:
+        have = f"its records have: {', '.join(keys)}" if keys else "it has no records"
+        raise ValueError(f"{path}: no record has a text field {text_field!r} ({have}); set --text-field "
+                         "(--data.text-field when training)")
+
+
+def _records(path: Path, text_field: str) -> Iterator[dict]:
+    if path.name.lower().endswith(".parquet"):
+        yield from _parquet_records(path, text_field)
+        return
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except ValueError as e:
+                        raise ValueError(f"{path}:{n}: not a JSON record ({e}); fix or remove the line") from None
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        raise ValueError(f"{path}: cannot be read as {'gzip-compressed ' if opener is gzip.open else ''}UTF-8 JSON Lines "
+                         f"({e})") from None
+
+
+def _json_array(text: str, text_field: str) -> list[dict] | None:
+    """The records of a .json file holding an array of objects with ``text_field``, else None (a text document)."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(data, list) and data and all(isinstance(r, dict) for r in data) and any(text_field in r for r in data):
+        return data
+    return None
+
+
+def _parquet_records(path: Path, text_field: str) -> Iterator[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path}: reading Parquet needs pyarrow: pip install 'fitgpt[parquet]'") from None
+    f = pq.ParquetFile(path)
+    columns = f.schema_arrow.names
+    if text_field not in columns:
+        raise ValueError(f"{path}: no column {text_field!r} (it has: {', '.join(columns)}); set --text-field "
+                         "(--data.text-field when training)")
+    for batch in f.iter_batches(columns=[text_field], batch_size=1024):  # a bounded slice of a row group at a time
+        for text in batch.column(0).to_pylist():
+            yield {text_field: text}
 
 
 def changed_inputs(inputs: list[str], seen: dict[str, list[int]], sha256: dict[str, str]) -> list[str]:

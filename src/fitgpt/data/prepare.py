@@ -31,7 +31,10 @@ class DataConfig:
     dir: Optional[str] = None
     """Prepared data directory (train.bin, val.bin, meta.json, tokenizer.json); default data/<inputs>-<tokenizer><vocab>."""
     inputs: tuple[str, ...] = (BUILTIN,)
-    """Text files, directories or globs; 'stdlib' is the built-in corpus; 'hf:NAME[#column]' a HF dataset."""
+    """Text files, directories or globs; .jsonl, .jsonl.gz, .json arrays and .parquet files give one document per
+    record; 'stdlib' is the built-in corpus; 'hf:NAME[#column]' a HF dataset."""
+    text_field: str = "text"
+    """The field (JSON) or column (Parquet) holding each record's text."""
     tokenizer: Literal["bpe", "gpt2"] = "bpe"
     """bpe: train a byte-level BPE on the inputs; gpt2: the GPT-2 vocabulary from local files."""
     vocab_size: int = 2048
@@ -146,7 +149,7 @@ def prepare(cfg: DataConfig, progress: bool = True) -> dict:
 
 def _prepare(cfg: DataConfig, out: Path, progress: bool) -> dict:
     stats = CorpusStats()
-    docs = list(read_documents(list(cfg.inputs), stats))
+    docs = list(read_documents(list(cfg.inputs), stats, cfg.text_field))
     log.info("corpus: %s", stats.summary())
     if not docs:
         raise ValueError(f"no usable text in {list(cfg.inputs)}: {stats.summary()}")
@@ -179,6 +182,7 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool) -> dict:
         "train_tokens": int(len(train)),
         "val_tokens": int(len(val)),
         "inputs": list(cfg.inputs),
+        "text_field": cfg.text_field,
         "val_fraction": cfg.val_fraction,
         "seed": cfg.seed,
         "documents": stats.documents,
@@ -203,11 +207,11 @@ def ensure_prepared(cfg: DataConfig, progress: bool = True) -> dict:
         raise ValueError(f"{meta_path} is unreadable ({e}); re-run `fitgpt prepare --dir {cfg.path}`") from None
     if not isinstance(meta, dict):
         raise ValueError(f"{meta_path} is not fitgpt's; re-run `fitgpt prepare --dir {cfg.path}`")
-    wanted = {"tokenizer": cfg.tokenizer, "inputs": list(cfg.inputs)}
+    wanted = {"tokenizer": cfg.tokenizer, "inputs": list(cfg.inputs), "text_field": cfg.text_field}
     if cfg.tokenizer == "bpe":
         wanted["vocab_size"] = cfg.vocab_size
     for key, value in wanted.items():
-        have = meta.get("requested_vocab_size", meta.get(key)) if key == "vocab_size" else meta.get(key)
+        have = meta.get("requested_vocab_size", meta.get(key)) if key == "vocab_size" else meta.get(key, "text" if key == "text_field" else None)
         if have != value:
             raise ValueError(
                 f"{meta_path} was prepared with {key}={have!r}, but this run asks for {value!r}; "
