@@ -211,7 +211,8 @@ def ensure_prepared(cfg: DataConfig, progress: bool = True) -> dict:
     if cfg.tokenizer == "bpe":
         wanted["vocab_size"] = cfg.vocab_size
     for key, value in wanted.items():
-        have = meta.get("requested_vocab_size", meta.get(key)) if key == "vocab_size" else meta.get(key, "text" if key == "text_field" else None)
+        default = "text" if key == "text_field" else None  # data prepared before record files had the field
+        have = meta.get("requested_vocab_size", meta.get(key)) if key == "vocab_size" else meta.get(key, default)
         if have != value:
             raise ValueError(
                 f"{meta_path} was prepared with {key}={have!r}, but this run asks for {value!r}; "
