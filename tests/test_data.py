@@ -191,3 +191,27 @@ def test_record_files_without_the_field_name_the_fields_they_have(tmp_path):
     (tmp_path / "package.json").write_text('{"name": "x", "version": "1.0"}')
     meta = prepare(DataConfig(dir=str(tmp_path / "p"), inputs=(str(tmp_path / "package.json"),), tokenizer="gpt2"), progress=False)
     assert meta["documents"] == 1
+
+
+def test_a_tokenizer_file_is_reused_and_bpe_trains_on_a_seeded_sample(corpus_dir, data_dir, tmp_path, capsys):
+    from fitgpt.cli import main
+
+    # Reuse: another preparation's tokenizer.json, byte for byte, and the tokens it gives.
+    tok_file = data_dir / "tokenizer.json"
+    out = tmp_path / "reused"
+    meta = prepare(DataConfig(dir=str(out), inputs=(str(corpus_dir),), tokenizer=str(tok_file)), progress=False)
+    assert (out / "tokenizer.json").read_bytes() == tok_file.read_bytes() and meta["tokenizer"] == str(tok_file)
+    assert _documents(out) == _documents(data_dir)
+    # A sample: the BPE sees only the first documents of the seeded order, at least one, the same every time.
+    small = [prepare(DataConfig(dir=str(tmp_path / f"s{i}"), inputs=(str(corpus_dir),), vocab_size=512,
+                                tokenizer_sample="20KB"), progress=False) for i in range(2)]
+    assert small[0]["tokenizer_sample_documents"] < small[0]["documents"]
+    assert (tmp_path / "s0/tokenizer.json").read_bytes() == (tmp_path / "s1/tokenizer.json").read_bytes()
+    assert (tmp_path / "s0/tokenizer.json").read_bytes() != (data_dir / "tokenizer.json").read_bytes()
+    # Errors name the flag.
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", "--inputs", str(corpus_dir), "--tokenizer", str(tmp_path / "none.json"), "--dir", str(tmp_path / "x")])
+    assert e.value.code == 2 and "not bpe, gpt2 or an existing tokenizer.json file" in " ".join(capsys.readouterr().err.split())
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="--tokenizer .*bad.json: not a tokenizers JSON file"):
+        prepare(DataConfig(dir=str(tmp_path / "y"), inputs=(str(corpus_dir),), tokenizer=str(tmp_path / "bad.json")), progress=False)

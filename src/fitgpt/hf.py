@@ -189,4 +189,5 @@ def check_tokenizer(hf_dir: str | Path, data_tokenizer: Path) -> None:
     a, b = Tokenizer.load(Path(hf_dir)), Tokenizer.load(data_tokenizer.parent)
     if a._tok.get_vocab() != b._tok.get_vocab():
         raise ValueError(f"{theirs} is not the tokenizer of the training data ({data_tokenizer}): prepare the data "
-                         f"with that tokenizer, or start from a model trained with this data's")
+                         f"with it (--data.tokenizer {theirs} and another --data.dir), or start from a model trained with "
+                         "this data's")

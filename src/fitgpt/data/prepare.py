@@ -8,13 +8,14 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Optional
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from fitgpt.data.corpus import BUILTIN, CorpusStats, changed_inputs, read_documents
-from fitgpt.data.tokenizer import gpt2_tokenizer, train_bpe
+from fitgpt.data.tokenizer import Tokenizer, gpt2_tokenizer, train_bpe
+from fitgpt.memory.units import format_bytes, parse_bytes
 from fitgpt.utils import DirLock, sha256_file, write_error
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,14 @@ class DataConfig:
     record; 'stdlib' is the built-in corpus; 'hf:NAME[#column]' a HF dataset."""
     text_field: str = "text"
     """The field (JSON) or column (Parquet) holding each record's text."""
-    tokenizer: Literal["bpe", "gpt2"] = "bpe"
-    """bpe: train a byte-level BPE on the inputs; gpt2: the GPT-2 vocabulary from local files."""
+    tokenizer: str = "bpe"
+    """bpe: train a byte-level BPE on the inputs; gpt2: the GPT-2 vocabulary from local files; or a tokenizer.json
+    to reuse (another data directory's or run's, a Hugging Face folder's; it needs an <|endoftext|> token)."""
     vocab_size: int = 2048
-    """Vocabulary size of the trained BPE (ignored for gpt2, which has 50257)."""
+    """Vocabulary size of the trained BPE (ignored for gpt2, which has 50257, and for a tokenizer file)."""
+    tokenizer_sample: str = "200MB"
+    """bpe: train on at most this much text, documents drawn across all inputs in the seeded order, so that training
+    the tokenizer does not grow with the corpus."""
     val_fraction: float = 0.05
     """Share of the tokens held out for validation (the tail of a seeded shuffle of documents)."""
     seed: int = 1337
@@ -49,6 +54,10 @@ class DataConfig:
             raise ValueError(f"data.val_fraction must be in (0, 0.5), got {self.val_fraction} (set --data.val-fraction)")
         if self.tokenizer == "bpe" and self.vocab_size < 258:
             raise ValueError(f"data.vocab_size must be at least 258 for bpe, got {self.vocab_size} (set --data.vocab-size)")
+        if self.tokenizer not in ("bpe", "gpt2") and not Path(self.tokenizer).is_file():
+            raise ValueError(f"--tokenizer {self.tokenizer!r}: not bpe, gpt2 or an existing tokenizer.json file")
+        if parse_bytes(self.tokenizer_sample, flag="--tokenizer-sample") <= 0:
+            raise ValueError("--tokenizer-sample must be positive, e.g. 200MB")
         if not self.inputs:
             raise ValueError("data.inputs is empty; name at least one file, directory or 'stdlib' (--data.inputs)")
 
@@ -59,6 +68,8 @@ class DataConfig:
         if self.dir:
             return Path(self.dir)
         name = BUILTIN if list(self.inputs) == [BUILTIN] else "custom-" + hashlib.sha256("\0".join(self.inputs).encode()).hexdigest()[:8]
+        if self.tokenizer not in ("bpe", "gpt2"):  # a tokenizer file: named after its contents
+            return Path("data") / f"{name}-tok{sha256_file(Path(self.tokenizer))[:8]}"
         return Path("data") / (f"{name}-gpt2" if self.tokenizer == "gpt2" else f"{name}-bpe{self.vocab_size}")
 
 
@@ -159,11 +170,17 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool) -> dict:
     docs = [docs[i] for i in order]
 
     show = progress and stats.bytes >= 1e6
+    sample = None
     if cfg.tokenizer == "bpe":
-        log.info("training a %d-token byte-level BPE on %.1f MB", cfg.vocab_size, stats.bytes / 1e6)
-        tok = train_bpe((d.text for d in docs), cfg.vocab_size, progress=show and stats.bytes >= 50e6)
-    else:
+        sample = _sample(docs, parse_bytes(cfg.tokenizer_sample, flag="--tokenizer-sample"))
+        sample_bytes = sum(len(d.text.encode()) for d in sample)
+        log.info("training a %d-token byte-level BPE on %s of %s (%d of %d documents)", cfg.vocab_size,
+                 format_bytes(sample_bytes), format_bytes(stats.bytes), len(sample), len(docs))
+        tok = train_bpe((d.text for d in sample), cfg.vocab_size, progress=show and sample_bytes >= 50e6)
+    elif cfg.tokenizer == "gpt2":
         tok = gpt2_tokenizer()
+    else:
+        tok = Tokenizer.load_file(cfg.tokenizer)
     dtype = token_dtype(tok.vocab_size)
     bar = tqdm(total=stats.bytes, unit="B", unit_scale=True, desc="tokenizing", disable=None if show else True)
     tokens = _encode(tok, docs, dtype, bar)
@@ -176,6 +193,7 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool) -> dict:
         "vocab_size": tok.vocab_size,
         # What was asked for: a small corpus can give a BPE fewer tokens, and the next run asks again.
         "requested_vocab_size": cfg.vocab_size if cfg.tokenizer == "bpe" else None,
+        "tokenizer_sample_documents": len(sample) if sample is not None else None,
         "eot_id": tok.eot_id,
         "tokenizer_sha256": None,  # set from the file as written
         "dtype": dtype.name,
@@ -193,6 +211,17 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool) -> dict:
     _write_all(out, {"train.bin": train, "val.bin": val}, tok, meta)
     log.info("wrote %s: %d train / %d val tokens, vocab %d (%s)", out, len(train), len(val), tok.vocab_size, tok.kind)
     return meta
+
+
+def _sample(docs: list, limit: int) -> list:
+    """The first documents of the seeded shuffle (every input's documents mixed) up to ``limit`` bytes: at least one."""
+    out, size = [], 0
+    for d in docs:
+        if out and size + len(d.text.encode()) > limit:
+            break
+        out.append(d)
+        size += len(d.text.encode())
+    return out
 
 
 def ensure_prepared(cfg: DataConfig, progress: bool = True) -> dict:

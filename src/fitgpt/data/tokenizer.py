@@ -75,6 +75,18 @@ class Tokenizer:
         return Path(path)
 
     @classmethod
+    def load_file(cls, path: str | Path) -> Tokenizer:
+        """A tokenizer.json made elsewhere, to reuse (its kind is its path)."""
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the library's own error for a file that is not a tokenizer
+            raise ValueError(f"--tokenizer {path}: not a tokenizers JSON file ({e})") from None
+        try:
+            return cls(tok, str(path))
+        except ValueError as e:
+            raise ValueError(f"--tokenizer {path}: {e}; fitgpt separates documents with it") from None
+
+    @classmethod
     def load(cls, directory: str | Path, kind: str = "bpe") -> Tokenizer:
         path = Path(directory) / TOKENIZER_FILE
         if not path.is_file():
