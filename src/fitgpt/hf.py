@@ -58,34 +58,36 @@ def hf_config(cfg: ModelConfig, eot_id: int | None = None):
                          resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, **special)
 
 
+def _name_map(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """Hugging Face's name -> (ours, transposed) for every weight of a model of ``cfg``: both directions use it."""
+    names: dict[str, tuple[str, bool]] = {"lm_head.weight": ("lm_head.weight", False)}
+    if cfg.arch == "llama":
+        names |= {"model.embed_tokens.weight": ("token_embed.weight", False), "model.norm.weight": ("layer_norm.weight", False)}
+        for i in range(cfg.n_blocks):
+            names |= {f"model.layers.{i}.{t}": (f"attn_blocks.{i}.{o}", False) for o, t in _LLAMA.items()}
+        return names
+    names |= {"transformer.wte.weight": ("token_embed.weight", False), "transformer.wpe.weight": ("position_embed.weight", False),
+              "transformer.ln_f.weight": ("layer_norm.weight", False), "transformer.ln_f.bias": ("layer_norm.bias", False)}
+    for i in range(cfg.n_blocks):
+        names |= {f"transformer.h.{i}.{t}": (f"attn_blocks.{i}.{o}", tr) for o, (t, tr) in _GPT2.items()}
+    return names
+
+
 def to_hf_state(model: Transformer) -> dict[str, torch.Tensor]:
     """Our weights under Hugging Face's names and layouts (GPT-2 biases we do not have are zeros)."""
     cfg, sd = model.config, model.state_dict()
     out: dict[str, torch.Tensor] = {}
-    if cfg.arch == "llama":
-        out["model.embed_tokens.weight"] = sd["token_embed.weight"]
-        out["model.norm.weight"] = sd["layer_norm.weight"]
-        for i in range(cfg.n_blocks):
-            for ours, theirs in _LLAMA.items():
-                out[f"model.layers.{i}.{theirs}"] = sd[f"attn_blocks.{i}.{ours}"]
-    else:
-        out["transformer.wte.weight"] = sd["token_embed.weight"]
-        out["transformer.wpe.weight"] = sd["position_embed.weight"]
-        out["transformer.ln_f.weight"] = sd["layer_norm.weight"]
-        out["transformer.ln_f.bias"] = sd.get("layer_norm.bias", torch.zeros(cfg.n_embed))
-        for i in range(cfg.n_blocks):
-            for ours, (theirs, transposed) in _GPT2.items():
-                w = sd.get(f"attn_blocks.{i}.{ours}")
-                if w is None:  # a bias-free GPT-2: Hugging Face's has biases, all zero here
-                    w = torch.zeros(_gpt2_bias_size(cfg, ours))
-                out[f"transformer.h.{i}.{theirs}"] = w.t() if transposed else w
-    out["lm_head.weight"] = sd["lm_head.weight"]
-    return {k: v.detach().contiguous() for k, v in out.items()}
+    for theirs, (ours, transposed) in _name_map(cfg).items():
+        w = sd.get(ours)
+        if w is None:  # a bias-free GPT-2: Hugging Face's has biases, all zero here
+            w = torch.zeros(_gpt2_bias_size(cfg, ours))
+        out[theirs] = (w.t() if transposed else w).detach().contiguous()
+    return out
 
 
 def _gpt2_bias_size(cfg: ModelConfig, name: str) -> int:
     C = cfg.n_embed
-    return {"attn.qkv.bias": 3 * C, "mlp.fc.bias": 4 * C}.get(name, C)
+    return {"attn.qkv.bias": 3 * C, "mlp.fc.bias": 4 * C}.get(name.split(".", 2)[-1], C)
 
 
 def export_model(model: Transformer, tokenizer: Tokenizer, out_dir: str | Path) -> Path:
@@ -145,39 +147,20 @@ def import_weights(hf_dir: str | Path, model: Transformer) -> None:
     """Load a Hugging Face folder's weights into ``model`` (built from ``import_config`` of it)."""
     tf = transformers_module()
     hf = tf.AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True, torch_dtype=torch.float32)
-    theirs = hf.state_dict()
+    theirs, own = hf.state_dict(), model.state_dict()
     ours = {}
-    ref = to_hf_state(model)  # the names and layouts, both ways
-    inverse = _inverse_names(model.config)
-    for hf_name, our_name in inverse.items():
-        if our_name is None:
-            continue
-        name, transposed = our_name
+    for hf_name, (name, transposed) in _name_map(model.config).items():
         if hf_name not in theirs:
             raise ValueError(f"{hf_dir}: weight {hf_name} is missing")
-        w = theirs[hf_name]
-        ours[name] = w.t() if transposed else w
-        if ref[hf_name].shape != theirs[hf_name].shape:
-            raise ValueError(f"{hf_dir}: {hf_name} has shape {tuple(w.shape)}, fitgpt's model {tuple(ref[hf_name].shape)}")
+        w = theirs[hf_name].t() if transposed else theirs[hf_name]
+        if w.shape != own[name].shape:
+            raise ValueError(f"{hf_dir}: {hf_name} has shape {tuple(theirs[hf_name].shape)}, fitgpt's model "
+                             f"{tuple(own[name].shape)}")
+        ours[name] = w
     missing, unexpected = model.load_state_dict(ours, strict=False)
     missing = [m for m in missing if m != "lm_head.weight" or not model.config.tied]
     if missing or unexpected:
         raise ValueError(f"{hf_dir}: weights do not map onto the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
-
-
-def _inverse_names(cfg: ModelConfig) -> dict[str, tuple[str, bool] | None]:
-    """Hugging Face's name -> (ours, transposed) for every weight ``to_hf_state`` writes."""
-    inv: dict[str, tuple[str, bool] | None] = {"lm_head.weight": ("lm_head.weight", False)}
-    if cfg.arch == "llama":
-        inv |= {"model.embed_tokens.weight": ("token_embed.weight", False), "model.norm.weight": ("layer_norm.weight", False)}
-        for i in range(cfg.n_blocks):
-            inv |= {f"model.layers.{i}.{t}": (f"attn_blocks.{i}.{o}", False) for o, t in _LLAMA.items()}
-        return inv
-    inv |= {"transformer.wte.weight": ("token_embed.weight", False), "transformer.wpe.weight": ("position_embed.weight", False),
-            "transformer.ln_f.weight": ("layer_norm.weight", False), "transformer.ln_f.bias": ("layer_norm.bias", False)}
-    for i in range(cfg.n_blocks):
-        inv |= {f"transformer.h.{i}.{t}": (f"attn_blocks.{i}.{o}", tr) for o, (t, tr) in _GPT2.items()}
-    return inv
 
 
 def check_tokenizer(hf_dir: str | Path, data_tokenizer: Path) -> None:

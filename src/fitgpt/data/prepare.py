@@ -172,8 +172,7 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool) -> dict:
     show = progress and stats.bytes >= 1e6
     sample = None
     if cfg.tokenizer == "bpe":
-        sample = _sample(docs, parse_bytes(cfg.tokenizer_sample, flag="--tokenizer-sample"))
-        sample_bytes = sum(len(d.text.encode()) for d in sample)
+        sample, sample_bytes = _sample(docs, parse_bytes(cfg.tokenizer_sample, flag="--tokenizer-sample"))
         log.info("training a %d-token byte-level BPE on %s of %s (%d of %d documents)", cfg.vocab_size,
                  format_bytes(sample_bytes), format_bytes(stats.bytes), len(sample), len(docs))
         tok = train_bpe((d.text for d in sample), cfg.vocab_size, progress=show and sample_bytes >= 50e6)
@@ -213,15 +212,17 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool) -> dict:
     return meta
 
 
-def _sample(docs: list, limit: int) -> list:
-    """The first documents of the seeded shuffle (every input's documents mixed) up to ``limit`` bytes: at least one."""
+def _sample(docs: list, limit: int) -> tuple[list, int]:
+    """The first documents of the seeded shuffle (every input's documents mixed) up to ``limit`` bytes (at least
+    one), and their bytes."""
     out, size = [], 0
     for d in docs:
-        if out and size + len(d.text.encode()) > limit:
+        n = len(d.text.encode())
+        if out and size + n > limit:
             break
         out.append(d)
-        size += len(d.text.encode())
-    return out
+        size += n
+    return out, size
 
 
 def ensure_prepared(cfg: DataConfig, progress: bool = True) -> dict:

@@ -30,6 +30,7 @@ from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer
 from fitgpt.plan.profile import StepProfile, profile_model
 from fitgpt.plan.solver import Plan, PlanError, predict, solve
+from fitgpt.plan.timing import timed, token_batches
 from fitgpt.plan.workload import WorkloadConfig
 from fitgpt.step import grad_scaler, train_step
 
@@ -161,14 +162,9 @@ def _time(model, optimizer, batches, specs: dict, step_kw: dict, warmup: int, re
     for r in range(warmup + repeats):
         for name, (spec, _, _) in specs.items():
             apply_activation_checkpointing(model, spec)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            train_step(model, optimizer, batches, **step_kw)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            seconds = timed(lambda: train_step(model, optimizer, batches, **step_kw), device)
             if r >= warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(seconds)
             remove_activation_checkpointing(model)
     return times
 
@@ -185,9 +181,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     torch.manual_seed(cfg.seed)
     model = Transformer(mcfg).to(device)
     optimizer = build_optimizer(model, tcfg.optim, device)
-    g = torch.Generator().manual_seed(cfg.seed)
-    idx = torch.randint(0, mcfg.vocab_size, (accum, B, T + 1), generator=g).to(device)
-    batches = [(idx[i, :, :-1].contiguous(), idx[i, :, 1:].contiguous()) for i in range(accum)]
+    batches = token_batches(mcfg.vocab_size, accum, B, T, device, cfg.seed)
     # The trainer's own step: autocast, the fp16 loss scaler, clipping.
     step_kw = {"amp": autocast(device, dtype), "scaler": grad_scaler(device, dtype), "grad_clip": tcfg.optim.grad_clip}
     train_step(model, optimizer, batches, **step_kw)  # the optimizer state exists from here on, as in training

@@ -164,8 +164,7 @@ def fastest(w: BudgetConfig, budget: int, top: int = 5) -> dict:
         except PlanError:
             return None
         micro_s = (pred.step_time - p.optimizer_time) / accum
-        half = 2 if precision in ("bf16", "fp16") or (precision == "auto" and w.plan_target().cuda) else 4
-        link = _link_seconds(w, layout, accum, micro_s, params, half)
+        link = _link_seconds(w, layout, accum, micro_s, params, 2 if precision in ("bf16", "fp16") else 4)
         return Choice(micro, accum, precision, layout, plan, pred.peak, pred.step_time, link, tokens, settled)
 
     found: list[Choice] = []

@@ -229,15 +229,15 @@ def calibrate(model_cfg: ModelConfig, batch: int, context: int, device: torch.de
     optim_cfg = optim_cfg or OptimConfig()
     optimizer = build_optimizer(model, optim_cfg, device)
     kw = {"amp": autocast(device, dtype), "scaler": grad_scaler(device, dtype), "grad_clip": optim_cfg.grad_clip}
-    sizes = [_tokens(cfg, rows, c, device, seed) for rows in (b, 2 * b)]
+    sizes = [token_batches(cfg.vocab_size, 1, rows, c, device, seed) for rows in (b, 2 * b)]
     sync = _sync(device)
 
     def step(batches) -> float:
-        return _timed(lambda: train_step(model, optimizer, batches, **kw), sync)
+        return timed(lambda: train_step(model, optimizer, batches, **kw), device)
 
     for batches in sizes:  # warm-up: the optimizer state exists from here on, as in training
         step(batches)
-    timed: list[list[list]] = [[], []]
+    op_runs: list[list[list]] = [[], []]
     walls: list[float] = []
     rounds = 0
     while rounds < 2 or (rounds < 25 and time.perf_counter() - t0 < seconds):  # interleaved: noise falls on all alike
@@ -245,9 +245,9 @@ def calibrate(model_cfg: ModelConfig, batch: int, context: int, device: torch.de
         for i, batches in enumerate(sizes):
             with _OpTimer(sync) as timer:
                 step(batches)
-            timed[i].append(timer.ops)
+            op_runs[i].append(timer.ops)
         walls.append(step(sizes[1]))
-    rates = _fit_rates(timed, walls)
+    rates = _fit_rates(op_runs, walls)
     rates.recompute_overhead = _machinery(model_cfg, device, dtype, rates, seed)
     rates.source = (f"measured on {device} (ops of a one-block step at {b * c} and {2 * b * c} tokens, medians of {rounds} "
                     f"interleaved rounds; {time.perf_counter() - t0:.1f}s)")
@@ -260,7 +260,9 @@ def _sync(device: torch.device):
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
-def _timed(fn, sync) -> float:
+def timed(fn, device: torch.device) -> float:
+    """Wall seconds of ``fn()`` on ``device`` (CUDA's queue drained before and after)."""
+    sync = _sync(device)
     sync()
     start = time.perf_counter()
     fn()
@@ -268,10 +270,12 @@ def _timed(fn, sync) -> float:
     return time.perf_counter() - start
 
 
-def _tokens(cfg: ModelConfig, rows: int, context: int, device: torch.device, seed: int) -> list[tuple]:
-    """One micro-batch of (rows, context) inputs and targets."""
-    idx = torch.randint(0, cfg.vocab_size, (rows, context + 1), generator=torch.Generator().manual_seed(seed)).to(device)
-    return [(idx[:, :-1].contiguous(), idx[:, 1:].contiguous())]
+def token_batches(vocab_size: int, micro_batches: int, rows: int, context: int, device: torch.device,
+                  seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Seeded random (inputs, targets) micro-batches, each (rows, context): a step's data for timing it."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab_size, (micro_batches, rows, context + 1), generator=g).to(device)
+    return [(idx[i, :, :-1].contiguous(), idx[i, :, 1:].contiguous()) for i in range(micro_batches)]
 
 
 MACHINERY_SECONDS, MACHINERY_TOKENS = 0.5, 16
@@ -287,8 +291,8 @@ def _machinery(model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype 
     cfg = dataclasses.replace(model_cfg, n_blocks=1, context_length=MACHINERY_TOKENS, vocab_size=256)
     torch.manual_seed(seed)
     model = Transformer(cfg).to(device).train()
-    (x, y), = _tokens(cfg, 1, MACHINERY_TOKENS, device, seed)
-    amp, sync = autocast(device, dtype), _sync(device)
+    (x, y), = token_batches(cfg.vocab_size, 1, 1, MACHINERY_TOKENS, device, seed)
+    amp = autocast(device, dtype)
 
     def fwd_bwd() -> None:
         with amp():
@@ -309,7 +313,7 @@ def _machinery(model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype 
                 with OpFlops(rates) as costed:
                     fwd_bwd()
                 costs[option] = costed.seconds
-            walls[option].append(_timed(fwd_bwd, sync))
+            walls[option].append(timed(fwd_bwd, device))
             remove_activation_checkpointing(model)
     base = statistics.median(walls["none"]) - costs["none"]
     return {o: max(0.0, statistics.median(walls[o]) - costs[o] - base) for o in RECOMPUTE_SPECS}
