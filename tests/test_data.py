@@ -47,18 +47,17 @@ def test_prepare_writes_memmaps_meta_and_eot_between_documents(data_dir):
     meta = json.loads((data_dir / "meta.json").read_text())
     data = TokenData(data_dir)
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == 512 and meta["documents"] == 8
-    tokens = np.concatenate([data.splits["train"], data.splits["val"]])
+    tokens = np.concatenate(data.splits["train"] + data.splits["val"])
     assert (tokens == meta["eot_id"]).sum() == 8  # one end-of-text after each document
-    assert len(data.splits["train"]) == meta["train_tokens"] and len(data.splits["val"]) == meta["val_tokens"]
-    assert all(len(s["sha256"]) == 64 for s in meta["sources"])
+    assert sum(map(len, data.splits["train"])) == meta["train_tokens"] and sum(map(len, data.splits["val"])) == meta["val_tokens"]
+    assert sorted(meta["file_sha256"]) == sorted(meta["files"]) and all(len(h) == 64 for h in meta["file_sha256"].values())
     tok = Tokenizer.load(data_dir)
     assert tok.vocab_size == 512
 
 
 def test_prepare_is_deterministic(corpus_dir, tmp_path, data_dir):
     prepare(DataConfig(dir=str(tmp_path / "again"), inputs=(str(corpus_dir),), vocab_size=512), progress=False)
-    for name in ("train.bin", "val.bin", "tokenizer.json"):
-        assert (tmp_path / "again" / name).read_bytes() == (data_dir / name).read_bytes()
+    assert _files(tmp_path / "again") == _files(data_dir)
 
 
 def test_binary_and_non_utf8_files_are_skipped_and_counted(tmp_path):
@@ -100,9 +99,9 @@ def test_data_errors_name_the_file(data_dir, tmp_path):
 
     bad = tmp_path / "bad"
     shutil.copytree(data_dir, bad)
-    with open(bad / "train.bin", "r+b") as f:
+    with open(bad / "train_000000.bin", "r+b") as f:
         f.truncate(100)
-    with pytest.raises(ValueError, match="train.bin holds 100 bytes"):
+    with pytest.raises(ValueError, match="train_000000.bin holds 100 bytes"):
         TokenData(bad)
     shutil.rmtree(bad)
     shutil.copytree(data_dir, bad)
@@ -125,7 +124,7 @@ def test_a_tokenizer_that_did_not_produce_the_data_is_refused(data_dir, corpus_d
     bad = tmp_path / "bad"
     shutil.copytree(data_dir, bad)
     shutil.copy(other / "tokenizer.json", bad / "tokenizer.json")
-    with pytest.raises(ValueError, match=r"tokenizer.json is not the tokenizer that produced .*train.bin"):
+    with pytest.raises(ValueError, match=r"tokenizer.json is not the tokenizer that produced the token shards in .*bad"):
         TokenData(bad)
     (bad / "tokenizer.json").unlink()
     with pytest.raises(ValueError, match="tokenizer.json is missing"):
@@ -142,10 +141,21 @@ def test_empty_and_missing_inputs_fail_naming_the_path(tmp_path):
     assert not (tmp_path / "d" / "meta.json").exists()
 
 
+def _files(out) -> dict[str, bytes]:
+    """Every file a preparation wrote but its meta.json, by name."""
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file() and p.name not in ("meta.json", ".fitgpt-lock")}
+
+
+def _tokens(out, splits=("train", "val")) -> np.ndarray:
+    """The splits' tokens, shard after shard."""
+    meta = json.loads((out / "meta.json").read_text())
+    return np.concatenate([np.fromfile(out / s["file"], dtype=meta["dtype"]) for split in splits for s in meta["shards"][split]])
+
+
 def _documents(out) -> list[tuple[int, ...]]:
     """The prepared tokens cut at end-of-text into documents, sorted: what was tokenized, whatever the split order."""
     meta = json.loads((out / "meta.json").read_text())
-    tokens = np.concatenate([np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")])
+    tokens = _tokens(out)
     docs, start = [], 0
     for i in np.flatnonzero(tokens == meta["eot_id"]):
         docs.append(tuple(tokens[start:i].tolist()))

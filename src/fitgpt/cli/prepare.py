@@ -1,15 +1,26 @@
-"""`fitgpt prepare`: text in, train.bin / val.bin / tokenizer.json / meta.json out."""
+"""`fitgpt prepare`: text in, token shards / tokenizer.json / meta.json out."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import tyro
 
 from fitgpt.data import DataConfig, prepare
 
 
+@dataclass
+class PrepareConfig(DataConfig):
+    resume: bool = False
+    """Continue a preparation of the same inputs and settings that was interrupted (Ctrl-C, a kill, a full disk)
+    from its last closed shard; without it an interrupted one is started over."""
+
+
 def run(args: list[str]) -> int:
-    cfg = tyro.cli(DataConfig, args=args, prog="fitgpt prepare", description="Tokenize text into train/val memmaps.")
-    meta = prepare(cfg)
-    print(f"{cfg.path}: {meta['train_tokens']} train / {meta['val_tokens']} val tokens, vocab {meta['vocab_size']} "
-          f"({meta['tokenizer']}), {meta['documents']} documents, skipped {meta['skipped']}")
+    cfg = tyro.cli(PrepareConfig, args=args, prog="fitgpt prepare", description="Tokenize text into train/val token shards.")
+    meta = prepare(cfg, resume=cfg.resume)
+    shards = sum(len(s) for s in meta["shards"].values())
+    print(f"{cfg.path}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens in {shards} shards, vocab "
+          f"{meta['vocab_size']} ({meta['tokenizer']}), {meta['documents']:,} documents ({meta['val_documents']:,} for "
+          f"validation), skipped {meta['skipped']}")
     return 0

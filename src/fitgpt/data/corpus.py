@@ -33,25 +33,32 @@ _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "_
 class Document:
     source: str
     text: str
-    sha256: str
+    after: tuple[int, int]
+    """Where reading resumes after this document: (input index, records of that input done)."""
 
 
 @dataclass
 class CorpusStats:
-    files: int = 0
-    documents: int = 0
-    bytes: int = 0
-    skipped_binary: list[str] = field(default_factory=list)
-    skipped_not_utf8: list[str] = field(default_factory=list)
-    skipped_empty: list[str] = field(default_factory=list)
+    """What reading found, file by file (so that a resumed reading can keep the files before its position)."""
+
     seen: dict[str, list[int]] = field(default_factory=dict)
     """Every input file read, with its [size, mtime_ns]: what `ensure_prepared` compares to notice changed inputs."""
+    sha256: dict[str, str] = field(default_factory=dict)
+    """Each input file's sha256, of the bytes as read, once it is read to the end."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """File -> why it gave no document: binary, not_utf8 or empty."""
 
-    def summary(self) -> str:
-        return (
-            f"{self.files} files seen, {self.documents} documents used ({self.bytes / 1e6:.1f} MB); skipped "
-            f"{len(self.skipped_binary)} binary, {len(self.skipped_not_utf8)} not UTF-8, {len(self.skipped_empty)} empty"
-        )
+    def skipped_counts(self) -> dict[str, int]:
+        return {why: sum(1 for w in self.skipped.values() if w == why) for why in ("binary", "not_utf8", "empty")}
+
+    def summary(self, documents: int, size: int) -> str:
+        n = self.skipped_counts()
+        return (f"{len(self.seen)} files seen, {documents} documents used ({size / 1e6:.1f} MB); skipped "
+                f"{n['binary']} binary, {n['not_utf8']} not UTF-8, {n['empty']} empty")
+
+    def keep(self, files: set[str]) -> CorpusStats:
+        """Only what was found in ``files``."""
+        return CorpusStats(*({k: v for k, v in d.items() if k in files} for d in (self.seen, self.sha256, self.skipped)))
 
 
 def stdlib_files() -> list[Path]:
@@ -88,75 +95,93 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 
 
-def read_documents(inputs: list[str], stats: CorpusStats, text_field: str = "text") -> Iterator[Document]:
-    """One document per usable text file or record; binary and non-UTF-8 files are skipped and counted."""
-    hf = [i for i in inputs if i.startswith("hf:")]
-    if hf:
-        yield from _hf_documents(hf, stats)
-    for path in expand_inputs([i for i in inputs if not i.startswith("hf:")]):
-        stats.files += 1
-        st = path.stat()
-        stats.seen[str(path)] = [st.st_size, st.st_mtime_ns]
-        name = path.name.lower()
-        if name.endswith(RECORD_SUFFIXES):
-            yield from _record_documents(path, _records(path, text_field), text_field, stats)
-            continue
-        raw = path.read_bytes()
-        if b"\x00" in raw[:8192]:
-            stats.skipped_binary.append(str(path))
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            stats.skipped_not_utf8.append(str(path))
-            continue
-        if not text.strip():
-            stats.skipped_empty.append(str(path))
-            continue
-        records = _json_array(text, text_field) if name.endswith(".json") else None
-        if records is not None:  # a .json array of records; any other .json is a text document like any file
-            yield from _record_documents(path, records, text_field, stats)
-            continue
-        stats.documents += 1
-        stats.bytes += len(raw)
-        yield Document(str(path), text, hashlib.sha256(raw).hexdigest())
+def list_inputs(inputs: list[str]) -> list[str | Path]:
+    """What ``read_documents`` reads, in its order: Hugging Face datasets (``hf:NAME``, as given), then the files."""
+    return [i for i in inputs if i.startswith("hf:")] + expand_inputs([i for i in inputs if not i.startswith("hf:")])
 
 
-def _record_documents(path: Path, records: Iterator[dict], text_field: str, stats: CorpusStats) -> Iterator[Document]:
-    """Each record's text a document, named ``path#index``; a file none of whose records has the field is an error."""
-    used, keys = 0, None
-    for i, record in enumerate(records):
+def read_documents(items: list[str | Path], stats: CorpusStats, text_field: str = "text",
+                   start: tuple[int, int] = (0, 0)) -> Iterator[Document]:
+    """One document per usable text file or record of ``items`` (from `list_inputs`), from ``start`` on (a
+    `Document.after`); binary, non-UTF-8 and empty files are skipped and recorded in ``stats``."""
+    first, done = start
+    for index in range(first, len(items)):
+        item, skip = items[index], done if index == first else 0
+        if isinstance(item, str):
+            yield from _hf_documents(item, index, skip)
+        else:
+            yield from _file_documents(item, index, skip, stats, text_field)
+
+
+def _file_documents(path: Path, index: int, skip: int, stats: CorpusStats, text_field: str) -> Iterator[Document]:
+    st = path.stat()
+    stats.seen[str(path)] = [st.st_size, st.st_mtime_ns]
+    name = path.name.lower()
+    if name.endswith(RECORD_SUFFIXES):
+        yield from _record_documents(path, index, _records(path, text_field, skip), text_field, skip)
+        stats.sha256[str(path)] = sha256_file(path)  # a second read, from the page cache; hashing releases the GIL
+        return
+    raw = path.read_bytes()
+    stats.sha256[str(path)] = hashlib.sha256(raw).hexdigest()
+    if b"\x00" in raw[:8192]:
+        stats.skipped[str(path)] = "binary"
+        return
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        stats.skipped[str(path)] = "not_utf8"
+        return
+    if not text.strip():
+        stats.skipped[str(path)] = "empty"
+        return
+    records = _json_array(text, text_field) if name.endswith(".json") else None
+    if records is not None:  # a .json array of records; any other .json is a text document like any file
+        yield from _record_documents(path, index, iter(records[skip:]), text_field, skip)
+    elif not skip:
+        yield Document(str(path), text, (index + 1, 0))
+
+
+def _record_documents(path: Path, index: int, records: Iterator[dict], text_field: str, skip: int) -> Iterator[Document]:
+    """Each record's text a document, named ``path#record``; a file none of whose records has the field is an error.
+
+    ``records`` starts at record ``skip``: a reading resumed after a document of this file, which therefore had one.
+    """
+    used, keys = skip > 0, None
+    for i, record in enumerate(records, skip):
         text = record.get(text_field) if isinstance(record, dict) else None
         if keys is None and isinstance(record, dict):
             keys = sorted(record)
         if not isinstance(text, str) or not text.strip():
             continue
-        used += 1
-        data = text.encode("utf-8")
-        stats.documents += 1
-        stats.bytes += len(data)
-        yield Document(f"{path}#{i}", text, hashlib.sha256(data).hexdigest())
+        used = True
+        yield Document(f"{path}#{i}", text, (index, i + 1))
     if not used:
         have = f"its records have: {', '.join(keys)}" if keys else "it has no records"
         raise ValueError(f"{path}: no record has a text field {text_field!r} ({have}); set --text-field "
                          "(--data.text-field when training)")
 
 
-def _records(path: Path, text_field: str) -> Iterator[dict]:
+def _records(path: Path, text_field: str, skip: int) -> Iterator[dict]:
+    """The records of a JSON Lines or Parquet file from record ``skip`` on (skipped ones are not parsed)."""
     if path.name.lower().endswith(".parquet"):
-        yield from _parquet_records(path, text_field)
+        yield from _parquet_records(path, text_field, skip)
         return
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rb") as f:
+            seen = 0
             for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield json.loads(line)
-                    except ValueError as e:
-                        raise ValueError(f"{path}:{n}: not a JSON record ({e}); fix or remove the line") from None
-    except (OSError, UnicodeDecodeError, EOFError) as e:
-        raise ValueError(f"{path}: cannot be read as {'gzip-compressed ' if opener is gzip.open else ''}UTF-8 JSON Lines "
+                if not line.strip():
+                    continue
+                seen += 1
+                if seen <= skip:
+                    continue
+                try:
+                    yield json.loads(line)
+                except ValueError as e:  # UnicodeDecodeError included
+                    raise ValueError(f"{path}:{n}: not a JSON record ({e}); fix or remove the line") from None
+    except (OSError, EOFError) as e:
+        raise ValueError(f"{path}: cannot be read as {'gzip-compressed ' if opener is gzip.open else ''}JSON Lines "
                          f"({e})") from None
 
 
@@ -171,19 +196,53 @@ def _json_array(text: str, text_field: str) -> list[dict] | None:
     return None
 
 
-def _parquet_records(path: Path, text_field: str) -> Iterator[dict]:
+def _parquet_file(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(f"{path}: reading Parquet needs pyarrow: pip install 'fitgpt[parquet]'") from None
-    f = pq.ParquetFile(path)
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's own error for a file that is not Parquet
+        raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+
+
+def _parquet_records(path: Path, text_field: str, skip: int) -> Iterator[dict]:
+    f = _parquet_file(path)
     columns = f.schema_arrow.names
     if text_field not in columns:
         raise ValueError(f"{path}: no column {text_field!r} (it has: {', '.join(columns)}); set --text-field "
                          "(--data.text-field when training)")
     for batch in f.iter_batches(columns=[text_field], batch_size=1024):  # a bounded slice of a row group at a time
-        for text in batch.column(0).to_pylist():
+        if skip >= batch.num_rows:
+            skip -= batch.num_rows
+            continue
+        for text in batch.column(0).slice(skip).to_pylist():
             yield {text_field: text}
+        skip = 0
+
+
+def text_bytes(item: str | Path, text_field: str = "text") -> int:
+    """About how many bytes of text an input holds, for progress and the tokenizer sample, without reading it:
+    a file's size; a gzip file's recorded uncompressed size; a Parquet file's uncompressed text column."""
+    if isinstance(item, str):
+        return _hf_dataset(item)[0].data.nbytes
+    name = item.name.lower()
+    if name.endswith(".gz"):
+        with open(item, "rb") as f:  # the gzip trailer: the uncompressed size modulo 2**32
+            f.seek(-4, os.SEEK_END)
+            size = int.from_bytes(f.read(4), "little")
+        while size < item.stat().st_size:  # over 4 GiB the trailer wrapped; text never compresses to more than it was
+            size += 1 << 32
+        return size
+    if name.endswith(".parquet"):
+        f = _parquet_file(item)
+        if text_field not in f.schema_arrow.names:
+            return 0
+        col = f.schema_arrow.names.index(text_field)
+        md = f.metadata
+        return sum(md.row_group(g).column(col).total_uncompressed_size for g in range(md.num_row_groups))
+    return item.stat().st_size
 
 
 def changed_inputs(inputs: list[str], seen: dict[str, list[int]], sha256: dict[str, str]) -> list[str]:
@@ -204,24 +263,32 @@ def changed_inputs(inputs: list[str], seen: dict[str, list[int]], sha256: dict[s
     return changes
 
 
-def _hf_documents(names: list[str], stats: CorpusStats) -> Iterator[Document]:
+def _hf_dataset(item: str):
+    """A Hugging Face dataset from the local cache only (fitgpt never downloads at run time), and its text column."""
+    name, _, column = item[3:].partition("#")
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"  # read when datasets is imported
     try:
         import datasets
     except ImportError:
         raise ValueError("hf: inputs need the [hf] extra: pip install 'fitgpt[hf]'") from None
-    for item in names:
-        name, _, column = item[3:].partition("#")
-        try:
-            ds = datasets.load_dataset(name, split="train")
-        except Exception as e:  # network or hub errors: say which input failed and why
-            raise ValueError(f"could not load Hugging Face dataset {name!r} (offline?): {e}") from e
-        column = column or "text"
-        if column not in ds.column_names:
-            raise ValueError(f"dataset {name!r} has no column {column!r}; use hf:{name}#COLUMN with one of {ds.column_names}")
-        for i, row in enumerate(ds):
-            text = row[column]
-            stats.files += 1
+    try:
+        ds = datasets.load_dataset(name, split="train")
+    except Exception as e:  # not in the cache (the library's error varies by version): say so, and what to do
+        raise ValueError(
+            f"Hugging Face dataset {name!r} is not in the local cache ({os.environ.get('HF_HOME', '~/.cache/huggingface')}); "
+            f"fitgpt reads hf: inputs offline: download it once where there is network (datasets.load_dataset({name!r})), "
+            f"or pass its files (.jsonl, .parquet) to --inputs [{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}]"
+        ) from None
+    column = column or "text"
+    if column not in ds.column_names:
+        raise ValueError(f"dataset {name!r} has no column {column!r}; use hf:{name}#COLUMN with one of {ds.column_names}")
+    return ds, column
+
+
+def _hf_documents(item: str, index: int, skip: int) -> Iterator[Document]:
+    ds, column = _hf_dataset(item)
+    rows = ds.select_columns([column])
+    for start in range(skip, len(rows), 1024):
+        for i, text in enumerate(rows[start : start + 1024][column], start):
             if isinstance(text, str) and text.strip():
-                stats.documents += 1
-                stats.bytes += len(text.encode())
-                yield Document(f"hf:{name}[{i}]", text, hashlib.sha256(text.encode()).hexdigest())
+                yield Document(f"{item.partition('#')[0]}[{i}]", text, (index, i + 1))

@@ -1,4 +1,9 @@
-"""Text in, token memmaps out: ``train.bin``, ``val.bin``, ``tokenizer.json`` and ``meta.json``."""
+"""Text in, token shards out: ``train_000000.bin``..., ``val_000000.bin``..., ``tokenizer.json`` and ``meta.json``.
+
+Documents stream from the readers through the tokenizer into shards (`fitgpt.data.shards`) in bounded
+batches: memory does not grow with the corpus. Everything is staged in ``DIR/.partial`` and moved into
+place at the end, ``meta.json`` last, so that ``DIR`` always holds one complete preparation or none,
+and an interrupted one resumes (``--resume``) from its last closed shard."""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -13,16 +19,18 @@ from typing import Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from fitgpt.data.corpus import BUILTIN, CorpusStats, changed_inputs, read_documents
-from fitgpt.data.tokenizer import Tokenizer, gpt2_tokenizer, train_bpe
+from fitgpt.data.corpus import BUILTIN, CorpusStats, changed_inputs, list_inputs, read_documents, text_bytes
+from fitgpt.data.shards import SPLITS, ShardWriter, StaleProgress, load_progress, save_progress, shard_name
+from fitgpt.data.tokenizer import TOKENIZER_FILE, Tokenizer, gpt2_tokenizer, train_bpe
 from fitgpt.memory.units import format_bytes, parse_bytes
 from fitgpt.utils import DirLock, sha256_file, write_error
 
 log = logging.getLogger(__name__)
 
 META_FILE = "meta.json"
-FORMAT_VERSION = 1
-DATA_FILES = ("train.bin", "val.bin", "tokenizer.json")
+FORMAT_VERSION = 2
+PARTIAL = ".partial"
+LEGACY_FILES = ("train.bin", "val.bin")  # format 1: one file per split
 
 
 @dataclass
@@ -30,7 +38,7 @@ class DataConfig:
     """Where the token data lives, and how to make it if it is not there yet."""
 
     dir: Optional[str] = None
-    """Prepared data directory (train.bin, val.bin, meta.json, tokenizer.json); default data/<inputs>-<tokenizer><vocab>."""
+    """Prepared data directory (token shards, meta.json, tokenizer.json); default data/<inputs>-<tokenizer><vocab>."""
     inputs: tuple[str, ...] = (BUILTIN,)
     """Text files, directories or globs; .jsonl, .jsonl.gz, .json arrays and .parquet files give one document per
     record; 'stdlib' is the built-in corpus; 'hf:NAME[#column]' a HF dataset."""
@@ -45,9 +53,13 @@ class DataConfig:
     """bpe: train on at most this much text, documents drawn across all inputs in the seeded order, so that training
     the tokenizer does not grow with the corpus."""
     val_fraction: float = 0.05
-    """Share of the tokens held out for validation (the tail of a seeded shuffle of documents)."""
+    """Share of the documents held out for validation, each drawn by a seeded hash of its name (a corpus of too
+    few documents to draw any holds out this share of its last tokens instead)."""
     seed: int = 1337
-    """Seed of the document shuffle that decides the train/val split."""
+    """Seed of the train/val draw and of the tokenizer sample."""
+    shard_tokens: int = 100_000_000
+    """Tokens per output shard: a shard closes at the first document end past this, and a resumed preparation
+    starts again from the last closed one."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 0.5:
@@ -58,6 +70,8 @@ class DataConfig:
             raise ValueError(f"--tokenizer {self.tokenizer!r}: not bpe, gpt2 or an existing tokenizer.json file")
         if parse_bytes(self.tokenizer_sample, flag="--tokenizer-sample") <= 0:
             raise ValueError("--tokenizer-sample must be positive, e.g. 200MB")
+        if self.shard_tokens < 1:
+            raise ValueError(f"--shard-tokens must be positive, got {self.shard_tokens}")
         if not self.inputs:
             raise ValueError("data.inputs is empty; name at least one file, directory or 'stdlib' (--data.inputs)")
 
@@ -79,12 +93,11 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def _is_ours(directory: Path) -> bool:
     """A data directory fitgpt prepared (a meta.json in fitgpt's format), or one whose first preparation was
-    cut off (nothing but fitgpt's lock file and staged ``*.tmp`` files). A run directory is neither."""
+    cut off (nothing but fitgpt's lock file and its staging folder). A run directory is neither."""
     try:
         meta = json.loads((directory / META_FILE).read_text())
     except (OSError, ValueError):
-        staged = {f"{name}.tmp" for name in (*DATA_FILES, META_FILE)}
-        return all(p.name == DirLock.FILE or p.name in staged for p in directory.iterdir())
+        return all(p.name in (DirLock.FILE, PARTIAL) or p.name.endswith(".tmp") for p in directory.iterdir())
     return isinstance(meta, dict) and "format_version" in meta and "tokenizer_sha256" in meta
 
 
@@ -97,132 +110,272 @@ def _check_output_dir(out: Path) -> None:
         raise ValueError(f"--dir {out} holds files fitgpt did not write ({shown}); prepare into a new or empty --dir")
 
 
-def _encode(tok, docs: list, dtype: np.dtype, bar, batch_chars: int = 4 << 20) -> np.ndarray:
-    """All documents' tokens, each followed by end-of-text. Encoded in batches (the library uses every core) of at
-    most ``batch_chars`` characters, long documents in pieces, so the encodings in flight stay bounded."""
-    chunks: list[np.ndarray] = []
-    eot = np.asarray([tok.eot_id], dtype=dtype)
-    batch: list[tuple[str, bool]] = []  # (text, ends a document)
-
-    def flush() -> None:
-        for (_, ends), ids in zip(batch, tok.encode_batch([t for t, _ in batch])):
-            chunks.append(np.asarray(ids, dtype=dtype))
-            if ends:
-                chunks.append(eot)  # end-of-text between documents
-        bar.update(sum(len(t.encode()) for t, _ in batch))
-        batch.clear()
-
-    size = 0
-    for d in docs:
-        pieces = tok.split_long(d.text)
-        for i, piece in enumerate(pieces):
-            batch.append((piece, i == len(pieces) - 1))
-            size += len(piece)
-            if size >= batch_chars or len(batch) >= 256:
-                flush()
-                size = 0
-    flush()
-    return np.concatenate(chunks)
+def _draw(seed: int, purpose: str, source: str) -> float:
+    """A uniform number in [0, 1) fixed by the seed, the purpose and the document's name."""
+    digest = hashlib.sha256(f"{seed}:{purpose}:{source}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64
 
 
-def _write_all(out: Path, arrays: dict[str, np.ndarray], tok, meta: dict) -> None:
-    """Stage every file as ``*.tmp``, then rename into place, meta.json last: a failure or Ctrl-C at any point
-    leaves the previous preparation (or nothing) and no temporary file."""
-    tmps = [out / f"{name}.tmp" for name in (*DATA_FILES, META_FILE)]
-    try:
-        for name, arr in arrays.items():
-            arr.tofile(out / f"{name}.tmp")
-        tok.save_as(out / "tokenizer.json.tmp")
-        meta["tokenizer_sha256"] = sha256_file(out / "tokenizer.json.tmp")
-        (out / f"{META_FILE}.tmp").write_text(json.dumps(meta, indent=1))
-        (out / META_FILE).unlink(missing_ok=True)  # no moment where an old meta describes new files
-        for name in DATA_FILES:
-            os.replace(out / f"{name}.tmp", out / name)
-        os.replace(out / f"{META_FILE}.tmp", out / META_FILE)  # meta last: its presence marks a complete preparation
-    except Exception as e:  # OSError, or the tokenizers library's own error, for a full disk or a read-only folder
-        reason = write_error(e, out)
-        raise ValueError(f"could not write the prepared data to {out}: {reason}; free disk space or choose another --dir") from e
-    finally:
-        for t in tmps:
-            t.unlink(missing_ok=True)
-
-
-def prepare(cfg: DataConfig, progress: bool = True) -> dict:
+def prepare(cfg: DataConfig, progress: bool = True, resume: bool = False) -> dict:
     """Tokenize cfg.inputs into cfg.dir and return the meta dict that was written.
 
     Writes only into a new or empty directory, or one fitgpt prepared before; holds the directory's lock meanwhile.
+    ``resume`` continues an interrupted preparation of the same inputs and settings from its last closed shard.
     """
     out = cfg.path
     _check_output_dir(out)
     with DirLock(out, "--dir"):
-        return _prepare(cfg, out, progress)
+        try:
+            return _prepare(cfg, out, progress, resume)
+        except OSError as e:  # a full disk or a read-only folder, at any step
+            raise ValueError(f"could not write the prepared data to {out}: {write_error(e, out)}; free disk space, "
+                             f"then rerun with --resume (or choose another --dir)") from e
 
 
-def _prepare(cfg: DataConfig, out: Path, progress: bool) -> dict:
-    stats = CorpusStats()
-    docs = list(read_documents(list(cfg.inputs), stats, cfg.text_field))
-    log.info("corpus: %s", stats.summary())
-    if not docs:
-        raise ValueError(f"no usable text in {list(cfg.inputs)}: {stats.summary()}")
-    # A seeded shuffle of whole documents, then the tail is val: deterministic and not biased
-    # towards the alphabetically last files.
-    order = sorted(range(len(docs)), key=lambda i: hashlib.sha256(f"{cfg.seed}:{docs[i].source}".encode()).digest())
-    docs = [docs[i] for i in order]
+def _prepare(cfg: DataConfig, out: Path, progress: bool, resume: bool) -> dict:
+    items = list_inputs(list(cfg.inputs))
+    part = out / PARTIAL
+    state = _resumable(cfg, part, items) if resume else None
+    if state is None:
+        if part.exists():
+            log.warning("discarding the interrupted preparation in %s (--resume continues one)", part)
+            shutil.rmtree(part)
+        part.mkdir(parents=True)
+        state = _start(cfg, items, part, progress)
+    else:
+        log.info("resuming the preparation in %s: %d documents done", part, state["documents"])
+    tok = Tokenizer.load(part, state["tokenizer"])
+    if not state["done"]:
+        _stream(cfg, tok, items, part, state, progress)
+    return _finish(cfg, out, part, tok, state)
 
-    show = progress and stats.bytes >= 1e6
+
+def _identity(cfg: DataConfig, items: list) -> dict:
+    """What must be as it was for a preparation to be resumed."""
+    return {"inputs": [str(i) for i in items], "tokenizer": cfg.tokenizer, "vocab_size": cfg.vocab_size,
+            "tokenizer_sample": cfg.tokenizer_sample, "text_field": cfg.text_field, "val_fraction": cfg.val_fraction,
+            "seed": cfg.seed, "shard_tokens": cfg.shard_tokens}
+
+
+def _resumable(cfg: DataConfig, part: Path, items: list) -> dict | None:
+    """The interrupted preparation's state, if there is one to continue; None to start over."""
+    state = load_progress(part)
+    if state is None:
+        return None
+    for key, value in _identity(cfg, items).items():
+        if state["identity"].get(key) != value:
+            shown = "the inputs" if key == "inputs" else key
+            raise ValueError(f"the interrupted preparation in {part.parent} was made with other {shown} "
+                             f"({state['identity'].get(key)!r}, now {value!r}); match it, or rerun without --resume to start over")
+    for path, (size, mtime) in state["corpus"]["seen"].items():
+        st = Path(path).stat() if Path(path).is_file() else None
+        if st is None or [st.st_size, st.st_mtime_ns] != [size, mtime]:
+            raise ValueError(f"{path} changed since the interrupted preparation in {part.parent} read it; "
+                             "rerun without --resume to start over")
+    try:
+        if sha256_file(part / TOKENIZER_FILE) != state["tokenizer_sha256"]:
+            raise StaleProgress("its tokenizer.json changed")
+        dtype = np.dtype(state["dtype"])
+        for split, s in state["splits"].items():
+            ShardWriter(part, split, dtype, cfg.shard_tokens, **s)  # checks the shards' sizes
+    except (OSError, StaleProgress) as e:
+        log.warning("the interrupted preparation in %s cannot be continued (%s); starting over", part, e)
+        return None
+    return state
+
+
+def _start(cfg: DataConfig, items: list, part: Path, progress: bool) -> dict:
+    """A new preparation: the tokenizer made and staged, and its first checkpoint."""
+    total = sum(text_bytes(i, cfg.text_field) for i in items)
     sample = None
     if cfg.tokenizer == "bpe":
-        sample, sample_bytes = _sample(docs, parse_bytes(cfg.tokenizer_sample, flag="--tokenizer-sample"))
-        log.info("training a %d-token byte-level BPE on %s of %s (%d of %d documents)", cfg.vocab_size,
-                 format_bytes(sample_bytes), format_bytes(stats.bytes), len(sample), len(docs))
-        tok = train_bpe((d.text for d in sample), cfg.vocab_size, progress=show and sample_bytes >= 50e6)
+        limit = parse_bytes(cfg.tokenizer_sample, flag="--tokenizer-sample")
+        sample = _Sample(cfg, items, limit, total)
+        log.info("training a %d-token byte-level BPE on at most %s of about %s of text", cfg.vocab_size,
+                 format_bytes(min(limit, total)), format_bytes(total))
+        tok = train_bpe(iter(sample), cfg.vocab_size, progress=progress and min(limit, total) >= 50e6)
+        if not sample.documents:
+            raise ValueError(f"no usable text in {list(cfg.inputs)}: {sample.stats.summary(0, 0)}")
     elif cfg.tokenizer == "gpt2":
         tok = gpt2_tokenizer()
     else:
         tok = Tokenizer.load_file(cfg.tokenizer)
-    dtype = token_dtype(tok.vocab_size)
-    bar = tqdm(total=stats.bytes, unit="B", unit_scale=True, desc="tokenizing", disable=None if show else True)
-    tokens = _encode(tok, docs, dtype, bar)
-    bar.close()
-    n_val = max(1, int(len(tokens) * cfg.val_fraction))
-    train, val = tokens[:-n_val], tokens[-n_val:]
+    try:
+        tok.save_as(part / TOKENIZER_FILE)
+    except Exception as e:  # the tokenizers library's own error for a full disk or a read-only folder
+        raise OSError(write_error(e, part)) from e
+    state = {
+        "identity": _identity(cfg, items), "tokenizer": tok.kind, "tokenizer_sha256": sha256_file(part / TOKENIZER_FILE),
+        "tokenizer_sample_documents": sample.documents if sample else None, "dtype": token_dtype(tok.vocab_size).name,
+        "total_bytes": total, "position": [0, 0], "documents": 0, "bytes": 0, "val_documents": 0,
+        "corpus": {"seen": {}, "sha256": {}, "skipped": {}}, "done": False,
+    }
+    save_progress(part, {}, state)
+    return state
+
+
+class _Sample:
+    """The documents a BPE trains on: each kept with probability limit/total by a seeded draw, so the sample is
+    spread evenly across all inputs, until ``limit`` bytes (at least one document)."""
+
+    def __init__(self, cfg: DataConfig, items: list, limit: int, total: int) -> None:
+        self.cfg, self.items, self.limit, self.keep = cfg, items, limit, min(1.0, limit / max(total, 1))
+        self.stats, self.documents, self.bytes = CorpusStats(), 0, 0
+
+    def __iter__(self):
+        first = None
+        for doc in read_documents(self.items, self.stats, self.cfg.text_field):
+            first = first or doc
+            if self.keep < 1 and _draw(self.cfg.seed, "tokenizer-sample", doc.source) >= self.keep:
+                continue
+            n = len(doc.text.encode())
+            if self.documents and self.bytes + n > self.limit:
+                break
+            self.documents, self.bytes = self.documents + 1, self.bytes + n
+            yield doc.text
+        if first is not None and not self.documents:
+            self.documents, self.bytes = 1, len(first.text.encode())
+            yield first.text
+
+
+def _batches(tok: Tokenizer, docs, batch_chars: int = 4 << 20, batch_docs: int = 256):
+    """Documents grouped for one `encode_batch` call (the library uses every core), each with the pieces it is
+    encoded in (long documents are cut, `Tokenizer.split_long`), so the encodings in flight stay bounded."""
+    batch, size = [], 0
+    for doc in docs:
+        pieces = tok.split_long(doc.text)
+        batch.append((doc, pieces))
+        size += len(doc.text)
+        if size >= batch_chars or len(batch) >= batch_docs:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _stream(cfg: DataConfig, tok: Tokenizer, items: list, part: Path, state: dict, progress: bool) -> None:
+    """Every document from ``state['position']`` on, tokenized into the shards of its split; a checkpoint at
+    each closed shard, and at the end."""
+    dtype = np.dtype(state["dtype"])
+    writers = {s: ShardWriter(part, s, dtype, cfg.shard_tokens, **state.get("splits", {}).get(s, {})) for s in SPLITS}
+    stats = CorpusStats(**state["corpus"])
+    show = progress and state["total_bytes"] >= 1e6
+    bar = tqdm(total=state["total_bytes"], initial=state["bytes"], unit="B", unit_scale=True, desc="tokenizing",
+               disable=None if show else True)
+
+    def checkpoint(position: list[int]) -> None:
+        index = position[0]
+        before = {str(p) for p in items[:index] if isinstance(p, Path)}
+        current = {str(items[index])} if index < len(items) and position[1] else set()
+        state["corpus"] = {"seen": stats.keep(before | current).seen, "sha256": stats.keep(before).sha256,
+                           "skipped": stats.keep(before).skipped}
+        save_progress(part, writers, state)
+
+    try:
+        for batch in _batches(tok, read_documents(items, stats, cfg.text_field, tuple(state["position"]))):
+            encoded = iter(tok.encode_batch([piece for _, pieces in batch for piece in pieces]))
+            for doc, pieces in batch:
+                split = "val" if _draw(cfg.seed, "val", doc.source) < cfg.val_fraction else "train"
+                closed = _write_document(writers[split], [next(encoded) for _ in pieces], tok.eot_id, dtype)
+                n = len(doc.text.encode())
+                state["documents"] += 1
+                state["bytes"] += n
+                state["val_documents"] += split == "val"
+                state["position"] = list(doc.after)
+                bar.update(n)
+                if closed:
+                    checkpoint(state["position"])
+            bar.set_postfix_str(f"{state['documents']:,} documents", refresh=False)
+        for w in writers.values():
+            w.close_shard()
+        state["done"] = True
+        state["position"] = [len(items), 0]
+        checkpoint(state["position"])
+    finally:
+        for w in writers.values():
+            w.close()
+        bar.close()
+    log.info("corpus: %s", stats.summary(state["documents"], state["bytes"]))
+
+
+def _write_document(writer: ShardWriter, pieces: list[list[int]], eot_id: int, dtype: np.dtype) -> bool:
+    """A document's tokens, then end-of-text; True if that closed a shard."""
+    for ids in pieces[:-1]:
+        writer.write(np.asarray(ids, dtype=dtype), doc_end=False)
+    return writer.write(np.asarray([*pieces[-1], eot_id], dtype=dtype), doc_end=True)
+
+
+def _finish(cfg: DataConfig, out: Path, part: Path, tok: Tokenizer, state: dict) -> dict:
+    """Move the staged preparation into place, meta.json last, and drop what an older one left."""
+    shards = {s: list(state["splits"][s]["shards"]) for s in SPLITS}
+    if not state["documents"]:
+        raise ValueError(f"no usable text in {list(cfg.inputs)}: {CorpusStats(**state['corpus']).summary(0, 0)}")
+    split = "documents"
+    if not shards["train"] or not shards["val"]:
+        shards, split = _cut_tail(part, shards, np.dtype(state["dtype"]), cfg.val_fraction), "last tokens"
+        log.warning("too few documents for a document-level split: holding out the last %d tokens for validation",
+                    shards["val"][-1]["tokens"])
+    corpus = CorpusStats(**state["corpus"])
     meta = {
         "format_version": FORMAT_VERSION,
         "tokenizer": tok.kind,
         "vocab_size": tok.vocab_size,
         # What was asked for: a small corpus can give a BPE fewer tokens, and the next run asks again.
         "requested_vocab_size": cfg.vocab_size if cfg.tokenizer == "bpe" else None,
-        "tokenizer_sample_documents": len(sample) if sample is not None else None,
+        "tokenizer_sample_documents": state["tokenizer_sample_documents"],
         "eot_id": tok.eot_id,
-        "tokenizer_sha256": None,  # set from the file as written
-        "dtype": dtype.name,
-        "train_tokens": int(len(train)),
-        "val_tokens": int(len(val)),
+        "tokenizer_sha256": state["tokenizer_sha256"],
+        "dtype": state["dtype"],
+        "shards": shards,
+        "shard_tokens": cfg.shard_tokens,
+        "train_tokens": sum(s["tokens"] for s in shards["train"]),
+        "val_tokens": sum(s["tokens"] for s in shards["val"]),
+        "split": split,
         "inputs": list(cfg.inputs),
         "text_field": cfg.text_field,
         "val_fraction": cfg.val_fraction,
         "seed": cfg.seed,
-        "documents": stats.documents,
-        "skipped": {"binary": len(stats.skipped_binary), "not_utf8": len(stats.skipped_not_utf8), "empty": len(stats.skipped_empty)},
-        "sources": [{"path": d.source, "sha256": d.sha256} for d in sorted(docs, key=lambda d: d.source)],
-        "files": stats.seen,
+        "documents": state["documents"],
+        "val_documents": state["val_documents"],
+        "bytes": state["bytes"],
+        "skipped": corpus.skipped_counts(),
+        "files": corpus.seen,
+        "file_sha256": corpus.sha256,
     }
-    _write_all(out, {"train.bin": train, "val.bin": val}, tok, meta)
-    log.info("wrote %s: %d train / %d val tokens, vocab %d (%s)", out, len(train), len(val), tok.vocab_size, tok.kind)
+    names = [s["file"] for split_shards in shards.values() for s in split_shards]
+    (out / META_FILE).unlink(missing_ok=True)  # no moment where an old meta describes new files
+    for name in (*names, TOKENIZER_FILE):
+        os.replace(part / name, out / name)
+    for old in out.iterdir():  # an older preparation's shards
+        if old.suffix == ".bin" and old.name not in names and (old.name in LEGACY_FILES or old.name.startswith(SPLITS)):
+            old.unlink()
+    tmp = out / f"{META_FILE}.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, out / META_FILE)  # meta last: its presence marks a complete preparation
+    shutil.rmtree(part)
+    log.info("wrote %s: %d train / %d val tokens in %d shards, vocab %d (%s)", out, meta["train_tokens"],
+             meta["val_tokens"], len(names), tok.vocab_size, tok.kind)
     return meta
 
 
-def _sample(docs: list, limit: int) -> tuple[list, int]:
-    """The first documents of the seeded shuffle (every input's documents mixed) up to ``limit`` bytes (at least
-    one), and their bytes."""
-    out, size = [], 0
-    for d in docs:
-        n = len(d.text.encode())
-        if out and size + n > limit:
-            break
-        out.append(d)
-        size += n
-    return out, size
+def _cut_tail(part: Path, shards: dict, dtype: np.dtype, val_fraction: float) -> dict:
+    """Train and val from a corpus whose documents all fell on one side: the last shard cut, its tail val."""
+    side = "train" if shards["train"] else "val"
+    last = shards[side].pop()
+    tokens = np.fromfile(part / last["file"], dtype=dtype)
+    total = last["tokens"] + sum(s["tokens"] for s in shards[side])
+    n_val = min(max(1, int(total * val_fraction)), len(tokens) // 2)
+    if n_val < 1:
+        raise ValueError("too little text to hold out any for validation; give `fitgpt prepare` more text")
+    pieces = {"train": tokens[:-n_val], "val": tokens[-n_val:]}
+    for split in SPLITS:
+        name = shard_name(split, len(shards[split]))
+        pieces[split].tofile(part / f"{name}.tmp")
+        os.replace(part / f"{name}.tmp", part / name)
+        shards[split].append({"file": name, "tokens": len(pieces[split])})
+    if last["file"] not in {s["file"] for s in shards["train"] + shards["val"]}:
+        (part / last["file"]).unlink()
+    return shards
 
 
 def ensure_prepared(cfg: DataConfig, progress: bool = True) -> dict:
@@ -230,7 +383,7 @@ def ensure_prepared(cfg: DataConfig, progress: bool = True) -> dict:
     meta_path = cfg.path / META_FILE
     if not meta_path.is_file():
         log.info("no prepared data in %s; preparing %s now (first use)", cfg.path, list(cfg.inputs))
-        return prepare(cfg, progress=progress)
+        return prepare(cfg, progress=progress, resume=True)
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as e:
@@ -249,7 +402,7 @@ def ensure_prepared(cfg: DataConfig, progress: bool = True) -> dict:
                 f"use another --data.dir, or match --data.{key.replace('_', '-')}"
             )
     if isinstance(meta.get("files"), dict):
-        shas = {s.get("path"): s.get("sha256") for s in meta.get("sources", []) if isinstance(s, dict)}
+        shas = meta.get("file_sha256") or {s.get("path"): s.get("sha256") for s in meta.get("sources", []) if isinstance(s, dict)}
         changes = changed_inputs(list(cfg.inputs), meta["files"], shas)
         if changes:
             shown = ", ".join(changes[:3]) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "")

@@ -1,0 +1,116 @@
+"""Token shards: each split's tokens in numbered files, written so that an interrupted preparation resumes.
+
+A split's tokens go to ``{split}_{k:06d}.bin`` files. A shard closes at the first document end past
+``shard_tokens``, so shards hold whole documents and a training window never crosses one. Closing a
+shard is a checkpoint: the open shards of both splits are flushed to disk, and ``progress.json``
+(written atomically) records every closed shard, how many tokens of each open shard are committed,
+and where reading resumes. A resumed preparation cuts each open shard back to what was committed and
+goes on from there, so that its output is byte for byte an uninterrupted one's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+SPLITS = ("train", "val")
+PROGRESS_FILE = "progress.json"
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}_{index:06d}.bin"
+
+
+class ShardWriter:
+    """Appends one split's tokens to its shards in ``directory``."""
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int,
+                 shards: list[dict] | None = None, open_tokens: int = 0) -> None:
+        self.dir, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
+        self.shards = list(shards or [])  # closed: [{"file": name, "tokens": n}]
+        self.open_tokens = open_tokens  # committed tokens of the open shard (a resumed one's are on disk)
+        self._f = None
+        for s in self.shards:
+            _check_size(directory / s["file"], s["tokens"] * dtype.itemsize, exact=True)
+        if open_tokens:
+            _check_size(self._open_path(), open_tokens * dtype.itemsize, exact=False)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s["tokens"] for s in self.shards) + self.open_tokens
+
+    def _open_path(self) -> Path:
+        return self.dir / shard_name(self.split, len(self.shards))
+
+    def _file(self):
+        if self._f is None:
+            self._f = open(self._open_path(), "r+b" if self.open_tokens else "wb")
+            self._f.truncate(self.open_tokens * self.dtype.itemsize)  # what a killed run wrote after its last checkpoint
+            self._f.seek(0, os.SEEK_END)
+        return self._f
+
+    def write(self, tokens: np.ndarray, doc_end: bool) -> bool:
+        """Append ``tokens`` (a document's, or a piece of one); True if this closed a shard."""
+        self._file().write(tokens.tobytes())
+        self.open_tokens += len(tokens)
+        if doc_end and self.open_tokens >= self.shard_tokens:
+            self.close_shard()
+            return True
+        return False
+
+    def flush(self) -> None:
+        if self._f is not None:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+
+    def close_shard(self) -> None:
+        if not self.open_tokens:
+            return
+        self.flush()
+        self._f.close()
+        self._f = None
+        self.shards.append({"file": self._open_path().name, "tokens": self.open_tokens})
+        self.open_tokens = 0
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def state(self) -> dict:
+        return {"shards": list(self.shards), "open_tokens": self.open_tokens}
+
+
+def _check_size(path: Path, size: int, exact: bool) -> None:
+    have = path.stat().st_size if path.is_file() else -1
+    if have < size or (exact and have != size):
+        raise StaleProgress(f"{path.name} holds {max(have, 0)} bytes, not the {size} its progress records")
+
+
+class StaleProgress(Exception):
+    """An interrupted preparation that cannot be continued as it stands (the caller starts over)."""
+
+
+def save_progress(directory: Path, writers: dict[str, ShardWriter], state: dict) -> None:
+    """A checkpoint: the open shards' bytes on disk first, then ``state`` (its ``splits`` updated from ``writers``)
+    as ``progress.json``, atomically."""
+    for w in writers.values():
+        w.flush()
+    state["splits"] = {split: w.state() for split, w in writers.items()}
+    tmp = directory / f"{PROGRESS_FILE}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(state, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / PROGRESS_FILE)
+
+
+def load_progress(directory: Path) -> dict | None:
+    try:
+        state = json.loads((directory / PROGRESS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) and "splits" in state else None
