@@ -176,6 +176,11 @@ def test_training_resumes_an_interrupted_first_preparation(records, data_dir, tm
         prepare(cfg(records, data_dir, tmp_path / "again", shard_tokens=500), progress=False)
     assert "discarding the interrupted preparation" in caplog.text and "--resume continues one" in caplog.text
     assert files(tmp_path / "again") == files(tmp_path / "ref")
+    # Training asked for other settings than the interrupted preparation had: it starts over, and says so.
+    kill_at_random([*args[:3], "--dir", str(tmp_path / "other"), *args[5:]], tmp_path / "other", random.Random(3))
+    with caplog.at_level(logging.WARNING, logger="fitgpt.data.prepare"):
+        meta = ensure_prepared(cfg(records, data_dir, tmp_path / "other", shard_tokens=500, val_fraction=0.2), progress=False)
+    assert "was made with other val_fraction (0.05, now 0.2); starting over" in caplog.text and meta["val_fraction"] == 0.2
 
 
 def test_data_prepared_before_shards_still_loads(data_dir, tmp_path):

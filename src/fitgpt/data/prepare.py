@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -50,8 +51,8 @@ class DataConfig:
     vocab_size: int = 2048
     """Vocabulary size of the trained BPE (ignored for gpt2, which has 50257, and for a tokenizer file)."""
     tokenizer_sample: str = "200MB"
-    """bpe: train on at most this much text, documents drawn across all inputs in the seeded order, so that training
-    the tokenizer does not grow with the corpus."""
+    """bpe: train on at most this much text, each document kept with probability sample/corpus by a seeded draw
+    (spread evenly across all inputs), so that training the tokenizer does not grow with the corpus."""
     val_fraction: float = 0.05
     """Share of the documents held out for validation, each drawn by a seeded hash of its name (a corpus of too
     few documents to draw any holds out this share of its last tokens instead)."""
@@ -116,11 +117,12 @@ def _draw(seed: int, purpose: str, source: str) -> float:
     return int.from_bytes(digest[:8], "little") / 2**64
 
 
-def prepare(cfg: DataConfig, progress: bool = True, resume: bool = False) -> dict:
+def prepare(cfg: DataConfig, progress: bool = True, resume: bool | None = False) -> dict:
     """Tokenize cfg.inputs into cfg.dir and return the meta dict that was written.
 
     Writes only into a new or empty directory, or one fitgpt prepared before; holds the directory's lock meanwhile.
-    ``resume`` continues an interrupted preparation of the same inputs and settings from its last closed shard.
+    ``resume`` continues an interrupted preparation of the same inputs and settings from its last closed shard
+    (and refuses one made otherwise); None continues one if it can and otherwise starts over.
     """
     out = cfg.path
     _check_output_dir(out)
@@ -132,10 +134,10 @@ def prepare(cfg: DataConfig, progress: bool = True, resume: bool = False) -> dic
                              f"then rerun with --resume (or choose another --dir)") from e
 
 
-def _prepare(cfg: DataConfig, out: Path, progress: bool, resume: bool) -> dict:
+def _prepare(cfg: DataConfig, out: Path, progress: bool, resume: bool | None) -> dict:
     items = list_inputs(list(cfg.inputs))
     part = out / PARTIAL
-    state = _resumable(cfg, part, items) if resume else None
+    state = _resumable(cfg, part, items, strict=bool(resume)) if resume is not False else None
     if state is None:
         if part.exists():
             log.warning("discarding the interrupted preparation in %s (--resume continues one)", part)
@@ -157,21 +159,20 @@ def _identity(cfg: DataConfig, items: list) -> dict:
             "seed": cfg.seed, "shard_tokens": cfg.shard_tokens}
 
 
-def _resumable(cfg: DataConfig, part: Path, items: list) -> dict | None:
-    """The interrupted preparation's state, if there is one to continue; None to start over."""
+def _resumable(cfg: DataConfig, part: Path, items: list, strict: bool) -> dict | None:
+    """The interrupted preparation's state, if there is one to continue; None to start over. One made with
+    other settings or inputs is refused if ``strict``, else started over."""
     state = load_progress(part)
     if state is None:
+        if strict:
+            log.info("no interrupted preparation in %s to resume; preparing from the start", part.parent)
         return None
-    for key, value in _identity(cfg, items).items():
-        if state["identity"].get(key) != value:
-            shown = "the inputs" if key == "inputs" else key
-            raise ValueError(f"the interrupted preparation in {part.parent} was made with other {shown} "
-                             f"({state['identity'].get(key)!r}, now {value!r}); match it, or rerun without --resume to start over")
-    for path, (size, mtime) in state["corpus"]["seen"].items():
-        st = Path(path).stat() if Path(path).is_file() else None
-        if st is None or [st.st_size, st.st_mtime_ns] != [size, mtime]:
-            raise ValueError(f"{path} changed since the interrupted preparation in {part.parent} read it; "
-                             "rerun without --resume to start over")
+    why = _unlike(state, _identity(cfg, items))
+    if why and strict:
+        raise ValueError(f"the interrupted preparation in {part.parent} {why}; match it, or rerun without --resume to start over")
+    if why:
+        log.warning("the interrupted preparation in %s %s; starting over", part.parent, why)
+        return None
     try:
         if sha256_file(part / TOKENIZER_FILE) != state["tokenizer_sha256"]:
             raise StaleProgress("its tokenizer.json changed")
@@ -182,6 +183,21 @@ def _resumable(cfg: DataConfig, part: Path, items: list) -> dict | None:
         log.warning("the interrupted preparation in %s cannot be continued (%s); starting over", part, e)
         return None
     return state
+
+
+def _unlike(state: dict, identity: dict) -> str | None:
+    """How an interrupted preparation differs from what is asked now, if it does."""
+    for key, value in identity.items():
+        had = state["identity"].get(key)
+        if had != value and key == "inputs":
+            return f"read other inputs ({len(had or [])} files and datasets then, {len(value)} now)"
+        if had != value:
+            return f"was made with other {key} ({had!r}, now {value!r})"
+    for path, (size, mtime) in state["corpus"]["seen"].items():
+        st = Path(path).stat() if Path(path).is_file() else None
+        if st is None or [st.st_size, st.st_mtime_ns] != [size, mtime]:
+            return f"read {path}, which has changed since"
+    return None
 
 
 def _start(cfg: DataConfig, items: list, part: Path, progress: bool) -> dict:
@@ -253,10 +269,25 @@ def _batches(tok: Tokenizer, docs, batch_chars: int = 4 << 20, batch_docs: int =
         yield batch
 
 
+def _encoded(tok: Tokenizer, batches):
+    """Each batch with an iterator over its pieces' ids. The next batch encodes in a worker thread (the tokenizer
+    releases the GIL and uses every core) while this one is written and the one after is read and parsed."""
+    with ThreadPoolExecutor(1) as pool:
+        ahead = None
+        for batch in batches:
+            job = pool.submit(tok.encode_batch, [piece for _, pieces in batch for piece in pieces])
+            if ahead is not None:
+                yield ahead[0], iter(ahead[1].result())
+            ahead = batch, job
+        if ahead is not None:
+            yield ahead[0], iter(ahead[1].result())
+
+
 def _stream(cfg: DataConfig, tok: Tokenizer, items: list, part: Path, state: dict, progress: bool) -> None:
     """Every document from ``state['position']`` on, tokenized into the shards of its split; a checkpoint at
     each closed shard, and at the end."""
     dtype = np.dtype(state["dtype"])
+    eot = np.asarray([tok.eot_id], dtype=dtype)
     writers = {s: ShardWriter(part, s, dtype, cfg.shard_tokens, **state.get("splits", {}).get(s, {})) for s in SPLITS}
     stats = CorpusStats(**state["corpus"])
     show = progress and state["total_bytes"] >= 1e6
@@ -272,12 +303,12 @@ def _stream(cfg: DataConfig, tok: Tokenizer, items: list, part: Path, state: dic
         save_progress(part, writers, state)
 
     try:
-        for batch in _batches(tok, read_documents(items, stats, cfg.text_field, tuple(state["position"]))):
-            encoded = iter(tok.encode_batch([piece for _, pieces in batch for piece in pieces]))
+        docs = read_documents(items, stats, cfg.text_field, tuple(state["position"]))
+        for batch, encoded in _encoded(tok, _batches(tok, docs)):
             for doc, pieces in batch:
                 split = "val" if _draw(cfg.seed, "val", doc.source) < cfg.val_fraction else "train"
-                closed = _write_document(writers[split], [next(encoded) for _ in pieces], tok.eot_id, dtype)
-                n = len(doc.text.encode())
+                closed = _write_document(writers[split], [next(encoded) for _ in pieces], eot)
+                n = len(doc.text) if doc.text.isascii() else len(doc.text.encode())  # isascii() is O(1)
                 state["documents"] += 1
                 state["bytes"] += n
                 state["val_documents"] += split == "val"
@@ -298,11 +329,11 @@ def _stream(cfg: DataConfig, tok: Tokenizer, items: list, part: Path, state: dic
     log.info("corpus: %s", stats.summary(state["documents"], state["bytes"]))
 
 
-def _write_document(writer: ShardWriter, pieces: list[list[int]], eot_id: int, dtype: np.dtype) -> bool:
+def _write_document(writer: ShardWriter, pieces: list[list[int]], eot: np.ndarray) -> bool:
     """A document's tokens, then end-of-text; True if that closed a shard."""
-    for ids in pieces[:-1]:
-        writer.write(np.asarray(ids, dtype=dtype), doc_end=False)
-    return writer.write(np.asarray([*pieces[-1], eot_id], dtype=dtype), doc_end=True)
+    for ids in pieces:
+        writer.write(np.asarray(ids, dtype=eot.dtype), doc_end=False)
+    return writer.write(eot, doc_end=True)
 
 
 def _finish(cfg: DataConfig, out: Path, part: Path, tok: Tokenizer, state: dict) -> dict:
@@ -383,7 +414,7 @@ def ensure_prepared(cfg: DataConfig, progress: bool = True) -> dict:
     meta_path = cfg.path / META_FILE
     if not meta_path.is_file():
         log.info("no prepared data in %s; preparing %s now (first use)", cfg.path, list(cfg.inputs))
-        return prepare(cfg, progress=progress, resume=True)
+        return prepare(cfg, progress=progress, resume=None)  # a first use that was interrupted continues
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as e:
