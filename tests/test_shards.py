@@ -60,7 +60,12 @@ def test_shards_hold_whole_documents_and_the_split_is_by_document(records, data_
     # Whole documents on each side, about a tenth of them held out, drawn by the seed.
     tok = TokenData(tmp_path / "one")
     assert one["split"] == "documents" and one["documents"] == len(records[1])
-    assert 0.05 < one["val_documents"] / one["documents"] < 0.15
+    assert 0 < one["val_documents"] < one["documents"]  # about a tenth: the names hold the test's random tmp path
+    import importlib
+
+    draw = importlib.import_module("fitgpt.data.prepare")._draw
+    held = [draw(1337, "val", f"corpus.jsonl#{i}") < 0.1 for i in range(20000)]
+    assert abs(sum(held) / len(held) - 0.1) < 0.01  # 4.7 standard deviations
     assert len(documents(tmp_path / "one", "val")) == one["val_documents"]
     assert tok.meta == one
     other = prepare(cfg(records, data_dir, tmp_path / "seed", val_fraction=0.1, seed=7), progress=False)
@@ -207,7 +212,7 @@ class FakeDataset:
 
     def __init__(self, rows):
         self.rows, self.column_names = rows, ["text"]
-        self.data = types.SimpleNamespace(nbytes=sum(len(r.encode()) for r in rows))
+        self.data = types.SimpleNamespace(column=lambda name: types.SimpleNamespace(nbytes=sum(len(r.encode()) for r in rows)))
 
     def select_columns(self, columns):
         return self
@@ -239,3 +244,27 @@ def test_hf_datasets_are_read_from_the_local_cache_only(monkeypatch, data_dir, t
     prepare(cfg(records, data_dir, tmp_path / "jsonl"), progress=False)
     assert sorted(documents(tmp_path / "hf", "train") + documents(tmp_path / "hf", "val")) == \
         sorted(documents(tmp_path / "jsonl", "train") + documents(tmp_path / "jsonl", "val"))
+
+
+def test_the_tokenizer_sample_is_drawn_evenly_across_inputs(records, tmp_path):
+    """Two inputs of the same size and a sample of a third of the corpus: each input gives a fair share of it
+    (the first documents in reading order would all be the first input's), within the limit, the same every time."""
+    import importlib
+
+    prep = importlib.import_module("fitgpt.data.prepare")
+    from fitgpt.data.corpus import list_inputs
+
+    texts = records[1] * 3
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name}: {t}"}) + "\n" for t in texts))
+    config = DataConfig(dir=str(tmp_path / "d"), inputs=(str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")))
+    items = list_inputs(list(config.inputs))
+    total = 2 * sum(len(t.encode()) + 3 for t in texts)
+    draws = []
+    for _ in range(2):
+        sample = prep._Sample(config, items, limit=total // 3, total=total)
+        draws.append(list(sample))
+        assert sample.bytes <= total // 3 and sample.documents == len(draws[-1])
+    assert draws[0] == draws[1]
+    from_b = sum(t.startswith("b: ") for t in draws[0]) / len(draws[0])
+    assert 0.3 < from_b < 0.7, from_b

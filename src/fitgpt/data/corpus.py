@@ -35,6 +35,8 @@ class Document:
     text: str
     after: tuple[int, int]
     """Where reading resumes after this document: (input index, records of that input done)."""
+    size: int = 0
+    """Input bytes read for it (a file's, a JSON line's and any skipped before it), for progress; 0: its text's."""
 
 
 @dataclass
@@ -136,33 +138,36 @@ def _file_documents(path: Path, index: int, skip: int, stats: CorpusStats, text_
         return
     records = _json_array(text, text_field) if name.endswith(".json") else None
     if records is not None:  # a .json array of records; any other .json is a text document like any file
-        yield from _record_documents(path, index, iter(records[skip:]), text_field, skip)
+        yield from _record_documents(path, index, ((r, 0) for r in records[skip:]), text_field, skip)
     elif not skip:
-        yield Document(str(path), text, (index + 1, 0))
+        yield Document(str(path), text, (index + 1, 0), len(raw))
 
 
-def _record_documents(path: Path, index: int, records: Iterator[dict], text_field: str, skip: int) -> Iterator[Document]:
+def _record_documents(path: Path, index: int, records: Iterator[tuple[dict, int]], text_field: str, skip: int) -> Iterator[Document]:
     """Each record's text a document, named ``path#record``; a file none of whose records has the field is an error.
 
     ``records`` starts at record ``skip``: a reading resumed after a document of this file, which therefore had one.
     """
-    used, keys = skip > 0, None
-    for i, record in enumerate(records, skip):
+    used, keys, size = skip > 0, None, 0
+    for i, (record, n) in enumerate(records, skip):
+        size += n
         text = record.get(text_field) if isinstance(record, dict) else None
         if keys is None and isinstance(record, dict):
             keys = sorted(record)
         if not isinstance(text, str) or not text.strip():
             continue
         used = True
-        yield Document(f"{path}#{i}", text, (index, i + 1))
+        yield Document(f"{path}#{i}", text, (index, i + 1), size)
+        size = 0
     if not used:
         have = f"its records have: {', '.join(keys)}" if keys else "it has no records"
         raise ValueError(f"{path}: no record has a text field {text_field!r} ({have}); set --text-field "
                          "(--data.text-field when training)")
 
 
-def _records(path: Path, text_field: str, skip: int) -> Iterator[dict]:
-    """The records of a JSON Lines or Parquet file from record ``skip`` on (skipped ones are not parsed)."""
+def _records(path: Path, text_field: str, skip: int) -> Iterator[tuple[dict, int]]:
+    """The records of a JSON Lines or Parquet file from record ``skip`` on (skipped ones are not parsed), each with
+    the bytes it was read from (0 for Parquet, whose size is its text's)."""
     if path.name.lower().endswith(".parquet"):
         yield from _parquet_records(path, text_field, skip)
         return
@@ -177,7 +182,7 @@ def _records(path: Path, text_field: str, skip: int) -> Iterator[dict]:
                 if seen <= skip:
                     continue
                 try:
-                    yield json.loads(line)
+                    yield json.loads(line), len(line)
                 except ValueError as e:  # UnicodeDecodeError included
                     raise ValueError(f"{path}:{n}: not a JSON record ({e}); fix or remove the line") from None
     except (OSError, EOFError) as e:
@@ -207,7 +212,7 @@ def _parquet_file(path: Path):
         raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
 
 
-def _parquet_records(path: Path, text_field: str, skip: int) -> Iterator[dict]:
+def _parquet_records(path: Path, text_field: str, skip: int) -> Iterator[tuple[dict, int]]:
     f = _parquet_file(path)
     columns = f.schema_arrow.names
     if text_field not in columns:
@@ -218,7 +223,7 @@ def _parquet_records(path: Path, text_field: str, skip: int) -> Iterator[dict]:
             skip -= batch.num_rows
             continue
         for text in batch.column(0).slice(skip).to_pylist():
-            yield {text_field: text}
+            yield {text_field: text}, 0
         skip = 0
 
 
@@ -226,7 +231,8 @@ def text_bytes(item: str | Path, text_field: str = "text") -> int:
     """About how many bytes of text an input holds, for progress and the tokenizer sample, without reading it:
     a file's size; a gzip file's recorded uncompressed size; a Parquet file's uncompressed text column."""
     if isinstance(item, str):
-        return _hf_dataset(item)[0].data.nbytes
+        ds, column = _hf_dataset(item)
+        return ds.data.column(column).nbytes
     name = item.name.lower()
     if name.endswith(".gz"):
         with open(item, "rb") as f:  # the gzip trailer: the uncompressed size modulo 2**32

@@ -223,7 +223,7 @@ def _start(cfg: DataConfig, items: list, part: Path, progress: bool) -> dict:
     state = {
         "identity": _identity(cfg, items), "tokenizer": tok.kind, "tokenizer_sha256": sha256_file(part / TOKENIZER_FILE),
         "tokenizer_sample_documents": sample.documents if sample else None, "dtype": token_dtype(tok.vocab_size).name,
-        "total_bytes": total, "position": [0, 0], "documents": 0, "bytes": 0, "val_documents": 0,
+        "total_bytes": total, "position": [0, 0], "documents": 0, "bytes": 0, "read": 0, "val_documents": 0,
         "corpus": {"seen": {}, "sha256": {}, "skipped": {}}, "done": False,
     }
     save_progress(part, {}, state)
@@ -291,7 +291,7 @@ def _stream(cfg: DataConfig, tok: Tokenizer, items: list, part: Path, state: dic
     writers = {s: ShardWriter(part, s, dtype, cfg.shard_tokens, **state.get("splits", {}).get(s, {})) for s in SPLITS}
     stats = CorpusStats(**state["corpus"])
     show = progress and state["total_bytes"] >= 1e6
-    bar = tqdm(total=state["total_bytes"], initial=state["bytes"], unit="B", unit_scale=True, desc="tokenizing",
+    bar = tqdm(total=state["total_bytes"], initial=state["read"], unit="B", unit_scale=True, desc="tokenizing",
                disable=None if show else True)
 
     def checkpoint(position: list[int]) -> None:
@@ -313,7 +313,8 @@ def _stream(cfg: DataConfig, tok: Tokenizer, items: list, part: Path, state: dic
                 state["bytes"] += n
                 state["val_documents"] += split == "val"
                 state["position"] = list(doc.after)
-                bar.update(n)
+                state["read"] += doc.size or n
+                bar.update(doc.size or n)
                 if closed:
                     checkpoint(state["position"])
             bar.set_postfix_str(f"{state['documents']:,} documents", refresh=False)
