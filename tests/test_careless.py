@@ -394,7 +394,7 @@ def test_ctrl_c_during_prepare_exits_130_in_one_line_and_leaves_nothing_half_wri
         real = tokenizer.Tokenizer.encode_batch
         def slow(self, texts):
             print("encoding", flush=True)
-            time.sleep(0.5)
+            time.sleep(2)  # long enough that the signal lands during it, however late the test sends it
             return real(self, texts)
         tokenizer.Tokenizer.encode_batch = slow
         from fitgpt.cli import main
@@ -405,5 +405,7 @@ def test_ctrl_c_during_prepare_exits_130_in_one_line_and_leaves_nothing_half_wri
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
-    assert "fitgpt prepare: interrupted" in err and "Traceback" not in err
+    assert "fitgpt prepare: interrupted" in err and "--resume` continues it" in err and "Traceback" not in err
     assert not list(d.glob("*.tmp")) and not (d / "meta.json").exists()
+    assert main(["prepare", "--inputs", str(corpus_dir), "--dir", str(d), "--vocab-size", "300", "--resume"]) == 0
+    assert (d / "meta.json").is_file() and not (d / ".partial").exists()

@@ -121,7 +121,7 @@ SLOW = textwrap.dedent("""
     prepare._batches.__defaults__ = (4 << 20, 4)  # batches of 4 documents: many moments to be killed at
     real = tokenizer.Tokenizer.encode_batch
     def slow(self, texts):
-        time.sleep(0.03)
+        time.sleep(0.05)
         return real(self, texts)
     tokenizer.Tokenizer.encode_batch = slow
     from fitgpt.cli import main

@@ -55,5 +55,6 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except KeyboardInterrupt:  # outside the training loop (which saves and exits 0): temporary files are cleaned up
-        print(f"fitgpt {command}: interrupted; nothing half-written was left behind", file=sys.stderr)
+        resume = "; `fitgpt prepare ... --resume` continues it" if command == "prepare" else ""
+        print(f"fitgpt {command}: interrupted; nothing half-written was left behind{resume}", file=sys.stderr)
         return 130
