@@ -1,13 +1,15 @@
 """`fitgpt prepare` on gigabytes of JSON Lines: throughput against the tokenizer's own, and peak memory.
 
-    python benchmarks/prepare_speed.py [--sizes 1 2] [--baseline-mb 256] [--work /tmp/fitgpt-prepare-bench]
+    python benchmarks/prepare_speed.py [--sizes 1 2] [--baseline-mb 256] [--work /tmp/fitgpt-prepare-bench] [--bpe]
 
 Generates JSON Lines corpora of each size (GB) from the standard library's source (records of varied length,
 with other fields beside ``text``), then runs `fitgpt prepare` on each in its own process with a tokenizer
 trained once on the built-in corpus (``--tokenizer FILE``, so only tokenizing is timed), and reads that
-process's peak RSS from the kernel (``wait4``, in a small launcher process). The tokenizer's own speed is ``encode_batch_fast`` on the same
-records, already in memory, in batches as prepare makes them; it is measured before and after the prepare
-runs, so the two spreads show the machine's noise. Prints a Markdown table and a JSON line.
+process's peak RSS from the kernel (``wait4``, in a small launcher process). The tokenizer's own speed is
+``encode_batch_fast`` on the same records, already in memory, in batches as prepare makes them, measured
+before, between and after the runs, so its spread shows the machine's noise. Prints a Markdown table and a
+JSON line. ``--bpe`` instead times a BPE learning from each corpus's 200MB ``--tokenizer-sample`` (the pass
+that draws it included).
 """
 
 from __future__ import annotations
@@ -89,11 +91,28 @@ def run_prepare(path: Path, out: Path, tokenizer: Path) -> dict:
             "shards": sum(len(s) for s in meta["shards"].values())}
 
 
+def bpe_on_sample(path: Path, limit: str = "200MB", vocab: int = 2048) -> dict:
+    """How long a BPE takes to learn from the --tokenizer-sample of a corpus: the pass that draws it, and training."""
+    from fitgpt.data import DataConfig
+    from fitgpt.data.corpus import list_inputs, text_bytes
+    from fitgpt.data.prepare import _Sample
+    from fitgpt.data.tokenizer import train_bpe
+    from fitgpt.memory.units import parse_bytes
+
+    cfg = DataConfig(inputs=(str(path),), vocab_size=vocab, tokenizer_sample=limit)
+    items = list_inputs(list(cfg.inputs))
+    sample = _Sample(cfg, items, parse_bytes(limit), sum(text_bytes(i) for i in items))
+    t0 = time.perf_counter()
+    train_bpe(iter(sample), vocab)
+    return {"seconds": time.perf_counter() - t0, "sample_mb": sample.bytes / 1e6, "sample_documents": sample.documents}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=float, nargs="+", default=[1.0, 2.0], help="corpus sizes in GB")
     ap.add_argument("--baseline-mb", type=float, default=256)
     ap.add_argument("--work", default="/tmp/fitgpt-prepare-bench")
+    ap.add_argument("--bpe", action="store_true", help="only time a 2048-token BPE learning from each corpus's 200MB sample")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -103,6 +122,11 @@ def main() -> None:
     corpora = {gb: work / f"corpus-{gb:g}GB.jsonl" for gb in args.sizes}
     for gb, path in corpora.items():
         generate(path, int(gb * 1e9))
+    if args.bpe:
+        for gb, path in corpora.items():
+            r = bpe_on_sample(path)
+            print(f"{gb:g} GB: BPE on a {r['sample_mb']:.0f} MB sample ({r['sample_documents']:,} documents) in {r['seconds']:.0f} s")
+        return
     first = min(corpora, key=lambda g: g)
     limit = int(args.baseline_mb * 1e6)
     plain = baseline(corpora[first], tok, limit, "encode_batch")
