@@ -225,3 +225,22 @@ def test_a_tokenizer_file_is_reused_and_bpe_trains_on_a_seeded_sample(corpus_dir
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="--tokenizer .*bad.json: not a tokenizers JSON file"):
         prepare(DataConfig(dir=str(tmp_path / "y"), inputs=(str(corpus_dir),), tokenizer=str(tmp_path / "bad.json")), progress=False)
+
+
+def test_training_on_a_prepared_dir_needs_only_its_dir(corpus_dir, tmp_path):
+    """`fitgpt prepare --inputs X --vocab-size 300 --dir D`, then `fitgpt train --data.dir D`: the settings left
+    at their defaults are the data's; one given and different is refused, naming the flag."""
+    from fitgpt.data import ensure_prepared
+    from fitgpt.data.prepare import adopt_prepared
+
+    d = tmp_path / "d"
+    meta = prepare(DataConfig(dir=str(d), inputs=(str(corpus_dir),), vocab_size=300, text_field="body"), progress=False)
+    assert ensure_prepared(DataConfig(dir=str(d)), progress=False) == meta
+    adopted = adopt_prepared(DataConfig(dir=str(d)), meta)
+    assert (adopted.inputs, adopted.vocab_size, adopted.text_field) == ((str(corpus_dir),), 300, "body")
+    with pytest.raises(ValueError, match=r"prepared with vocab_size=300, but this run asks for 512; .*--data.vocab-size"):
+        ensure_prepared(DataConfig(dir=str(d), vocab_size=512), progress=False)
+    with pytest.raises(ValueError, match=r"prepared with inputs=.*but this run asks for \['stdlib', .*--data.inputs"):
+        ensure_prepared(DataConfig(dir=str(d), inputs=("stdlib", str(corpus_dir))), progress=False)
+    # Without --data.dir the directory is named after the settings, and nothing is adopted.
+    assert adopt_prepared(DataConfig(), meta) == DataConfig()

@@ -7,6 +7,7 @@ and an interrupted one resumes (``--resume``) from its last closed shard."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -410,8 +411,32 @@ def _cut_tail(part: Path, shards: dict, dtype: np.dtype, val_fraction: float) ->
     return shards
 
 
+def prepared_settings(meta: dict) -> dict:
+    """The DataConfig settings a data directory was prepared with, from its meta.json."""
+    settings = {"inputs": tuple(meta.get("inputs") or ()), "tokenizer": meta.get("tokenizer"),
+                "text_field": meta.get("text_field", "text")}  # data prepared before record files had no field
+    if settings["tokenizer"] == "bpe":
+        settings["vocab_size"] = meta.get("requested_vocab_size", meta.get("vocab_size"))
+    return settings
+
+
+def adopt_prepared(cfg: DataConfig, meta: dict) -> DataConfig:
+    """``cfg`` with the settings its data directory was prepared with wherever it leaves them at their defaults and
+    names the directory (--data.dir): training on data prepared with `fitgpt prepare` needs only its --dir."""
+    if not cfg.dir:
+        return cfg
+    fields = {f.name: f.default for f in dataclasses.fields(DataConfig)}
+    have = prepared_settings(meta)
+    if have["tokenizer"] not in ("bpe", "gpt2", None) and not Path(have["tokenizer"]).is_file():
+        del have["tokenizer"]  # a tokenizer file since moved: the data's own copy is what trains
+    return dataclasses.replace(cfg, **{k: v for k, v in have.items() if v is not None and getattr(cfg, k) == fields[k]})
+
+
 def ensure_prepared(cfg: DataConfig, progress: bool = True) -> dict:
-    """Prepare cfg.dir on first use; if it exists, check it was made as cfg asks, from the inputs as they are now."""
+    """Prepare cfg.dir on first use; if it exists, check it was made as cfg asks, from the inputs as they are now.
+
+    With --data.dir, a setting left at its default is the data's (`adopt_prepared`); one given is checked.
+    """
     meta_path = cfg.path / META_FILE
     if not meta_path.is_file():
         log.info("no prepared data in %s; preparing %s now (first use)", cfg.path, list(cfg.inputs))
@@ -422,15 +447,14 @@ def ensure_prepared(cfg: DataConfig, progress: bool = True) -> dict:
         raise ValueError(f"{meta_path} is unreadable ({e}); re-run `fitgpt prepare --dir {cfg.path}`") from None
     if not isinstance(meta, dict):
         raise ValueError(f"{meta_path} is not fitgpt's; re-run `fitgpt prepare --dir {cfg.path}`")
-    wanted = {"tokenizer": cfg.tokenizer, "inputs": list(cfg.inputs), "text_field": cfg.text_field}
-    if cfg.tokenizer == "bpe":
-        wanted["vocab_size"] = cfg.vocab_size
-    for key, value in wanted.items():
-        default = "text" if key == "text_field" else None  # data prepared before record files had the field
-        have = meta.get("requested_vocab_size", meta.get(key)) if key == "vocab_size" else meta.get(key, default)
-        if have != value:
+    cfg = adopt_prepared(cfg, meta)
+    have = prepared_settings(meta)
+    for key in have:
+        value = list(getattr(cfg, key)) if key == "inputs" else getattr(cfg, key)
+        recorded = list(have[key]) if key == "inputs" else have[key]
+        if recorded != value:
             raise ValueError(
-                f"{meta_path} was prepared with {key}={have!r}, but this run asks for {value!r}; "
+                f"{meta_path} was prepared with {key}={recorded!r}, but this run asks for {value!r}; "
                 f"use another --data.dir, or match --data.{key.replace('_', '-')}"
             )
     if isinstance(meta.get("files"), dict):

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from fitgpt.activation_checkpoint import Policy, apply_activation_checkpointing, parse_policy, remove_activation_checkpointing
 from fitgpt.config import OptimConfig, TrainConfig, to_dict
 from fitgpt.data import BatchSampler, TokenData, ensure_prepared
+from fitgpt.data.prepare import adopt_prepared
 from fitgpt.data.tokenizer import TOKENIZER_FILE
 from fitgpt.device import autocast, autocast_dtype, peak_memory_bytes, resolve_device
 from fitgpt.hf import check_tokenizer, import_config, import_weights
@@ -285,6 +286,7 @@ def _load_data(cfg: TrainConfig, info: dist_utils.DistInfo) -> tuple[TokenData, 
         torch.distributed.barrier()  # the other ranks wait while rank 0 prepares
     data = TokenData(cfg.data.path)
     data.check_context(cfg.model.context_length)
+    cfg = dataclasses.replace(cfg, data=adopt_prepared(cfg.data, data.meta))  # config.json records the data's settings
     # Rounded up to a multiple of 64 for fast matmuls; a model started from elsewhere keeps its own.
     vocab_size = int(math.ceil(data.vocab_size / 64) * 64)
     if cfg.init_from:
