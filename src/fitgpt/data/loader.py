@@ -113,7 +113,7 @@ class BatchSampler:
         shard = np.searchsorted(self._ends, ix, side="right")
         windows = [self.shards[k][i - self._firsts[k] : i - self._firsts[k] + T + 1].astype(np.int64) for k, i in zip(shard, ix)]
         xy = torch.from_numpy(np.stack(windows))  # (B, T + 1)
-        x, y = xy[:, :-1], xy[:, 1:]  # (B, T) each
+        x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()  # (B, T) each, as a model's .view() expects
         if torch.device(device).type == "cuda":
             return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         return x.to(device), y.to(device)
