@@ -389,7 +389,10 @@ def test_a_stray_file_named_like_a_checkpoint_is_named(cli_train_args, tmp_path,
 def test_ctrl_c_during_prepare_exits_130_in_one_line_and_leaves_nothing_half_written(corpus_dir, tmp_path):
     d = tmp_path / "d"
     slow = textwrap.dedent("""
-        import sys, time
+        import signal, sys, time
+        # Ctrl-C as in a terminal, even when the suite runs in the background (where a shell starts children
+        # with SIGINT ignored, and Python then installs no KeyboardInterrupt handler).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from fitgpt.data import tokenizer
         real = tokenizer.Tokenizer.encode_batch
         def slow(self, texts):
