@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from fitgpt.data.corpus import stdlib_files
+from fitgpt.data.corpus import Document, stdlib_files
 from fitgpt.data.prepare import _batches
 from fitgpt.data.tokenizer import Tokenizer
 
@@ -59,7 +59,7 @@ def baseline(path: Path, tok: Tokenizer, limit: int, method: str = "encode_batch
             size += len(texts[-1].encode())
             if size >= limit:
                 break
-    docs = [type("D", (), {"text": t}) for t in texts]
+    docs = [Document(f"{path}#{i}", t, (0, i + 1)) for i, t in enumerate(texts)]
     batches = [[p for _, pieces in b for p in pieces] for b in _batches(tok, docs)]
     encode = getattr(tok._tok, method)
     t0, tokens = time.perf_counter(), 0

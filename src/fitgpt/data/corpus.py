@@ -10,6 +10,7 @@ and English docstrings): it is on every machine that runs fitgpt, so the first r
 
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
 import hashlib
@@ -37,6 +38,11 @@ class Document:
     """Where reading resumes after this document: (input index, records of that input done)."""
     size: int = 0
     """Input bytes read for it (a file's, a JSON line's and any skipped before it), for progress; 0: its text's."""
+
+    @property
+    def text_bytes(self) -> int:
+        """Its text's UTF-8 size (an ASCII text's is its length: ``isascii`` is O(1), encoding is a copy)."""
+        return len(self.text) if self.text.isascii() else len(self.text.encode())
 
 
 @dataclass
@@ -269,6 +275,7 @@ def changed_inputs(inputs: list[str], seen: dict[str, list[int]], sha256: dict[s
     return changes
 
 
+@functools.lru_cache(maxsize=None)  # sized, sampled and read: opened once
 def _hf_dataset(item: str):
     """A Hugging Face dataset from the local cache only (fitgpt never downloads at run time), and its text column."""
     name, _, column = item[3:].partition("#")

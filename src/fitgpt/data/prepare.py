@@ -245,13 +245,13 @@ class _Sample:
             first = first or doc
             if self.keep < 1 and _draw(self.cfg.seed, "tokenizer-sample", doc.source) >= self.keep:
                 continue
-            n = len(doc.text.encode())
+            n = doc.text_bytes
             if self.documents and self.bytes + n > self.limit:
                 break
             self.documents, self.bytes = self.documents + 1, self.bytes + n
             yield doc.text
         if first is not None and not self.documents:
-            self.documents, self.bytes = 1, len(first.text.encode())
+            self.documents, self.bytes = 1, first.text_bytes
             yield first.text
 
 
@@ -299,8 +299,8 @@ def _stream(cfg: DataConfig, tok: Tokenizer, items: list, part: Path, state: dic
         index = position[0]
         before = {str(p) for p in items[:index] if isinstance(p, Path)}
         current = {str(items[index])} if index < len(items) and position[1] else set()
-        state["corpus"] = {"seen": stats.keep(before | current).seen, "sha256": stats.keep(before).sha256,
-                           "skipped": stats.keep(before).skipped}
+        done = stats.keep(before)
+        state["corpus"] = {"seen": stats.keep(before | current).seen, "sha256": done.sha256, "skipped": done.skipped}
         save_progress(part, writers, state)
 
     try:
@@ -309,7 +309,7 @@ def _stream(cfg: DataConfig, tok: Tokenizer, items: list, part: Path, state: dic
             for doc, pieces in batch:
                 split = "val" if _draw(cfg.seed, "val", doc.source) < cfg.val_fraction else "train"
                 closed = _write_document(writers[split], [next(encoded) for _ in pieces], eot)
-                n = len(doc.text) if doc.text.isascii() else len(doc.text.encode())  # isascii() is O(1)
+                n = doc.text_bytes
                 state["documents"] += 1
                 state["bytes"] += n
                 state["val_documents"] += split == "val"
