@@ -187,7 +187,7 @@ def test_prepare_refuses_a_run_directory_and_a_data_dir_shared_with_the_run(make
     tok = (run / "tokenizer.json").read_bytes()
     assert main(["prepare", "--inputs", str(corpus_dir), "--dir", str(run), "--vocab-size", "300"]) == 2
     assert "holds files fitgpt did not write" in capsys.readouterr().err and (run / "tokenizer.json").read_bytes() == tok
-    with pytest.raises(ValueError, match="already in use by this run"):
+    with pytest.raises(ValueError, match="is a prepared data directory"):
         train(make_cfg(tmp_path / "both", data={"dir": str(tmp_path / "both"), "inputs": [str(corpus_dir)], "vocab_size": 300}))
 
 

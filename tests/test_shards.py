@@ -81,15 +81,22 @@ def test_too_few_documents_hold_out_the_last_tokens(corpus_dir, data_dir, tmp_pa
     TokenData(tmp_path / "d").check_context(32)
 
 
-def test_windows_are_drawn_across_shards_never_across_a_shard_end():
-    shards = [np.arange(0, 10, dtype=np.uint16), np.arange(100, 107, dtype=np.uint16), np.arange(200, 203, dtype=np.uint16)]
+def test_windows_run_across_shards_so_that_short_shards_are_drawn_too():
+    """Shards read as one stream: each start equally likely, windows continuing into the next shards. Before,
+    windows stayed inside one shard, and shards shorter than a window were never drawn (the 3-token one here;
+    with --shard-tokens 50 at context 512, 67% of the train tokens)."""
+    shards = [np.arange(0, 10, dtype=np.uint16), np.arange(10, 13, dtype=np.uint16), np.arange(13, 20, dtype=np.uint16)]
     s = BatchSampler(shards, 64, 4, seed=0)
-    starts = set()
+    starts, seen = set(), set()
     for _ in range(20):
         x, y = s.next_batch()
-        assert ((x[:, 1:] - x[:, :-1]) == 1).all() and (y == x + 1).all()  # contiguous, in one shard
+        assert ((x[:, 1:] - x[:, :-1]) == 1).all() and (y == x + 1).all()  # contiguous in the stream
         starts |= set(x[:, 0].tolist())
-    assert starts == {*range(0, 6), *range(100, 103)}  # every start of every shard long enough, nothing else
+        seen |= set(x.flatten().tolist()) | set(y.flatten().tolist())
+    assert starts == set(range(0, 16)) and seen == set(range(20))  # every start, every token
+    tiny = BatchSampler([np.arange(i * 3, i * 3 + 3, dtype=np.uint16) for i in range(10)], 8, 16, seed=1)
+    x, y = tiny.next_batch()  # windows across six 3-token shards
+    assert ((x[:, 1:] - x[:, :-1]) == 1).all() and (y == x + 1).all()
     # One shard: exactly the draws of the single-array sampler before shards.
     tokens = np.arange(1000, dtype=np.uint16)
     rng = np.random.Generator(np.random.PCG64(5))
@@ -105,7 +112,7 @@ def test_a_resumed_shard_drops_what_was_written_after_its_checkpoint(tmp_path):
     w.write(np.arange(50, 53, dtype=dtype), doc_end=False)  # after the checkpoint: on disk, then a kill
     w.flush()
     w.close()
-    resumed = ShardWriter(tmp_path, "val", dtype, 10, **load_progress(tmp_path)["splits"]["val"])
+    resumed = ShardWriter(tmp_path, "val", dtype, 10, **load_progress(tmp_path)[0]["splits"]["val"])
     assert resumed.write(np.arange(10, 17, dtype=dtype), doc_end=True) is True  # 11 tokens: the shard closes
     assert np.fromfile(tmp_path / "val_000000.bin", dtype).tolist() == [0, 1, 2, 3, *range(10, 17)]
     assert resumed.shards == [{"file": "val_000000.bin", "tokens": 11}] and state["splits"]["val"]["open_tokens"] == 4
@@ -134,7 +141,7 @@ def kill_at_random(args, out, rng) -> None:
     p = subprocess.Popen([sys.executable, "-c", SLOW, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     progress = out / ".partial" / PROGRESS_FILE
     deadline = time.time() + 60
-    while not (progress.is_file() and json.loads(progress.read_text())["splits"].get("train", {}).get("shards")):
+    while not (progress.is_file() and json.loads(progress.read_text())["journaled"]["shards"].get("train")):
         assert p.poll() is None and time.time() < deadline, p.communicate()
         time.sleep(0.01)
     time.sleep(rng.uniform(0, 0.4))

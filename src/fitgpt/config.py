@@ -18,6 +18,7 @@ import tyro
 
 from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.data.prepare import DataConfig
+from fitgpt.errors import UserError, require_finite, user_errors
 from fitgpt.memory.units import parse_bytes
 from fitgpt.model.config import ModelConfig, require_positive_ints
 
@@ -39,7 +40,9 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
+    @user_errors
     def __post_init__(self) -> None:
+        require_finite(self, "optim.")
         if not self.lr > 0:
             raise ValueError(f"optim.lr must be positive, got {self.lr} (set --optim.lr)")
         if not 0 <= self.min_lr <= self.lr:
@@ -118,7 +121,9 @@ class TrainConfig:
     max_bad_steps: int = 0
     """Skip up to this many steps whose loss is NaN/Inf before stopping (0: stop at the first)."""
 
+    @user_errors
     def __post_init__(self) -> None:
+        require_finite(self)
         require_positive_ints(self, ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval",
                                      "checkpoint_interval", "keep_last"))
         if self.resume and self.overwrite:
@@ -204,7 +209,7 @@ def from_dict(cls: type, data: dict, source: str, section: str = "") -> Any:
             kwargs[key] = _check_type(value, tp, f"{source}: {where}")
     try:
         return cls(**kwargs)
-    except ValueError as e:
+    except (ValueError, UserError) as e:
         raise ValueError(f"{source}: {e}") from None
 
 

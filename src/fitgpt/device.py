@@ -22,7 +22,14 @@ def resolve_device(name: str) -> torch.device:
     except RuntimeError:
         raise ValueError(f"unknown device {name!r} (set --device to auto, cpu, cuda or mps)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but this torch build sees no CUDA device; use --device cpu or auto")
+        raise ValueError(f"--device {name}, but this torch build sees no CUDA device; use --device cpu or auto")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}, but this machine has {torch.cuda.device_count()} CUDA device(s); use --device cuda")
+    mps = getattr(torch.backends, "mps", None)
+    if device.type == "mps" and not (mps is not None and mps.is_available()):
+        raise ValueError(f"--device {name}, but MPS (Apple GPUs) is not available here; use --device cpu or auto")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {name}: fitgpt runs on cpu, cuda or mps; use --device auto")
     return device
 
 

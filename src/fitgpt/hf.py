@@ -109,13 +109,31 @@ def export_model(model: Transformer, tokenizer: Tokenizer, out_dir: str | Path) 
     return out
 
 
+def _loaded(what: Path, load):
+    """``load()``, or a one-line ValueError naming the file: a folder's files are the user's, and the libraries that
+    read them fail on a broken one in many ways (OSError, ValueError, RuntimeError, SafetensorError, ...)."""
+    try:
+        return load()
+    except ValueError as e:
+        if str(e).startswith(str(what)):  # already ours
+            raise
+        reason = e
+    except Exception as e:  # noqa: BLE001 - any failure to read a user's file is reported as that
+        reason = e
+    first = (str(reason).strip().splitlines() or [""])[0][:300]
+    if "mismatched_sizes" in first or "size mismatch" in first:
+        first = "its weights do not have the shapes its config.json gives"
+    raise ValueError(f"--init-from: {what} cannot be loaded ({type(reason).__name__}: {first}); it is damaged or not a "
+                     "Hugging Face GPT-2/Llama model folder: export or save it again") from None
+
+
 def import_config(hf_dir: str | Path) -> ModelConfig:
     """Our config of a local Hugging Face GPT-2 or Llama folder, or a ValueError naming what does not map."""
     tf = transformers_module()
     path = Path(hf_dir)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} has no config.json: --init-from takes a folder written by save_pretrained")
-    c = tf.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    c = _loaded(path / "config.json", lambda: tf.AutoConfig.from_pretrained(str(path), local_files_only=True))
     tied = bool(getattr(c, "tie_word_embeddings", True))
     if c.model_type == "gpt2":
         act = _GPT2_GELU.get(c.activation_function)
@@ -146,7 +164,8 @@ def import_config(hf_dir: str | Path) -> ModelConfig:
 def import_weights(hf_dir: str | Path, model: Transformer) -> None:
     """Load a Hugging Face folder's weights into ``model`` (built from ``import_config`` of it)."""
     tf = transformers_module()
-    hf = tf.AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True, torch_dtype=torch.float32)
+    hf = _loaded(Path(hf_dir), lambda: tf.AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True,
+                                                                           torch_dtype=torch.float32))
     theirs, own = hf.state_dict(), model.state_dict()
     ours = {}
     for hf_name, (name, transposed) in _name_map(model.config).items():
@@ -169,7 +188,7 @@ def check_tokenizer(hf_dir: str | Path, data_tokenizer: Path) -> None:
     if not theirs.is_file():
         log.warning("%s has no %s: make sure the training data was tokenized with the model's tokenizer", hf_dir, TOKENIZER_FILE)
         return
-    a, b = Tokenizer.load(Path(hf_dir)), Tokenizer.load(data_tokenizer.parent)
+    a, b = _loaded(theirs, lambda: Tokenizer.load(Path(hf_dir))), Tokenizer.load(data_tokenizer.parent)
     if a._tok.get_vocab() != b._tok.get_vocab():
         raise ValueError(f"{theirs} is not the tokenizer of the training data ({data_tokenizer}): prepare the data "
                          f"with it (--data.tokenizer {theirs} and another --data.dir), or start from a model trained with "

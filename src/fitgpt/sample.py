@@ -46,6 +46,7 @@ def sample_text(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_t
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)  # (n, T)
     gen = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen, use_cache=use_cache)
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen, use_cache=use_cache,
+                         vocab_limit=tokenizer.vocab_size)
     start = len(ids) if prompt else 1
     return [prompt + tokenizer.decode(row[start:].tolist()) for row in out]

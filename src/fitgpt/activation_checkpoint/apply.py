@@ -10,6 +10,7 @@ first position; the wrappers at the other K-1 positions pass its result on. In e
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from contextlib import nullcontext
@@ -20,8 +21,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fitgpt.activation_checkpoint.policy import (
+    RECOMPUTE_FULL,
     RECOMPUTE_NONE,
-    RECOMPUTE_POINTWISE,
     RECOMPUTE_SELECTIVE,
     Policy,
     parse_policy,
@@ -30,7 +31,6 @@ from fitgpt.activation_checkpoint.selective import pointwise_context_fn, selecti
 
 log = logging.getLogger(__name__)
 
-_CONTEXT_FN = {RECOMPUTE_SELECTIVE: selective_context_fn, RECOMPUTE_POINTWISE: pointwise_context_fn}
 
 INNER = "inner"
 _STATE_ATTR = "_fitgpt_checkpointing"
@@ -95,6 +95,8 @@ class ActivationCheckpointWrapper(_Wrapper):
         self.offload = offload
         self._group = group
         self._members = members  # set only on a group's first wrapper
+        # Whether recomputing this region reruns dropout (pointwise then keeps the matmul output dropout reads).
+        self._dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for b in members or [inner] for m in b.modules())
 
     def extra_repr(self) -> str:
         role = "" if self._group is None else (f", group of {self._group.size}" if self._members else ", in group")
@@ -111,11 +113,17 @@ class ActivationCheckpointWrapper(_Wrapper):
                 out = run(*args, **kwargs)
             else:
                 # torch.compile accepts a context_fn only if it yields dispatch modes: pass one for op-level options alone.
-                extra = {"context_fn": _CONTEXT_FN[self.recompute]} if self.recompute in _CONTEXT_FN else {}
+                extra = {"context_fn": self._context_fn(args)} if self.recompute != RECOMPUTE_FULL else {}
                 out = checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
         if self._members:
             self._group.output, self._group.pending = out, self._group.size - 1
         return out
+
+    def _context_fn(self, args: tuple):
+        if self.recompute == RECOMPUTE_SELECTIVE:
+            return selective_context_fn
+        width = next(a.shape[-1] for a in args if isinstance(a, torch.Tensor))  # the residual stream's
+        return functools.partial(pointwise_context_fn, width, self._dropout)
 
     def _run_members(self, *args, **kwargs):
         out = None
@@ -268,9 +276,24 @@ def apply_activation_checkpointing(model: nn.Module, policy: str | Policy, block
         block_list[region.start] = ActivationCheckpointWrapper(members[0], region.recompute, region.offload, group, members)
         for i in range(region.start + 1, region.stop):
             block_list[i] = ActivationCheckpointWrapper(block_list[i], region.recompute, region.offload, group)
-    setattr(model, _STATE_ATTR, (policy, path, head_path))
+    recomputes = any(r.recompute != RECOMPUTE_NONE for r in regions) or bool(policy.loss_chunk_rows)
+    setattr(model, _STATE_ATTR, (policy, path, head_path, _turn_off_cache(model) if recomputes else None))
     log.debug("checkpointing %s", policy.describe(len(block_list)))
     return policy
+
+
+def _turn_off_cache(model: nn.Module) -> bool | None:
+    """A model that keeps a key/value cache while training (Hugging Face's ``config.use_cache``, on by default) returns
+    cache tensors from each block: a recomputed block then writes them again during backward, which op-level
+    recompute refuses mid-backward. As Hugging Face's own ``gradient_checkpointing_enable`` does, the cache goes off
+    (and back on when checkpointing is removed); returns the setting it had."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        return None
+    config.use_cache = False
+    log.info("activation checkpointing: %s.config.use_cache set to False while it is applied (a training step keeps "
+             "no key/value cache)", type(model).__name__)
+    return True
 
 
 def remove_activation_checkpointing(model: nn.Module) -> None:
@@ -278,7 +301,9 @@ def remove_activation_checkpointing(model: nn.Module) -> None:
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         return
-    _, path, head_path = state
+    _, path, head_path, cache = state
+    if cache is not None:
+        model.config.use_cache = cache
     block_list = _get(model, path)
     for i, mod in enumerate(block_list):
         if isinstance(mod, ActivationCheckpointWrapper):

@@ -54,21 +54,28 @@ def selective_context_fn():
     return create_selective_checkpoint_contexts(_policy)
 
 
-def _narrows(op, args) -> bool:
-    a, b = (args[1], args[2]) if op is _aten.addmm.default else (args[0], args[1])
-    return b.shape[-1] < a.shape[-1]
+def _contracted(op, args) -> int:
+    """The width a matmul contracts over (its input's features)."""
+    a = args[1] if op is _aten.addmm.default else args[0]
+    return a.shape[-1]
 
 
-def _pointwise_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    # Matmul and attention outputs are kept, so backward reruns only the cheap element-wise ops (norms,
-    # GELU, dropout with its RNG replayed, residual adds) and never a matmul. A narrowing matmul (the
-    # MLP's down-projection) only feeds a residual sum whose backward needs no input: nothing asks to
-    # recompute it, so it is neither kept nor run twice.
-    if op in ATTENTION_OPS or (op in MATMUL_OPS and not _narrows(op, args)):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+def pointwise_context_fn(width: int, dropout: bool):
+    """The ``context_fn`` for pointwise regions: recompute only what is not a matmul or attention.
 
+    Matmul and attention outputs are kept, so backward reruns only the cheap element-wise ops (norms, GELU,
+    dropout with its RNG replayed, residual adds) and never a matmul. One matmul needs no keeping: the MLP's
+    down-projection, the only one that contracts a dimension wider than the region's residual stream (``width``,
+    its input's features; GQA's narrow k/v projections contract the stream itself and are kept). Its output
+    only feeds a residual sum whose backward needs no input, so nothing asks to recompute it, unless ``dropout``
+    follows it (the region has active dropout): then recomputing the dropout would rerun the matmul, and its
+    output is kept too."""
 
-def pointwise_context_fn():
-    """The ``context_fn`` for pointwise regions: recompute only what is not a matmul or attention."""
-    return create_selective_checkpoint_contexts(_pointwise_policy)
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in ATTENTION_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        if op in MATMUL_OPS and (dropout or _contracted(op, args) <= width):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)

@@ -44,11 +44,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
+    from fitgpt.errors import UserError
+
     module = importlib.import_module(COMMANDS[command][0])
     setup_logging()
     try:
         return module.run(rest)
-    except ValueError as e:  # user errors: the message names what to change
+    except (UserError, ValueError) as e:  # user errors: the message names what to change
         print(f"fitgpt {command}: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `fitgpt plan ... | head`: the reader left, nothing to report

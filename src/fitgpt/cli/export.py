@@ -7,8 +7,11 @@ from pathlib import Path
 
 import tyro
 
+from fitgpt.errors import user_errors
 from fitgpt.hf import export_model
 from fitgpt.sample import load_run
+from fitgpt.train.rundir import fitgpt_owner
+from fitgpt.utils import write_error
 
 
 @dataclass
@@ -22,20 +25,44 @@ class ExportConfig:
     checkpoint: str = "latest"
     """'latest' or a checkpoint directory of the run."""
     overwrite: bool = False
-    """Write into --out even if it already holds files."""
+    """Write into --out even if it already holds files (never into a run, a checkpoint or prepared data)."""
 
+    @user_errors
     def __post_init__(self) -> None:
         if not self.out:
             raise ValueError("--out is required: the folder to write the Hugging Face model to")
-        out = Path(self.out)
-        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not self.overwrite:
-            raise ValueError(f"--out {out} already exists and is not an empty folder; choose another or add --overwrite")
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse, before any work, an --out that fitgpt keeps something in, that holds files (without --overwrite),
+    or that cannot be written."""
+    owner = fitgpt_owner(out)
+    if owner:
+        raise ValueError(f"--out {out} is inside {owner}, which fitgpt keeps; export to a folder of its own, "
+                         "e.g. --out hf/NAME")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; choose a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"--out {out} already exists and is not an empty folder; choose another or add --overwrite")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".fitgpt-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"cannot write to --out {out} ({write_error(e, out.parent if not out.exists() else out)}); "
+                         "choose a writable folder") from None
 
 
 def run(args: list[str]) -> int:
     cfg = tyro.cli(ExportConfig, args=args, prog="fitgpt export")
     model, tokenizer, meta = load_run(cfg.run, cfg.checkpoint)
-    out = export_model(model, tokenizer, cfg.out)
+    check_out(Path(cfg.out), cfg.overwrite)
+    try:
+        out = export_model(model, tokenizer, cfg.out)
+    except OSError as e:
+        raise ValueError(f"could not write the export to {cfg.out}: {write_error(e, cfg.out)}; free space or choose "
+                         "another --out") from None
     print(f"exported {cfg.run} (step {meta['step']}) to {out}; load it with:\n"
           f"  from transformers import AutoModelForCausalLM, AutoTokenizer\n"
           f"  model = AutoModelForCausalLM.from_pretrained('{out}')\n"

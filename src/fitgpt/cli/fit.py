@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import tyro
 
+from fitgpt.errors import user_errors
 from fitgpt.memory.units import format_bytes
 from fitgpt.plan.fit import POLICIES, fit
 from fitgpt.plan.search import fastest, format_choices
@@ -21,6 +22,7 @@ class FitConfig(BudgetConfig):
     top: int = 5
     """How many of the fastest configurations to show."""
 
+    @user_errors
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.top < 1:

@@ -8,6 +8,7 @@ from typing import Optional
 import tyro
 
 from fitgpt.device import resolve_device
+from fitgpt.errors import user_errors
 from fitgpt.sample import load_run, sample_text
 
 
@@ -32,6 +33,7 @@ class GenerateConfig:
     cache: bool = True
     """Keep each layer's keys and values (--no-cache recomputes the whole prefix for every token, for comparison)."""
 
+    @user_errors
     def __post_init__(self) -> None:
         try:
             self.prompt.encode("utf-8")

@@ -41,14 +41,42 @@ def _cuda_notes(cfg: PlanConfig) -> list[str]:
     ]
 
 
+def _over_card(cfg: PlanConfig, replay: dict | None) -> int:
+    """Bytes by which the replayed step's reserved memory and the CUDA context exceed the named card (0: it fits)."""
+    t = cfg.plan_target()
+    if not replay or not t.gpu:
+        return 0
+    return max(0, replay["max_reserved"] + CUDA_CONTEXT - t.gpu.memory)
+
+
+def _solve_on_card(cfg: PlanConfig, profile, budget: int):
+    """The fastest plan within ``budget``, and its allocator replay. Without --memory-budget the default budget
+    is the card's: lowered until the replayed reserved memory (fragmentation included) fits on the card too."""
+    while True:
+        plan, pred = solve(profile, budget)
+        replay = cfg.replay(plan.spec())
+        over = _over_card(cfg, replay)
+        if not over or cfg.memory_budget:
+            return plan, pred, replay, budget
+        budget -= over + 2 * 2**20  # and a step of the allocator's 2 MiB blocks, so that this converges
+
+
+def _budget_flag(cfg: PlanConfig, budget: int) -> str:
+    """The --memory-budget that plans as this one did: as given, or the default (maybe lowered), in whole MiB."""
+    return cfg.memory_budget or f"{(cfg.device_budget - (cfg.budget - budget)) // 2**20}MiB"
+
+
 def run(args: list[str]) -> int:
     cfg = tyro.cli(PlanConfig, args=args, prog="fitgpt plan")
-    budget = cfg.budget
     tcfg = cfg.train_config()
     profile = cfg.profile()
+    plan, pred, replay, budget = _solve_on_card(cfg, profile, cfg.budget)
     print(f"{cfg.describe()}; budget {format_bytes(budget)}; profiled in {profile.seconds:.1f}s")
     if cfg.plan_target().cuda and cfg.fake:
         print("\n".join("  " + line for line in _cuda_notes(cfg)))
+        if budget < cfg.budget:
+            print(f"  budget lowered by {format_bytes(cfg.budget - budget)} from the card's, so that the plan's reserved "
+                  "memory (the allocator's blocks and fragmentation, modelled) fits on the card")
     print(f"  time model: {profile.time_source}")
     print("\n| policy | predicted peak | step time | time vs none | FLOPs vs none | fits |\n|---|---:|---:|---:|---:|---|")
     n = profile.n_blocks
@@ -56,7 +84,6 @@ def run(args: list[str]) -> int:
         pred = predict(profile, plan)
         print(f"| {plan.spec()} | {format_bytes(pred.peak)} | {pred.step_time * 1e3:.0f} ms | {pred.time_ratio:.3f}x | "
               f"{pred.flops_ratio:.3f}x | {'yes' if pred.peak <= budget else 'no'} |")
-    plan, pred = solve(profile, budget)
     tokens = tcfg.batch_size * tcfg.grad_accum * tcfg.model.context_length * cfg.world_size
     print(f"\nplan: {plan.spec()} (the fastest that fits: {pred.step_time * 1e3:.0f} ms a step, {pred.time_ratio:.3f}x none's, "
           f"{tokens / pred.step_time:,.0f} tokens/s predicted)")
@@ -66,25 +93,28 @@ def run(args: list[str]) -> int:
     if workspaces:
         print(f"predicted torch.cuda.max_memory_allocated: {format_bytes(pred.peak + workspaces)} "
               f"(the step's tensors + cuBLAS workspaces)")
-    replay = cfg.replay(plan.spec())
+    over = _over_card(cfg, replay)
     if replay:
         print(f"the plan's step replayed through CUDA's caching allocator (modelled): max_memory_allocated "
               f"{format_bytes(replay['max_allocated'])}, max_memory_reserved {format_bytes(replay['max_reserved'])}")
         t = cfg.plan_target()
         if t.gpu:
             total = replay["max_reserved"] + CUDA_CONTEXT
-            verdict = "fits" if total <= t.gpu.memory else "DOES NOT FIT: lower --memory-budget by the difference"
+            verdict = "fits" if not over else f"DOES NOT FIT: lower --memory-budget by {format_bytes(over)} or more"
             print(f"on the card: reserved + CUDA context {format_bytes(total)} of {format_bytes(t.gpu.memory)}: {verdict}")
     print(f"predicted overhead: {pred.time_ratio:.3f}x time, {pred.flops_ratio:.3f}x FLOPs")
     launch = "fitgpt train"
     if cfg.world_size > 1:
         launch = f"torchrun --nproc-per-node {cfg.world_size} -m fitgpt train --parallel {cfg.parallel}"
-    print(f"train with: {launch} --preset {tcfg.preset} --batch-size {tcfg.batch_size} "
-          f"--model.context-length {tcfg.model.context_length} --activation-checkpointing '{plan.spec()}'"
-          f"   (or: --activation-checkpointing auto --memory-budget {cfg.memory_budget})")
+    if over:
+        print(f"no train command: this plan does not fit on the {cfg.plan_target().gpu.name}")
+    else:
+        print(f"train with: {launch} --preset {tcfg.preset} --batch-size {tcfg.batch_size} "
+              f"--model.context-length {tcfg.model.context_length} --activation-checkpointing '{plan.spec()}'"
+              f"   (or: --activation-checkpointing auto --memory-budget {_budget_flag(cfg, budget)})")
     print(json.dumps({"policy": plan.spec(), "budget": budget, "predicted_peak": pred.peak, "where": pred.where,
                       "breakdown": pred.breakdown(), "flops_ratio": pred.flops_ratio, "profile_seconds": profile.seconds,
                       "step_seconds": pred.step_time, "time_ratio": pred.time_ratio, "time_model": profile.time_source,
                       "target": cfg.plan_target().device, "gpu": cfg.gpu, "fake": cfg.fake,
-                      "predicted_max_allocated": pred.peak + workspaces, "replay": replay}))
+                      "predicted_max_allocated": pred.peak + workspaces, "replay": replay, "fits_card": not over}))
     return 0

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import sysconfig
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,8 @@ class Document:
     """Where reading resumes after this document: (input index, records of that input done)."""
     size: int = 0
     """Input bytes read for it (a file's, a JSON line's and any skipped before it), for progress; 0: its text's."""
+    record_skips: dict[str, int] | None = None
+    """For a record: the records of its file skipped before it, by reason (what a checkpoint here records)."""
 
     @property
     def text_bytes(self) -> int:
@@ -55,18 +58,19 @@ class CorpusStats:
     """Each input file's sha256, of the bytes as read, once it is read to the end."""
     skipped: dict[str, str] = field(default_factory=dict)
     """File -> why it gave no document: binary, not_utf8 or empty."""
+    records: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Record file -> how many of its records gave no document, by reason (RECORD_SKIPS)."""
 
     def skipped_counts(self) -> dict[str, int]:
-        return {why: sum(1 for w in self.skipped.values() if w == why) for why in ("binary", "not_utf8", "empty")}
+        files = {why: sum(1 for w in self.skipped.values() if w == why) for why in ("binary", "not_utf8", "empty")}
+        return files | {f"records_{why}": sum(r.get(why, 0) for r in self.records.values()) for why in RECORD_SKIPS}
 
     def summary(self, documents: int, size: int) -> str:
         n = self.skipped_counts()
-        return (f"{len(self.seen)} files seen, {documents} documents used ({size / 1e6:.1f} MB); skipped "
+        text = (f"{len(self.seen)} files seen, {documents} documents used ({size / 1e6:.1f} MB); skipped "
                 f"{n['binary']} binary, {n['not_utf8']} not UTF-8, {n['empty']} empty")
-
-    def keep(self, files: set[str]) -> CorpusStats:
-        """Only what was found in ``files``."""
-        return CorpusStats(*({k: v for k, v in d.items() if k in files} for d in (self.seen, self.sha256, self.skipped)))
+        records = [f"{n[f'records_{why}']} {label}" for why, label in RECORD_SKIPS.items() if n[f"records_{why}"]]
+        return text + (f"; records without text: {', '.join(records)}" if records else "")
 
 
 def stdlib_files() -> list[Path]:
@@ -80,27 +84,65 @@ def stdlib_files() -> list[Path]:
 
 
 def expand_inputs(inputs: list[str]) -> list[Path]:
-    """Files named by paths, directories (walked) and globs, in a stable order."""
+    """Files named by paths, directories (walked) and globs, in a stable order, each file once.
+
+    A path that exists is taken as it is, even if its name holds glob characters (``notes[1].py``). Walks and
+    globs never descend into a symlinked directory (a link to ``.`` would repeat the tree forever), and a file
+    reached twice (named twice, or through a link) is read once."""
     files: list[Path] = []
     for item in inputs:
         if item == BUILTIN:
             files += stdlib_files()
             continue
-        matches = sorted(glob.glob(item, recursive=True)) if glob.has_magic(item) else [item]
+        matches = _glob(item) if glob.has_magic(item) and not os.path.lexists(item) else [item]
         if not matches:
             raise ValueError(f"input {item!r} matches no file (check the --inputs pattern)")
         for m in matches:
             p = Path(m)
             if p.is_dir():
-                files += sorted(q for q in p.rglob("*") if q.is_file() and not any(part.startswith(".") for part in q.relative_to(p).parts))
+                files += sorted(q for q in p.rglob("*") if q.is_file() and not _hidden(q.relative_to(p)))
             elif p.is_file():
                 files.append(p)
             else:
                 raise ValueError(f"input {item!r}: {m} does not exist (check the --inputs path)")
-    return files
+    return _once(files)
+
+
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith(".") for part in relative.parts)
+
+
+def _glob(pattern: str) -> list[str]:
+    """``glob.glob(pattern, recursive=True)`` without following symlinked directories: pathlib's ``**`` does not.
+    The fixed leading part of the pattern is the root; hidden names match only where the pattern names them."""
+    parts = Path(pattern).parts
+    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    root, rest = Path(*parts[:fixed]) if fixed else Path("."), str(Path(*parts[fixed:]))
+    found = []
+    for p in root.glob(rest):
+        rel = p.relative_to(root)
+        if not any(part.startswith(".") and not pat.startswith(".") for part, pat in zip(rel.parts, Path(rest).parts)):
+            found.append(str(p) if fixed else os.path.normpath(str(p)))
+    return sorted(found)
+
+
+def _once(files: list[Path]) -> list[Path]:
+    """Each file once, at its first place, whatever names lead to it."""
+    seen, out = set(), []
+    for f in files:
+        key = os.path.realpath(f)
+        if key not in seen:
+            seen.add(key)
+            out.append(f)
+    if len(out) < len(files):
+        log.info("%d input files were named more than once (or reached through links): each is read once", len(files) - len(out))
+    return out
 
 
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+RECORD_SKIPS = {"no_field": "without the text field", "not_text": "whose field is not text (a number, null, a list...)",
+                "empty": "with empty text"}
+"""Why a record gave no document."""
 
 
 def list_inputs(inputs: list[str]) -> list[str | Path]:
@@ -126,7 +168,7 @@ def _file_documents(path: Path, index: int, skip: int, stats: CorpusStats, text_
     stats.seen[str(path)] = [st.st_size, st.st_mtime_ns]
     name = path.name.lower()
     if name.endswith(RECORD_SUFFIXES):
-        yield from _record_documents(path, index, _records(path, text_field, skip), text_field, skip)
+        yield from _record_documents(path, index, _records(path, text_field, skip), text_field, skip, stats)
         stats.sha256[str(path)] = sha256_file(path)  # a second read, from the page cache; hashing releases the GIL
         return
     raw = path.read_bytes()
@@ -144,26 +186,31 @@ def _file_documents(path: Path, index: int, skip: int, stats: CorpusStats, text_
         return
     records = _json_array(text, text_field) if name.endswith(".json") else None
     if records is not None:  # a .json array of records; any other .json is a text document like any file
-        yield from _record_documents(path, index, ((r, 0) for r in records[skip:]), text_field, skip)
+        yield from _record_documents(path, index, ((r, 0) for r in records[skip:]), text_field, skip, stats)
     elif not skip:
         yield Document(str(path), text, (index + 1, 0), len(raw))
 
 
-def _record_documents(path: Path, index: int, records: Iterator[tuple[dict, int]], text_field: str, skip: int) -> Iterator[Document]:
-    """Each record's text a document, named ``path#record``; a file none of whose records has the field is an error.
+def _record_documents(path: Path, index: int, records: Iterator[tuple[dict, int]], text_field: str, skip: int,
+                      stats: CorpusStats) -> Iterator[Document]:
+    """Each record's text a document, named ``path#record``; records without text are counted by reason in
+    ``stats.records``, and a file none of whose records has the field is an error.
 
     ``records`` starts at record ``skip``: a reading resumed after a document of this file, which therefore had one.
     """
     used, keys, size = skip > 0, None, 0
+    skips = stats.records.setdefault(str(path), dict.fromkeys(RECORD_SKIPS, 0))
     for i, (record, n) in enumerate(records, skip):
         size += n
-        text = record.get(text_field) if isinstance(record, dict) else None
+        has = isinstance(record, dict) and text_field in record
+        text = record[text_field] if has else None
         if keys is None and isinstance(record, dict):
             keys = sorted(record)
         if not isinstance(text, str) or not text.strip():
+            skips["no_field" if not has else "not_text" if not isinstance(text, str) else "empty"] += 1
             continue
         used = True
-        yield Document(f"{path}#{i}", text, (index, i + 1), size)
+        yield Document(f"{path}#{i}", text, (index, i + 1), size, dict(skips))
         size = 0
     if not used:
         have = f"its records have: {', '.join(keys)}" if keys else "it has no records"
@@ -191,7 +238,7 @@ def _records(path: Path, text_field: str, skip: int) -> Iterator[tuple[dict, int
                     yield json.loads(line), len(line)
                 except ValueError as e:  # UnicodeDecodeError included
                     raise ValueError(f"{path}:{n}: not a JSON record ({e}); fix or remove the line") from None
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:  # zlib.error: corrupt deflate data inside a valid gzip header
         raise ValueError(f"{path}: cannot be read as {'gzip-compressed ' if opener is gzip.open else ''}JSON Lines "
                          f"({e})") from None
 

@@ -83,10 +83,10 @@ class TokenData:
 
     def check_context(self, context_length: int) -> None:
         for split, shards in self.splits.items():
-            longest = max(len(a) for a in shards)
-            if longest < context_length + 1:
+            total = sum(len(a) for a in shards)
+            if total < context_length + 1:
                 raise ValueError(
-                    f"the {split} shards of {self.dir} hold at most {longest} tokens each, fewer than one context window + 1 "
+                    f"the {split} split of {self.dir} holds {total} tokens, fewer than one context window + 1 "
                     f"({context_length + 1}); lower --model.context-length or prepare more text"
                 )
 
@@ -94,8 +94,10 @@ class TokenData:
 class BatchSampler:
     """Random (x, y) windows from one split's shards; the RNG state is saved with checkpoints for exact resume.
 
-    Every window start of every shard is equally likely, and a window never crosses a shard's end. With one
-    shard the draws are exactly those of a single token array.
+    The shards are read as one stream of tokens, in order: a shard closes at a document's end, so a window
+    running from one shard into the next crosses a document boundary, as windows inside a shard do, and every
+    token can be drawn however short the shards are. Every window start is equally likely; with one shard
+    the draws are exactly those of a single token array.
     """
 
     def __init__(self, tokens: np.ndarray | Sequence[np.ndarray], batch_size: int, context_length: int, seed: int) -> None:
@@ -103,16 +105,23 @@ class BatchSampler:
         self.batch_size = batch_size
         self.context_length = context_length
         self.rng = np.random.Generator(np.random.PCG64(seed))
-        starts = np.asarray([max(0, len(s) - context_length) for s in self.shards])  # window starts each shard offers
-        self._ends = np.cumsum(starts)
-        self._firsts = self._ends - starts
+        self._offsets = np.cumsum([0, *(len(s) for s in self.shards)])  # where each shard starts in the stream
+        self._starts = max(1, int(self._offsets[-1]) - context_length)  # window starts the stream offers
+
+    def _window(self, start: int, n: int) -> np.ndarray:
+        """``n`` tokens of the stream from ``start``, across as many shards as they span."""
+        k = int(np.searchsorted(self._offsets, start, side="right")) - 1
+        pieces = []
+        while n > 0:
+            piece = self.shards[k][start - self._offsets[k] : start - self._offsets[k] + n]
+            pieces.append(piece)
+            n, start, k = n - len(piece), start + len(piece), k + 1
+        return (pieces[0] if len(pieces) == 1 else np.concatenate(pieces)).astype(np.int64)
 
     def next_batch(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         T = self.context_length
-        ix = self.rng.integers(0, self._ends[-1], size=self.batch_size)  # (B,) over all shards' starts
-        shard = np.searchsorted(self._ends, ix, side="right")
-        windows = [self.shards[k][i - self._firsts[k] : i - self._firsts[k] + T + 1].astype(np.int64) for k, i in zip(shard, ix)]
-        xy = torch.from_numpy(np.stack(windows))  # (B, T + 1)
+        ix = self.rng.integers(0, self._starts, size=self.batch_size)  # (B,) window starts in the stream
+        xy = torch.from_numpy(np.stack([self._window(int(i), T + 1) for i in ix]))  # (B, T + 1)
         x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()  # (B, T) each, as a model's .view() expects
         if torch.device(device).type == "cuda":
             return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)

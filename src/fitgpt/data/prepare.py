@@ -21,9 +21,10 @@ from typing import Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from fitgpt.data.corpus import BUILTIN, CorpusStats, changed_inputs, list_inputs, read_documents, text_bytes
+from fitgpt.data.corpus import BUILTIN, CorpusStats, Document, changed_inputs, list_inputs, read_documents, text_bytes
 from fitgpt.data.shards import SPLITS, ShardWriter, StaleProgress, load_progress, save_progress, shard_name
 from fitgpt.data.tokenizer import TOKENIZER_FILE, Tokenizer, gpt2_tokenizer, train_bpe
+from fitgpt.errors import require_finite, user_errors
 from fitgpt.memory.units import format_bytes, parse_bytes
 from fitgpt.utils import DirLock, sha256_file, write_error
 
@@ -33,6 +34,9 @@ META_FILE = "meta.json"
 FORMAT_VERSION = 2
 PARTIAL = ".partial"
 LEGACY_FILES = ("train.bin", "val.bin")  # format 1: one file per split
+MAX_VOCAB = 1 << 20
+"""The largest BPE vocabulary fitgpt trains (today's largest models use about 256k); the BPE trainer allocates
+for the size asked, so a typo of 999999999 would ask for tens of GB."""
 
 
 @dataclass
@@ -63,11 +67,14 @@ class DataConfig:
     """Tokens per output shard: a shard closes at the first document end past this, and a resumed preparation
     starts again from the last closed one."""
 
+    @user_errors
     def __post_init__(self) -> None:
+        require_finite(self, "data.")
         if not 0.0 < self.val_fraction < 0.5:
             raise ValueError(f"data.val_fraction must be in (0, 0.5), got {self.val_fraction} (set --data.val-fraction)")
-        if self.tokenizer == "bpe" and self.vocab_size < 258:
-            raise ValueError(f"data.vocab_size must be at least 258 for bpe, got {self.vocab_size} (set --data.vocab-size)")
+        if self.tokenizer == "bpe" and not 258 <= self.vocab_size <= MAX_VOCAB:
+            raise ValueError(f"data.vocab_size must be in [258, {MAX_VOCAB:,}] for bpe, got {self.vocab_size:,} "
+                             "(set --data.vocab-size; --vocab-size for fitgpt prepare)")
         if self.tokenizer not in ("bpe", "gpt2") and not Path(self.tokenizer).is_file():
             raise ValueError(f"--tokenizer {self.tokenizer!r}: not bpe, gpt2 or an existing tokenizer.json file")
         if parse_bytes(self.tokenizer_sample, flag="--tokenizer-sample") <= 0:
@@ -138,6 +145,8 @@ def prepare(cfg: DataConfig, progress: bool = True, resume: bool | None = False)
 def _prepare(cfg: DataConfig, out: Path, progress: bool, resume: bool | None) -> dict:
     items = list_inputs(list(cfg.inputs))
     part = out / PARTIAL
+    if resume and not part.is_dir() and (out / META_FILE).is_file():
+        return _complete(cfg, out)
     state = _resumable(cfg, part, items, strict=bool(resume)) if resume is not False else None
     if state is None:
         if part.exists():
@@ -153,6 +162,19 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool, resume: bool | None) ->
     return _finish(cfg, out, part, tok, state)
 
 
+def _complete(cfg: DataConfig, out: Path) -> dict:
+    """--resume on a folder whose preparation finished: nothing to continue. Refused if it was made otherwise than
+    asked (it would be replaced); else left as it is."""
+    meta = json.loads((out / META_FILE).read_text())
+    try:
+        check_prepared(cfg, meta, out)
+    except ValueError as e:
+        raise ValueError(f"--resume: {out} holds a finished preparation, not an interrupted one, and {e}. Without "
+                         "--resume it is prepared again and replaced") from None
+    log.info("%s holds a finished preparation of these inputs and settings: nothing to resume", out)
+    return meta
+
+
 def _identity(cfg: DataConfig, items: list) -> dict:
     """What must be as it was for a preparation to be resumed."""
     return {"inputs": [str(i) for i in items], "tokenizer": cfg.tokenizer, "vocab_size": cfg.vocab_size,
@@ -163,11 +185,13 @@ def _identity(cfg: DataConfig, items: list) -> dict:
 def _resumable(cfg: DataConfig, part: Path, items: list, strict: bool) -> dict | None:
     """The interrupted preparation's state, if there is one to continue; None to start over. One made with
     other settings or inputs is refused if ``strict``, else started over."""
-    state = load_progress(part)
-    if state is None:
+    loaded = load_progress(part)
+    if loaded is None:
         if strict:
             log.info("no interrupted preparation in %s to resume; preparing from the start", part.parent)
         return None
+    state, files = loaded
+    state["corpus"] = _corpus(files, state.pop("corpus"))
     why = _unlike(state, _identity(cfg, items))
     if why and strict:
         raise ValueError(f"the interrupted preparation in {part.parent} {why}; match it, or rerun without --resume to start over")
@@ -184,6 +208,22 @@ def _resumable(cfg: DataConfig, part: Path, items: list, strict: bool) -> dict |
         log.warning("the interrupted preparation in %s cannot be continued (%s); starting over", part, e)
         return None
     return state
+
+
+def _corpus(files: list[dict], current: dict | None) -> dict:
+    """``CorpusStats`` fields from the journal's finished files and the file being read at the checkpoint."""
+    corpus: dict[str, dict] = {"seen": {}, "sha256": {}, "skipped": {}, "records": {}}
+    for f in [*files, *([current] if current else [])]:
+        for key in corpus:
+            if f.get(key) is not None:
+                corpus[key][f["path"]] = f[key]
+    return corpus
+
+
+def _file_entry(stats: CorpusStats, path: str) -> dict:
+    """What reading found in one input file, read to its end: a journal entry."""
+    return {"path": path, "seen": stats.seen[path], "sha256": stats.sha256.get(path), "skipped": stats.skipped.get(path),
+            "records": stats.records.get(path)}
 
 
 def _unlike(state: dict, identity: dict) -> str | None:
@@ -207,6 +247,10 @@ def _start(cfg: DataConfig, items: list, part: Path, progress: bool) -> dict:
     sample = None
     if cfg.tokenizer == "bpe":
         limit = parse_bytes(cfg.tokenizer_sample, flag="--tokenizer-sample")
+        learnable = 257 + min(limit, total)  # the 256 bytes, end-of-text, and at most one merge per byte of text
+        if cfg.vocab_size > learnable:
+            raise ValueError(f"--vocab-size {cfg.vocab_size:,} is more than a BPE can learn from {format_bytes(min(limit, total))} "
+                             f"of text (at most {learnable:,} tokens); lower --vocab-size (--data.vocab-size when training)")
         sample = _Sample(cfg, items, limit, total)
         log.info("training a %d-token byte-level BPE on at most %s of about %s of text", cfg.vocab_size,
                  format_bytes(min(limit, total)), format_bytes(total))
@@ -225,7 +269,7 @@ def _start(cfg: DataConfig, items: list, part: Path, progress: bool) -> dict:
         "identity": _identity(cfg, items), "tokenizer": tok.kind, "tokenizer_sha256": sha256_file(part / TOKENIZER_FILE),
         "tokenizer_sample_documents": sample.documents if sample else None, "dtype": token_dtype(tok.vocab_size).name,
         "total_bytes": total, "position": [0, 0], "documents": 0, "bytes": 0, "read": 0, "val_documents": 0,
-        "corpus": {"seen": {}, "sha256": {}, "skipped": {}}, "done": False,
+        "corpus": {}, "files_journaled": 0, "done": False,
     }
     save_progress(part, {}, state)
     return state
@@ -295,13 +339,16 @@ def _stream(cfg: DataConfig, tok: Tokenizer, items: list, part: Path, state: dic
     bar = tqdm(total=state["total_bytes"], initial=state["read"], unit="B", unit_scale=True, desc="tokenizing",
                disable=None if show else True)
 
-    def checkpoint(position: list[int]) -> None:
+    def checkpoint(position: list[int], doc: Document | None = None) -> None:
+        """Journal the files read to their end since the last checkpoint; the one being read goes in progress.json
+        with the records skipped before ``doc`` (the reader runs ahead of the position: its counts are further on)."""
         index = position[0]
-        before = {str(p) for p in items[:index] if isinstance(p, Path)}
-        current = {str(items[index])} if index < len(items) and position[1] else set()
-        done = stats.keep(before)
-        state["corpus"] = {"seen": stats.keep(before | current).seen, "sha256": done.sha256, "skipped": done.skipped}
-        save_progress(part, writers, state)
+        finished = [_file_entry(stats, str(p)) for p in items[state["files_journaled"] : index] if isinstance(p, Path)]
+        state["files_journaled"] = index
+        current = items[index] if index < len(items) and position[1] and isinstance(items[index], Path) else None
+        state["current_file"] = {"path": str(current), "seen": stats.seen[str(current)],
+                                 "records": doc.record_skips if doc else None} if current else None
+        save_progress(part, writers, state, finished)
 
     try:
         docs = read_documents(items, stats, cfg.text_field, tuple(state["position"]))
@@ -317,18 +364,24 @@ def _stream(cfg: DataConfig, tok: Tokenizer, items: list, part: Path, state: dic
                 state["read"] += doc.size or n
                 bar.update(doc.size or n)
                 if closed:
-                    checkpoint(state["position"])
+                    checkpoint(state["position"], doc)
             bar.set_postfix_str(f"{state['documents']:,} documents", refresh=False)
         for w in writers.values():
             w.close_shard()
         state["done"] = True
         state["position"] = [len(items), 0]
         checkpoint(state["position"])
+        state["corpus"] = dataclasses.asdict(stats)
     finally:
         for w in writers.values():
             w.close()
         bar.close()
-    log.info("corpus: %s", stats.summary(state["documents"], state["bytes"]))
+    records = {p: sum(r.values()) for p, r in stats.records.items() if any(r.values())}
+    if records:
+        shown = ", ".join(f"{p} ({n})" for p, n in list(records.items())[:3]) + (", ..." if len(records) > 3 else "")
+        log.warning("corpus: %s; records without text in %s", stats.summary(state["documents"], state["bytes"]), shown)
+    else:
+        log.info("corpus: %s", stats.summary(state["documents"], state["bytes"]))
 
 
 def _write_document(writer: ShardWriter, pieces: list[list[int]], eot: np.ndarray) -> bool:
@@ -374,6 +427,7 @@ def _finish(cfg: DataConfig, out: Path, part: Path, tok: Tokenizer, state: dict)
         "skipped": corpus.skipped_counts(),
         "files": corpus.seen,
         "file_sha256": corpus.sha256,
+        "identity": {k: v for k, v in state["identity"].items() if k != "inputs"},
     }
     names = [s["file"] for split_shards in shards.values() for s in split_shards]
     (out / META_FILE).unlink(missing_ok=True)  # no moment where an old meta describes new files
@@ -412,11 +466,18 @@ def _cut_tail(part: Path, shards: dict, dtype: np.dtype, val_fraction: float) ->
 
 
 def prepared_settings(meta: dict) -> dict:
-    """The DataConfig settings a data directory was prepared with, from its meta.json."""
+    """Every DataConfig setting (but the directory) a data directory was prepared with, from its meta.json:
+    training adopts each one left at its default and refuses each one given otherwise."""
+    identity = meta.get("identity") or {}  # data prepared before it was recorded: the settings meta.json names
     settings = {"inputs": tuple(meta.get("inputs") or ()), "tokenizer": meta.get("tokenizer"),
                 "text_field": meta.get("text_field", "text")}  # data prepared before record files had no field
+    for key in ("val_fraction", "seed", "shard_tokens"):
+        if key in meta:
+            settings[key] = meta[key]
     if settings["tokenizer"] == "bpe":
         settings["vocab_size"] = meta.get("requested_vocab_size", meta.get("vocab_size"))
+        if "tokenizer_sample" in identity:
+            settings["tokenizer_sample"] = identity["tokenizer_sample"]
     return settings
 
 
@@ -439,6 +500,12 @@ def ensure_prepared(cfg: DataConfig, progress: bool = True) -> dict:
     """
     meta_path = cfg.path / META_FILE
     if not meta_path.is_file():
+        if cfg.dir and list(cfg.inputs) == [BUILTIN] and not (cfg.path / PARTIAL).is_dir():
+            # Preparing on first use is for the built-in corpus's own folder, or for inputs that were named: a
+            # --data.dir alone that holds no data is a typo or a moved folder, not a request for the built-in corpus.
+            raise ValueError(f"--data.dir {cfg.dir} holds no prepared data (no {META_FILE}); check the path, prepare it "
+                             f"first (fitgpt prepare --dir {cfg.dir} --inputs ...), or name --data.inputs to prepare "
+                             "them there on first use")
         log.info("no prepared data in %s; preparing %s now (first use)", cfg.path, list(cfg.inputs))
         return prepare(cfg, progress=progress, resume=None)  # a first use that was interrupted continues
     try:
@@ -447,7 +514,13 @@ def ensure_prepared(cfg: DataConfig, progress: bool = True) -> dict:
         raise ValueError(f"{meta_path} is unreadable ({e}); re-run `fitgpt prepare --dir {cfg.path}`") from None
     if not isinstance(meta, dict):
         raise ValueError(f"{meta_path} is not fitgpt's; re-run `fitgpt prepare --dir {cfg.path}`")
-    cfg = adopt_prepared(cfg, meta)
+    check_prepared(adopt_prepared(cfg, meta), meta, cfg.path)
+    return meta
+
+
+def check_prepared(cfg: DataConfig, meta: dict, out: Path) -> None:
+    """Refuse data prepared otherwise than ``cfg`` asks (a setting, or inputs changed since), naming the flag."""
+    meta_path = out / META_FILE
     have = prepared_settings(meta)
     for key in have:
         value = list(getattr(cfg, key)) if key == "inputs" else getattr(cfg, key)
@@ -467,4 +540,3 @@ def ensure_prepared(cfg: DataConfig, progress: bool = True) -> dict:
                 f"the inputs changed since {cfg.path} was prepared ({shown}); re-prepare with `fitgpt prepare --dir "
                 f"{cfg.path} --inputs {inputs}` (runs on the old data keep their tokenizer), or use another --data.dir"
             )
-    return meta

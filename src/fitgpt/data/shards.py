@@ -1,11 +1,13 @@
 """Token shards: each split's tokens in numbered files, written so that an interrupted preparation resumes.
 
 A split's tokens go to ``{split}_{k:06d}.bin`` files. A shard closes at the first document end past
-``shard_tokens``, so shards hold whole documents and a training window never crosses one. Closing a
-shard is a checkpoint: the open shards of both splits are flushed to disk, and ``progress.json``
-(written atomically) records every closed shard, how many tokens of each open shard are committed,
-and where reading resumes. A resumed preparation cuts each open shard back to what was committed and
-goes on from there, so that its output is byte for byte an uninterrupted one's.
+``shard_tokens``, so shards hold whole documents. Closing a shard is a checkpoint: the open shards of
+both splits are flushed to disk, what closed since the last checkpoint (shards, input files read to
+the end) is appended to ``journal.jsonl``, and ``progress.json`` (small, written atomically) records
+how much of the journal and of each open shard is committed, and where reading resumes. A checkpoint
+costs what happened since the last one, however many shards came before. A resumed preparation cuts
+the journal and each open shard back to what was committed and goes on from there, so that its output
+is byte for byte an uninterrupted one's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 
 SPLITS = ("train", "val")
 PROGRESS_FILE = "progress.json"
+JOURNAL_FILE = "journal.jsonl"
 
 
 def shard_name(split: str, index: int) -> str:
@@ -94,23 +97,52 @@ class StaleProgress(Exception):
     """An interrupted preparation that cannot be continued as it stands (the caller starts over)."""
 
 
-def save_progress(directory: Path, writers: dict[str, ShardWriter], state: dict) -> None:
-    """A checkpoint: the open shards' bytes on disk first, then ``state`` (its ``splits`` updated from ``writers``)
-    as ``progress.json``, atomically."""
+def save_progress(directory: Path, writers: dict[str, ShardWriter], state: dict, finished: list[dict] = ()) -> None:
+    """A checkpoint: the open shards' bytes on disk first; then the shards closed since the last checkpoint and the
+    ``finished`` input files' records appended to the journal; then ``state`` without what the journal holds
+    (``splits``' closed shards, ``corpus``'s finished files) as ``progress.json``, atomically."""
     for w in writers.values():
         w.flush()
     state["splits"] = {split: w.state() for split, w in writers.items()}
+    logged = state.setdefault("journaled", {"shards": {}, "bytes": 0})
+    entries = [{"shard": split, **s} for split, w in writers.items() for s in w.shards[logged["shards"].get(split, 0):]]
+    entries += [{"input": f} for f in finished]
+    journal = directory / JOURNAL_FILE
+    with open(journal, "r+b" if journal.exists() else "wb") as f:
+        f.truncate(logged["bytes"])  # what a killed run appended after its last checkpoint
+        f.seek(logged["bytes"])
+        f.write("".join(json.dumps(e) + "\n" for e in entries).encode())
+        f.flush()
+        os.fsync(f.fileno())
+        logged["bytes"] = f.tell()
+    logged["shards"] = {split: len(w.shards) for split, w in writers.items()}
+    small = {**state, "splits": {split: {"open_tokens": w.open_tokens} for split, w in writers.items()},
+             "corpus": state.get("current_file")}
+    small.pop("current_file", None)
     tmp = directory / f"{PROGRESS_FILE}.tmp"
     with open(tmp, "w") as f:
-        json.dump(state, f, indent=1)
+        json.dump(small, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, directory / PROGRESS_FILE)
 
 
-def load_progress(directory: Path) -> dict | None:
+def load_progress(directory: Path) -> tuple[dict, list[dict]] | None:
+    """The state ``save_progress`` committed last, its ``splits`` whole again from the journal, and the finished
+    files' records; None if there is none to read."""
     try:
         state = json.loads((directory / PROGRESS_FILE).read_text())
-    except (OSError, ValueError):
+        logged = state["journaled"]
+        with open(directory / JOURNAL_FILE, "rb") as f:
+            lines = f.read(logged["bytes"]).decode().splitlines()
+        entries = [json.loads(line) for line in lines]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    return state if isinstance(state, dict) and "splits" in state else None
+    shards: dict[str, list[dict]] = {split: [] for split in SPLITS}
+    for e in entries:
+        if "shard" in e:
+            shards[e.pop("shard")].append(e)
+    if any(len(shards[s]) != logged["shards"].get(s, 0) for s in SPLITS):
+        return None
+    state["splits"] = {s: {"shards": shards[s], **state["splits"].get(s, {})} for s in SPLITS}
+    return state, [e["input"] for e in entries if "input" in e]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from fitgpt.errors import require_finite, user_errors
+
 
 def require_positive_ints(obj: object, names: tuple[str, ...], section: str = "") -> None:
     """Raise ValueError naming the field and its flag when one of ``names`` is not a positive int."""
@@ -49,7 +51,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """llama: RMSNorm epsilon."""
 
+    @user_errors
     def __post_init__(self) -> None:
+        require_finite(self, "model.")
         require_positive_ints(self, ("vocab_size", "context_length", "n_embed", "n_head", "n_blocks"), "model.")
         if self.n_embed % self.n_head != 0:
             raise ValueError(

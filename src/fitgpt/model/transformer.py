@@ -159,8 +159,10 @@ class Transformer(nn.Module):
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool = True,
+        vocab_limit: int | None = None,
     ) -> torch.Tensor:
-        """Append max_new_tokens sampled tokens to idx (B, T); temperature 0 picks greedily.
+        """Append max_new_tokens sampled tokens to idx (B, T); temperature 0 picks greedily. Ids from
+        ``vocab_limit`` on are never drawn (the rows a vocabulary padded for fast matmuls adds: no token's).
 
         With the cache, each new token runs alone through the model; once the context is full, the cache is
         refilled from the last context_length tokens for each token, exactly what recomputing does."""
@@ -176,6 +178,8 @@ class Transformer(nn.Module):
                 else:
                     logits, _ = self(idx[:, -1:], cache=cache)
             logits = logits[:, -1, :]  # (B, vocab)
+            if vocab_limit is not None:
+                logits[:, vocab_limit:] = -float("inf")
             if temperature <= 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:

@@ -22,6 +22,7 @@ import torch
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing, parse_policy, remove_activation_checkpointing
 from fitgpt.device import autocast
+from fitgpt.errors import user_errors
 from fitgpt.memory.flops import OpFlops
 from fitgpt.memory.measure import measure_step_memory
 from fitgpt.memory.profile import measure_train_step
@@ -55,6 +56,7 @@ class BenchConfig(WorkloadConfig):
     """Where bench.json and bench.png go."""
     seed: int = 0
 
+    @user_errors
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.repeats < 1 or self.warmup < 0:
@@ -169,8 +171,30 @@ def _time(model, optimizer, batches, specs: dict, step_kw: dict, warmup: int, re
     return times
 
 
+def _profiled_plan(spec: str, profile: StepProfile) -> tuple[Plan, bool]:
+    """The plan the profile can predict nearest to ``spec``: an option the profile lacks (offload, profiled only for
+    CUDA, where it moves bytes; on a CPU it does nothing) counts as none, and the prediction as not exact."""
+    plan, exact = Plan.from_policy(spec, profile.n_blocks)
+    options = tuple(o if o in profile.blocks[0] else "none" for o in plan.blocks)
+    return Plan(options, plan.head), exact and options == plan.blocks
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse, before anything is measured, an --out-dir that is a file or cannot be written."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out-dir {out} is a file; choose a folder for bench.json and bench.png")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".fitgpt-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"cannot write to --out-dir {out} ({e.strerror or e}); choose a writable folder") from None
+
+
 def run_bench(cfg: BenchConfig) -> dict:
     """Measure every policy of ``cfg``; returns the rows and the setup (also written to bench.json)."""
+    check_out_dir(Path(cfg.out_dir))
     tcfg = cfg.train_config()
     device, dtype = cfg.torch_device(), cfg.dtype()
     mcfg = cfg.model_config
@@ -192,7 +216,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     for name, (spec, budget, predicted) in specs.items():
         med = statistics.median(times[name])
         m = measured[name]
-        plan, exact = Plan.from_policy(spec, mcfg.n_blocks)
+        plan, exact = _profiled_plan(spec, profile)
         rows.append(BenchRow(policy=name, spec=spec, peak_bytes=m["peak_bytes"], activation_bytes=m["activation_bytes"],
                              flops=m["flops"], step_seconds=med, tokens_per_s=B * T * accum / med, times=times[name],
                              budget_bytes=budget, predicted_peak_bytes=predicted,

@@ -115,6 +115,10 @@ class Target:
         """As the trainer picks it on this target: auto is bf16 on CUDA (fp16 on cards without bf16), fp32 on CPU."""
         if precision == "auto" and self.cuda:  # the card is not here to ask whether it has bf16: its table row says
             return torch.bfloat16 if self.sm >= (8, 0) else torch.float16
+        if precision == "bf16" and self.cuda and self.sm < (8, 0):
+            card = f"the {self.gpu.name}" if self.gpu else "this card"
+            raise ValueError(f"--precision bf16: {card} (sm {self.sm[0]}.{self.sm[1]}) has no bf16 (it needs sm 8.0 or newer); "
+                             "use --precision fp16 (or auto) or fp32")
         return autocast_dtype(precision, torch.device(self.device))
 
     def attention_backend(self, dtype: torch.dtype | None, head_dim: int) -> str:

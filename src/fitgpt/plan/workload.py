@@ -11,6 +11,7 @@ import tyro
 
 from fitgpt.config import TrainConfig, load_config
 from fitgpt.device import autocast_dtype, resolve_device
+from fitgpt.errors import user_errors
 from fitgpt.memory.flops import OpCost
 from fitgpt.memory.units import parse_bytes
 from fitgpt.model import ModelConfig
@@ -48,6 +49,7 @@ class WorkloadConfig:
     base: tyro.conf.Suppress[Optional[TrainConfig]] = None
     """A training config to plan for instead of --preset/--config (``fitgpt train --auto-config``)."""
 
+    @user_errors
     def __post_init__(self) -> None:
         self._cost: OpCost | None = None
         names = ("batch_size", "context", "grad_accum", "world_size")
@@ -58,6 +60,8 @@ class WorkloadConfig:
             find_gpu(self.gpu)
             if self.target == "cpu":
                 raise ValueError("--gpu names a CUDA card: drop --target cpu (or --gpu)")
+        if self.device is None:
+            self.plan_target().autocast_dtype(self.precision)  # a precision the target has (bf16 on a T4 is refused)
 
     def train_config(self) -> TrainConfig:
         cfg = self.base or load_config(self.preset, self.config)
@@ -155,6 +159,7 @@ class BudgetConfig(WorkloadConfig):
     """Peak memory of a training step to fit in, e.g. 6GiB, 512MiB, 8GB (default with --gpu: what the card leaves
     for tensors)."""
 
+    @user_errors
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.memory_budget and not self.gpu:

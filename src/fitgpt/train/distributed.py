@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fitgpt.activation_checkpoint.apply import ActivationCheckpointWrapper, find_blocks
+from fitgpt.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +92,23 @@ def any_rank(info: DistInfo, flag: bool, device: torch.device) -> bool:
 
 
 def from_main(info: DistInfo, fn):
-    """``fn()`` computed on rank 0 and handed to every rank (a choice all ranks must share, made once)."""
+    """``fn()`` computed on rank 0 and handed to every rank (a choice all ranks must share, made once). A user error
+    it raises is raised on every rank, so that all of them stop with the same one line (rather than the others
+    losing their connection to rank 0 at its exit)."""
     if not info.enabled:
         return fn()
-    box = [fn() if info.is_main else None]
+    box: list = [None]
+    if info.is_main:
+        try:
+            box = [("ok", fn())]
+        except (UserError, ValueError) as e:
+            box = [("error", str(e))]
+            dist.broadcast_object_list(box, src=0)
+            raise
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    if box[0][0] == "error":
+        raise UserError(box[0][1])
+    return box[0][1]
 
 
 def gather_objects(info: DistInfo, obj) -> list:
@@ -161,16 +173,26 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's weights on CPU (a collective under FSDP: call it on every rank)."""
-    return {k: _full(v).detach().cpu() for k, v in model.state_dict().items()}
+def _gathered(t, keep: bool):
+    """One tensor gathered whole (a collective: every rank calls it), kept in host memory only where ``keep``: the
+    other ranks hold one gathered tensor at a time, never the whole state."""
+    full = _full(t)
+    return full.detach().cpu() if keep else None
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
-    """``optimizer.state_dict()`` with sharded states gathered whole: the single-process format."""
+def full_model_state(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The whole model's weights on CPU on the ranks that ``keep`` them (rank 0 under FSDP; a collective: call it on
+    every rank); an empty dict on the others."""
+    gathered = {k: _gathered(v, keep) for k, v in model.state_dict().items()}
+    return gathered if keep else {}
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool = True) -> dict | None:
+    """``optimizer.state_dict()`` with sharded states gathered whole, the single-process format, on the ranks that
+    ``keep`` it (a collective); None on the others."""
     sd = optimizer.state_dict()
-    sd["state"] = {i: {k: _full(v).cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()} for i, s in sd["state"].items()}
-    return sd
+    state = {i: {k: _gathered(v, keep) if isinstance(v, torch.Tensor) else v for k, v in s.items()} for i, s in sd["state"].items()}
+    return {**sd, "state": state} if keep else None
 
 
 def load_full_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict) -> None:

@@ -33,7 +33,7 @@ from fitgpt.hf import check_tokenizer, import_config, import_weights
 from fitgpt.memory import measure_step_memory
 from fitgpt.memory.profile import PeakProbe
 from fitgpt.memory.units import format_bytes
-from fitgpt.model import Transformer
+from fitgpt.model import ModelConfig, Transformer
 from fitgpt.optim import build_optimizer, lr_at, optimizer_params
 from fitgpt.step import StepResult, grad_scaler, train_step
 from fitgpt.train import checkpoint as ckpt
@@ -125,18 +125,24 @@ def _log_activation_memory(model: nn.Module, spec: str, cfg: TrainConfig, data: 
 def _load_for_resume(path: Path, cfg: TrainConfig, model: nn.Module, tok_hash: str) -> tuple[dict, dict]:
     """Meta and state of checkpoint ``path``, its weights loaded into ``model``; CheckpointError if it is corrupt."""
     ck_meta = ckpt.verify_checkpoint(path)
-    saved_model = ck_meta["config"]["model"]
-    for key in ("vocab_size", "context_length", "n_embed", "n_head", "n_blocks", "bias"):
-        if key in saved_model and saved_model[key] != getattr(cfg.model, key):
-            raise ValueError(
-                f"--resume {path}: the checkpoint has model.{key}={saved_model[key]}, this run asks for "
-                f"{getattr(cfg.model, key)}; resume with the run's own config (--config {cfg.run_dir / 'config.json'})"
-            )
+    _check_same_model(path, ck_meta["config"]["model"], cfg)
     if ck_meta.get("data", {}).get("tokenizer_sha256") not in (None, tok_hash):
         raise ValueError(f"--resume {path}: the checkpoint was trained with another tokenizer than {cfg.data.path}")
     ckpt.load_weights(path, model)  # full weights, on every rank, before any sharding
     state = ckpt.load_state(path, [p.shape for p in optimizer_params(model)])
     return ck_meta, state
+
+
+def _check_same_model(path: Path, saved: dict, cfg: TrainConfig) -> None:
+    """The checkpoint's model must be the one this run builds: every ModelConfig setting but dropout (a change of
+    trajectory, warned about below) is compared, a key older checkpoints lack as its default."""
+    for f in dataclasses.fields(ModelConfig):
+        had, now = saved.get(f.name, f.default), getattr(cfg.model, f.name)
+        if f.name != "dropout" and had != now:
+            raise ValueError(
+                f"--resume {path}: the checkpoint's model has {f.name}={had!r}, this run asks for {now!r}; resume with "
+                f"the run's own config (--config {cfg.run_dir / 'config.json'}) or set --model.{f.name.replace('_', '-')} {had}"
+            )
 
 
 # Settings whose change on resume makes the run differ from the uninterrupted one (the model's shape is checked apart).
@@ -182,15 +188,28 @@ def train(cfg: TrainConfig, planner: Planner | None = None) -> dict:
     """
     info = dist_utils.init_distributed(cfg.device, cfg.dist_timeout)
     try:
-        # One process writes a run directory: rank 0 holds its lock for the whole run.
-        with DirLock(cfg.run_dir, "--out-dir") if info.is_main else contextlib.nullcontext():
-            if info.is_main:
-                prepare_run_dir(cfg.run_dir, cfg.resume, cfg.overwrite)
+        _check_launch(cfg, info)
+        with contextlib.ExitStack() as held:
+            def claim() -> None:  # one process writes a run directory: rank 0 holds its lock for the whole run
+                held.enter_context(DirLock(cfg.run_dir, "--out-dir"))
+                prepare_run_dir(cfg.run_dir, cfg.resume, cfg.overwrite, cfg.data.path)
+
+            dist_utils.from_main(info, claim)
             summary = _train(cfg, info, planner)
             dist_utils.leave_together(info)
             return summary
     finally:
         dist_utils.shutdown(info)
+
+
+def _check_launch(cfg: TrainConfig, info: dist_utils.DistInfo) -> None:
+    """What can be refused before anything is written: the device, and settings this launch cannot honour."""
+    resolve_device(cfg.device)
+    if cfg.parallel == "fsdp" and not info.enabled:
+        raise ValueError("--parallel fsdp shards the model across processes, and this is one: launch with torchrun "
+                         "--nproc-per-node N (N >= 2), or use --parallel ddp (the default) to train in one process")
+    if info.enabled and cfg.parallel == "fsdp" and cfg.compile:
+        raise ValueError("--compile with --parallel fsdp is not supported yet; drop --compile or use --parallel ddp")
 
 
 @dataclass
@@ -232,8 +251,6 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     dtype = autocast_dtype(cfg.precision, device)
     if not info.is_main:
         logging.getLogger("fitgpt").setLevel(logging.WARNING)  # one log, from rank 0
-    if info.enabled and cfg.parallel == "fsdp" and cfg.compile:
-        raise ValueError("--compile with --parallel fsdp is not supported yet; drop --compile or use --parallel ddp")
     if cfg.init_from and not cfg.resume:  # a resumed run's config.json already holds the imported model
         cfg = dataclasses.replace(cfg, model=import_config(cfg.init_from))
     data, cfg = _load_data(cfg, info)
@@ -280,10 +297,8 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
 
 def _load_data(cfg: TrainConfig, info: dist_utils.DistInfo) -> tuple[TokenData, TrainConfig]:
     """The prepared tokens (rank 0 prepares them on first use), and cfg with the model's vocabulary set from them."""
-    if info.is_main:
-        ensure_prepared(cfg.data, progress=cfg.progress)
-    if info.enabled:
-        torch.distributed.barrier()  # the other ranks wait while rank 0 prepares
+    # The other ranks wait while rank 0 prepares (and stop with its error, if it has one).
+    dist_utils.from_main(info, lambda: ensure_prepared(cfg.data, progress=cfg.progress) and None)
     data = TokenData(cfg.data.path)
     data.check_context(cfg.model.context_length)
     cfg = dataclasses.replace(cfg, data=adopt_prepared(cfg.data, data.meta))  # config.json records the data's settings
@@ -479,9 +494,10 @@ def _save(run: _Run, step: int) -> Path | None:
     state, every rank's data position and RNG); then rank 0 writes. A failed write stops every rank."""
     cfg, info = run.cfg, run.info
     weights = None
-    if info.enabled and cfg.parallel == "fsdp":
-        weights = {k: v for k, v in dist_utils.full_model_state(run.model).items() if k not in run.tied}
-    opt_state = dist_utils.full_optimizer_state(run.optimizer) if info.enabled else run.optimizer.state_dict()
+    if info.enabled and cfg.parallel == "fsdp":  # gathered to rank 0 only: the others never hold the whole state
+        weights = {k: v for k, v in dist_utils.full_model_state(run.model, keep=info.is_main).items() if k not in run.tied}
+    opt_state = (dist_utils.full_optimizer_state(run.optimizer, keep=info.is_main) if info.enabled
+                 else run.optimizer.state_dict())
     samplers = dist_utils.gather_objects(info, run.sampler.state_dict())
     rngs = dist_utils.gather_objects(info, _rng_state(run.device))
     path, error = None, None
