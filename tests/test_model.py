@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fitgpt.config import PRESETS, load_config
+from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, Transformer
 
 
@@ -51,7 +52,7 @@ def test_context_too_long_is_a_clear_error(tiny_model_config):
      ({"vocab_size": -1}, "vocab_size")],
 )
 def test_config_validation_names_the_field(kw, field, tiny_model_config):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(UserError, match=field):  # a UserError: the CLI prints it on one line
         tiny_model_config(**kw)
 
 

@@ -236,10 +236,8 @@ def test_plan_command(capsys):
 
 
 def test_plan_command_errors_name_the_flag(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["plan", "--device", "cpu"])
-    assert e.value.code == 2
-    assert "--memory-budget is required" in " ".join(capsys.readouterr().err.split())
+    assert main(["plan", "--device", "cpu"]) == 2
+    assert "--memory-budget is required" in capsys.readouterr().err
     assert main(["plan", "--device", "cpu", "--batch-size", "4", "--context", "32", "--memory-budget", "1MiB"]) == 2
     assert "nothing fits in 1.0 MiB" in capsys.readouterr().err
 
