@@ -31,6 +31,21 @@ def write_error(e: BaseException, where: str | Path) -> str:
     return reason
 
 
+def writable_dir(out: Path, flag: str) -> None:
+    """Create folder ``out`` if need be and prove it can be written, before any work whose result goes there; a
+    ValueError naming ``flag`` if it is a file or cannot be written."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{flag} {out} is a file; choose a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".fitgpt-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"cannot write to {flag} {out} ({write_error(e, out if out.exists() else out.parent)}); "
+                         "choose a writable folder") from None
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid exists on this machine."""
     try:

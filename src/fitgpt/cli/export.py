@@ -11,7 +11,7 @@ from fitgpt.errors import user_errors
 from fitgpt.hf import export_model
 from fitgpt.sample import load_run
 from fitgpt.train.rundir import fitgpt_owner
-from fitgpt.utils import write_error
+from fitgpt.utils import writable_dir, write_error
 
 
 @dataclass
@@ -40,18 +40,9 @@ def check_out(out: Path, overwrite: bool) -> None:
     if owner:
         raise ValueError(f"--out {out} is inside {owner}, which fitgpt keeps; export to a folder of its own, "
                          "e.g. --out hf/NAME")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; choose a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"--out {out} already exists and is not an empty folder; choose another or add --overwrite")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".fitgpt-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"cannot write to --out {out} ({write_error(e, out.parent if not out.exists() else out)}); "
-                         "choose a writable folder") from None
+    writable_dir(out, "--out")
 
 
 def run(args: list[str]) -> int:

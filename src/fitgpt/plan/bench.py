@@ -34,6 +34,7 @@ from fitgpt.plan.solver import Plan, PlanError, predict, solve
 from fitgpt.plan.timing import timed, token_batches
 from fitgpt.plan.workload import WorkloadConfig
 from fitgpt.step import grad_scaler, train_step
+from fitgpt.utils import writable_dir
 
 log = logging.getLogger(__name__)
 
@@ -179,22 +180,9 @@ def _profiled_plan(spec: str, profile: StepProfile) -> tuple[Plan, bool]:
     return Plan(options, plan.head), exact and options == plan.blocks
 
 
-def check_out_dir(out: Path) -> None:
-    """Refuse, before anything is measured, an --out-dir that is a file or cannot be written."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out-dir {out} is a file; choose a folder for bench.json and bench.png")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".fitgpt-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"cannot write to --out-dir {out} ({e.strerror or e}); choose a writable folder") from None
-
-
 def run_bench(cfg: BenchConfig) -> dict:
     """Measure every policy of ``cfg``; returns the rows and the setup (also written to bench.json)."""
-    check_out_dir(Path(cfg.out_dir))
+    writable_dir(Path(cfg.out_dir), "--out-dir")  # before anything is measured
     tcfg = cfg.train_config()
     device, dtype = cfg.torch_device(), cfg.dtype()
     mcfg = cfg.model_config
