@@ -247,10 +247,6 @@ def _start(cfg: DataConfig, items: list, part: Path, progress: bool) -> dict:
     sample = None
     if cfg.tokenizer == "bpe":
         limit = parse_bytes(cfg.tokenizer_sample, flag="--tokenizer-sample")
-        learnable = 257 + min(limit, total)  # the 256 bytes, end-of-text, and at most one merge per byte of text
-        if cfg.vocab_size > learnable:
-            raise ValueError(f"--vocab-size {cfg.vocab_size:,} is more than a BPE can learn from {format_bytes(min(limit, total))} "
-                             f"of text (at most {learnable:,} tokens); lower --vocab-size (--data.vocab-size when training)")
         sample = _Sample(cfg, items, limit, total)
         log.info("training a %d-token byte-level BPE on at most %s of about %s of text", cfg.vocab_size,
                  format_bytes(min(limit, total)), format_bytes(total))

@@ -140,7 +140,7 @@ def _check_same_model(path: Path, saved: dict, cfg: TrainConfig) -> None:
         had, now = saved.get(f.name, f.default), getattr(cfg.model, f.name)
         if f.name != "dropout" and had != now:
             raise ValueError(
-                f"--resume {path}: the checkpoint's model has {f.name}={had!r}, this run asks for {now!r}; resume with "
+                f"--resume {path}: the checkpoint has model.{f.name}={had!r}, this run asks for {now!r}; resume with "
                 f"the run's own config (--config {cfg.run_dir / 'config.json'}) or set --model.{f.name.replace('_', '-')} {had}"
             )
 
