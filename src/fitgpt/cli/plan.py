@@ -50,14 +50,15 @@ def _over_card(cfg: PlanConfig, replay: dict | None) -> int:
 
 
 def _solve_on_card(cfg: PlanConfig, profile, budget: int):
-    """The fastest plan within ``budget``, and its allocator replay. Without --memory-budget the default budget
-    is the card's: lowered until the replayed reserved memory (fragmentation included) fits on the card too."""
+    """The fastest plan within ``budget``, its allocator replay and the bytes it overflows the card by. Without
+    --memory-budget the default budget is the card's: lowered until the replayed reserved memory (fragmentation
+    included) fits on the card too."""
     while True:
         plan, pred = solve(profile, budget)
         replay = cfg.replay(plan.spec())
         over = _over_card(cfg, replay)
         if not over or cfg.memory_budget:
-            return plan, pred, replay, budget
+            return plan, pred, replay, budget, over
         budget -= over + 2 * 2**20  # and a step of the allocator's 2 MiB blocks, so that this converges
 
 
@@ -70,7 +71,7 @@ def run(args: list[str]) -> int:
     cfg = tyro.cli(PlanConfig, args=args, prog="fitgpt plan")
     tcfg = cfg.train_config()
     profile = cfg.profile()
-    plan, pred, replay, budget = _solve_on_card(cfg, profile, cfg.budget)
+    plan, pred, replay, budget, over = _solve_on_card(cfg, profile, cfg.budget)
     print(f"{cfg.describe()}; budget {format_bytes(budget)}; profiled in {profile.seconds:.1f}s")
     if cfg.plan_target().cuda and cfg.fake:
         print("\n".join("  " + line for line in _cuda_notes(cfg)))
@@ -93,7 +94,6 @@ def run(args: list[str]) -> int:
     if workspaces:
         print(f"predicted torch.cuda.max_memory_allocated: {format_bytes(pred.peak + workspaces)} "
               f"(the step's tensors + cuBLAS workspaces)")
-    over = _over_card(cfg, replay)
     if replay:
         print(f"the plan's step replayed through CUDA's caching allocator (modelled): max_memory_allocated "
               f"{format_bytes(replay['max_allocated'])}, max_memory_reserved {format_bytes(replay['max_reserved'])}")

@@ -100,14 +100,21 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def _is_ours(directory: Path) -> bool:
-    """A data directory fitgpt prepared (a meta.json in fitgpt's format), or one whose first preparation was
-    cut off (nothing but fitgpt's lock file and its staging folder). A run directory is neither."""
+def is_prepared(directory: Path) -> bool:
+    """Whether ``directory`` holds data `fitgpt prepare` wrote: a meta.json in fitgpt's format, or a preparation in
+    progress (its staging folder). No other command writes there."""
     try:
         meta = json.loads((directory / META_FILE).read_text())
     except (OSError, ValueError):
-        return all(p.name in (DirLock.FILE, PARTIAL) or p.name.endswith(".tmp") for p in directory.iterdir())
+        return (directory / PARTIAL).is_dir()
     return isinstance(meta, dict) and "format_version" in meta and "tokenizer_sha256" in meta
+
+
+def _is_ours(directory: Path) -> bool:
+    """A data directory fitgpt prepared, or one whose first preparation was cut off (nothing but fitgpt's lock
+    file, its staging folder and temporaries). A run directory is neither."""
+    return is_prepared(directory) or all(p.name in (DirLock.FILE, PARTIAL) or p.name.endswith(".tmp")
+                                         for p in directory.iterdir())
 
 
 def _check_output_dir(out: Path) -> None:
@@ -423,7 +430,7 @@ def _finish(cfg: DataConfig, out: Path, part: Path, tok: Tokenizer, state: dict)
         "skipped": corpus.skipped_counts(),
         "files": corpus.seen,
         "file_sha256": corpus.sha256,
-        "identity": {k: v for k, v in state["identity"].items() if k != "inputs"},
+        "tokenizer_sample": cfg.tokenizer_sample,
     }
     names = [s["file"] for split_shards in shards.values() for s in split_shards]
     (out / META_FILE).unlink(missing_ok=True)  # no moment where an old meta describes new files
@@ -464,16 +471,15 @@ def _cut_tail(part: Path, shards: dict, dtype: np.dtype, val_fraction: float) ->
 def prepared_settings(meta: dict) -> dict:
     """Every DataConfig setting (but the directory) a data directory was prepared with, from its meta.json:
     training adopts each one left at its default and refuses each one given otherwise."""
-    identity = meta.get("identity") or {}  # data prepared before it was recorded: the settings meta.json names
     settings = {"inputs": tuple(meta.get("inputs") or ()), "tokenizer": meta.get("tokenizer"),
                 "text_field": meta.get("text_field", "text")}  # data prepared before record files had no field
-    for key in ("val_fraction", "seed", "shard_tokens"):
+    for key in ("val_fraction", "seed", "shard_tokens"):  # data prepared before one was recorded: not compared
         if key in meta:
             settings[key] = meta[key]
     if settings["tokenizer"] == "bpe":
         settings["vocab_size"] = meta.get("requested_vocab_size", meta.get("vocab_size"))
-        if "tokenizer_sample" in identity:
-            settings["tokenizer_sample"] = identity["tokenizer_sample"]
+        if "tokenizer_sample" in meta:
+            settings["tokenizer_sample"] = meta["tokenizer_sample"]
     return settings
 
 

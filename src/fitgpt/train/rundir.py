@@ -13,6 +13,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from fitgpt.data.prepare import is_prepared
 from fitgpt.train.checkpoint import CKPT_DIR, META_FILE, list_checkpoints, step_of
 from fitgpt.utils import DirLock
 
@@ -33,15 +34,6 @@ def is_run_dir(path: Path) -> bool:
     return any((p / META_FILE).is_file() for p in list_checkpoints(path)) if path.is_dir() else False
 
 
-def is_prepared_dir(path: Path) -> bool:
-    """Whether ``path`` holds data `fitgpt prepare` wrote (its meta.json, or a preparation in progress)."""
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError):
-        return (path / ".partial").is_dir()
-    return isinstance(meta, dict) and "format_version" in meta and "tokenizer_sha256" in meta
-
-
 def fitgpt_owner(path: Path) -> str | None:
     """What fitgpt keeps at ``path`` or above it (a run, a checkpoint, prepared data), or None: where no
     --out or --overwrite of another command may write."""
@@ -49,7 +41,7 @@ def fitgpt_owner(path: Path) -> str | None:
     for p in (path, *path.parents):
         if is_run_dir(p):
             return f"the run directory {p}"
-        if is_prepared_dir(p):
+        if is_prepared(p):
             return f"the prepared data directory {p}"
         if step_of(p) is not None and (p / META_FILE).is_file():
             return f"the checkpoint {p}"
@@ -65,7 +57,7 @@ def _trained(run_dir: Path) -> bool:
 def _check_not_foreign(run_dir: Path, data_dir: Path | None) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--out-dir {run_dir} is a file; choose a directory for the run")
-    if (data_dir is not None and run_dir.resolve() == data_dir.resolve()) or is_prepared_dir(run_dir):
+    if (data_dir is not None and run_dir.resolve() == data_dir.resolve()) or is_prepared(run_dir):
         raise ValueError(f"--out-dir {run_dir} is a prepared data directory; give the run a directory of its own "
                          "(--out-dir runs/NAME)")
     if is_run_dir(run_dir):
@@ -88,13 +80,14 @@ def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool, data_dir
     if resume:
         _mark(run_dir)
         return
-    if is_run_dir(run_dir) and _trained(run_dir) and not overwrite:
+    trained = is_run_dir(run_dir) and _trained(run_dir)
+    if trained and not overwrite:
         ckpts = [f"{CKPT_DIR}/{p.name}" for p in list_checkpoints(run_dir)]
         what = f"{len(ckpts)} checkpoint(s) up to {ckpts[-1]}" if ckpts else "metrics.jsonl"
         raise ValueError(f"{run_dir} already holds a run ({what}); continue it with --resume latest, or start over with "
                          "--overwrite (removes that run's checkpoints, metrics and config) or another --out-dir")
     if is_run_dir(run_dir):
-        _remove_run(run_dir, why="--overwrite" if overwrite and _trained(run_dir) else "a run that never trained a step")
+        _remove_run(run_dir, why="--overwrite" if trained else "a run that never trained a step")
     _mark(run_dir)
 
 

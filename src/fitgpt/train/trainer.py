@@ -297,8 +297,10 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
 
 def _load_data(cfg: TrainConfig, info: dist_utils.DistInfo) -> tuple[TokenData, TrainConfig]:
     """The prepared tokens (rank 0 prepares them on first use), and cfg with the model's vocabulary set from them."""
-    # The other ranks wait while rank 0 prepares (and stop with its error, if it has one).
-    dist_utils.from_main(info, lambda: ensure_prepared(cfg.data, progress=cfg.progress) and None)
+    def prepare_once() -> None:  # on rank 0; the others wait for it (and stop with its error, if it has one)
+        ensure_prepared(cfg.data, progress=cfg.progress)
+
+    dist_utils.from_main(info, prepare_once)
     data = TokenData(cfg.data.path)
     data.check_context(cfg.model.context_length)
     cfg = dataclasses.replace(cfg, data=adopt_prepared(cfg.data, data.meta))  # config.json records the data's settings
