@@ -478,3 +478,24 @@ def test_under_torchrun_a_config_error_on_rank_0_stops_every_rank_in_one_line(da
     code = subprocess.run([sys.executable, "-m", "fitgpt", *train_flags(data_dir, corpus_dir, run, 2)], cwd=tmp_path,
                           capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert code.returncode == 0, code.stderr[-2000:]  # the failed run left nothing that blocks the retry
+
+
+def _rss() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident size from /proc")
+def test_resuming_maps_the_optimizer_state_instead_of_reading_it(tmp_path):
+    """Every rank resuming under FSDP loads state.pt: mapped, its 64 MiB of moments are not resident until used
+    (before, each rank read the whole optimizer state into memory)."""
+    from fitgpt.train import checkpoint as ckpt
+
+    moments = {0: {"step": torch.tensor(1.0), "exp_avg": torch.randn(8 << 20), "exp_avg_sq": torch.rand(8 << 20)}}
+    state = {"optimizer": {"state": moments, "param_groups": [{"params": [0]}]}, "scaler": {},
+             "rng": {"torch": torch.get_rng_state()}}
+    torch.save(state, tmp_path / ckpt.STATE_FILE)
+    del state, moments
+    before = _rss()
+    loaded = ckpt.load_state(tmp_path, [torch.Size([8 << 20])])
+    assert _rss() - before < 16 << 20
+    assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"][:4], loaded["optimizer"]["state"][0]["exp_avg"][:4])

@@ -242,10 +242,14 @@ def load_weights(path: Path, model: nn.Module) -> None:
 
 
 def load_state(path: Path, param_shapes: list[torch.Size] | None = None) -> dict:
-    """``state.pt``, checked for the keys resume reads and, given the optimizer's parameter shapes, the moments' shapes."""
+    """``state.pt``, checked for the keys resume reads and, given the optimizer's parameter shapes, the moments' shapes.
+
+    The file is memory-mapped, not read: a tensor's bytes come into memory when it is used, once per machine
+    (the page cache is shared), so N processes resuming one checkpoint do not each hold the whole optimizer
+    state; under FSDP each keeps only its shard."""
     f = Path(path) / STATE_FILE
     try:
-        state = torch.load(f, map_location="cpu", weights_only=True)
+        state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{f} holds objects other than tensors and plain data; refusing to load it ({e})") from None
     except (RuntimeError, EOFError, OSError) as e:
