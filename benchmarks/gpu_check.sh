@@ -64,7 +64,7 @@ python benchmarks/plan_check.py cuda --out "$OUT/plan_check_cuda.json" | tee "$O
 echo "== 5. roofline from the CPU vs the card; 3b with the configuration fit picks"
 GPU=$(python - <<'PY'
 import torch
-from fitgpt.plan.target import GPUS
+from fitgpt.estimate.hardware import GPUS
 name = torch.cuda.get_device_name(0).lower()
 print(next((g for g in GPUS if g.split("-")[0].replace("rtx-", "") in name.replace(" ", "-")), "h100-80gb"))
 PY
@@ -77,7 +77,7 @@ eval "$CMD --max-steps 30 --log-interval 10 --eval-interval 1000 --compile --out
   | tee "$OUT/3b.log" | grep -E "step 30|run:"
 python - "$OUT" "$GPU" <<'PY'
 import json, pathlib, sys
-from fitgpt.plan.target import GPUS
+from fitgpt.estimate.hardware import GPUS
 out, gpu = pathlib.Path(sys.argv[1]), GPUS[sys.argv[2]]
 metrics = out / "3b" / "metrics.jsonl"
 rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []

@@ -23,16 +23,16 @@ from pathlib import Path
 import torch
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
+from fitgpt.cli.workload import BudgetConfig
 from fitgpt.config import load_config
 from fitgpt.device import autocast
-from fitgpt.memory.profile import measure_train_step
+from fitgpt.estimate.hardware import GPUS
+from fitgpt.estimate.profile import profile_model
+from fitgpt.memory.timeline import measure_train_step
 from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer
-from fitgpt.plan.fit import fit
-from fitgpt.plan.profile import profile_model
+from fitgpt.plan.largest import largest
 from fitgpt.plan.solver import min_peak, solve
-from fitgpt.plan.target import GPUS
-from fitgpt.plan.workload import BudgetConfig
 from fitgpt.step import grad_scaler, train_step
 
 GiB = 2**30
@@ -103,18 +103,19 @@ def cpu_check() -> dict:
 
 def fit_check(preset: str, batch: int, context: int, budget: str) -> list[dict]:
     """fit's batch answers for none and block, confirmed by real steps at n (fits) and n + 1 (does not)."""
-    w = BudgetConfig(preset=preset, batch_size=batch, context=context, grad_accum=1, memory_budget=budget)
+    flags = BudgetConfig(preset=preset, batch_size=batch, context=context, grad_accum=1, memory_budget=budget)
+    w, budget = flags.workload, flags.budget
     t = time.perf_counter()
-    answers = fit(w, w.budget)["answers"]
+    answers = largest(w, budget)["answers"]
     seconds = time.perf_counter() - t
     rows = []
     for policy in ("none", "block"):
         n = answers[policy]["batch_size"]
-        got = [measure(w.model_config, policy, k, context, 1, None, torch.device("cpu"))["max_allocated"]
+        got = [measure(w.model, policy, k, context, 1, None, torch.device("cpu"))["max_allocated"]
                for k in (n, n + 1)]
         rows.append({"what": "fit", "preset": preset, "shape": f"batch at context {context}", "dtype": "fp32",
-                     "plan": policy, "fit_s": seconds, "budget": w.budget, "answer": n, "measured_n": got[0],
-                     "measured_n1": got[1], "confirmed": got[0] <= w.budget < got[1]})
+                     "plan": policy, "fit_s": seconds, "budget": budget, "answer": n, "measured_n": got[0],
+                     "measured_n1": got[1], "confirmed": got[0] <= budget < got[1]})
     return rows
 
 
@@ -131,16 +132,16 @@ def cuda_check() -> dict:
     rows = []
     for preset, b, t in (("tiny", 16, 128), ("small", 8, 1024), ("medium", 4, 1024), ("3b", 4, 512)):
         target = {"gpu": card} if card else {"target": "cuda", "memory_budget": f"{total // 2**20}MiB"}
-        w = BudgetConfig(preset=preset, batch_size=b, context=t, **target)
+        flags = BudgetConfig(preset=preset, batch_size=b, context=t, **target)
+        w = flags.workload
         try:
-            plan, pred = solve(w.profile(), w.budget)
+            plan, pred = solve(w.profile(), flags.budget)
         except Exception as e:  # too large for this card under any plan
             rows.append({"preset": preset, "shape": f"{b}x{t}", "error": str(e)[:200]})
             continue
         replay = w.replay(plan.spec())
-        tcfg = w.train_config()
-        m = measure(tcfg.model, plan.spec(), b, t, tcfg.grad_accum, w.dtype(), torch.device("cuda"))
-        predicted = pred.peak + w.plan_target().workspace_bytes()
+        m = measure(w.model, plan.spec(), b, t, w.train.grad_accum, w.dtype, torch.device("cuda"))
+        predicted = pred.peak + w.target.workspace_bytes()
         rows.append({"preset": preset, "shape": f"{b}x{t}", "plan": plan.spec(), "predicted_allocated": predicted,
                      "replay_allocated": replay["max_allocated"], "replay_reserved": replay["max_reserved"], **m,
                      "error_allocated": m["max_allocated"] / replay["max_allocated"] - 1,

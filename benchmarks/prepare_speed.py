@@ -93,11 +93,11 @@ def run_prepare(path: Path, out: Path, tokenizer: Path) -> dict:
 
 def bpe_on_sample(path: Path, limit: str = "200MB", vocab: int = 2048) -> dict:
     """How long a BPE takes to learn from the --tokenizer-sample of a corpus: the pass that draws it, and training."""
-    from fitgpt.data import DataConfig
+    from fitgpt.data.config import DataConfig
     from fitgpt.data.corpus import list_inputs, text_bytes
     from fitgpt.data.prepare import _Sample
     from fitgpt.data.tokenizer import train_bpe
-    from fitgpt.memory.units import parse_bytes
+    from fitgpt.units import parse_bytes
 
     cfg = DataConfig(inputs=(str(path),), vocab_size=vocab, tokenizer_sample=limit)
     items = list_inputs(list(cfg.inputs))

@@ -1,3 +1,5 @@
+import os
+import random
 import shutil
 import sysconfig
 from pathlib import Path
@@ -5,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fitgpt.data import DataConfig, prepare
+from fitgpt.config import load_config
+from fitgpt.data.config import DataConfig
+from fitgpt.data.prepare import prepare
 from fitgpt.model import ModelConfig
-from fitgpt.train import load_config
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 CORPUS_FILES = ["textwrap.py", "bisect.py", "heapq.py", "fnmatch.py", "colorsys.py", "string.py", "keyword.py", "glob.py"]
@@ -44,6 +47,12 @@ def _seed():
 
 
 @pytest.fixture
+def test_rng() -> random.Random:
+    """The suite's randomness (kill moments, sampled cases): the same on every run, another with FITGPT_TEST_SEED=N."""
+    return random.Random(int(os.environ.get("FITGPT_TEST_SEED", "0")))
+
+
+@pytest.fixture
 def make_cfg(data_dir, corpus_dir):
     """A factory of tiny TrainConfigs on the session's data: ``make_cfg(out_dir, **overrides)``."""
 
@@ -67,7 +76,7 @@ def cli_train_args(data_dir, corpus_dir):
     def make(out: Path, steps: int = 12) -> list[str]:
         return ["train", "--data.dir", str(data_dir), "--data.inputs", str(corpus_dir), "--data.vocab-size", "512",
                 "--model.context-length", "32", "--model.n-embed", "32", "--model.n-head", "4", "--model.n-blocks", "2",
-                "--model.dropout", "0.1", "--batch-size", "4", "--max-steps", str(steps), "--ckpt-interval", "2",
+                "--model.dropout", "0.1", "--batch-size", "4", "--max-steps", str(steps), "--checkpoint-interval", "2",
                 "--log-interval", "1", "--eval-interval", "100", "--eval-batches", "2", "--out-dir", str(out),
                 "--no-progress", "--no-tensorboard"]
 

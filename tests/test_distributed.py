@@ -17,11 +17,12 @@ from safetensors.torch import load_file
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
-from fitgpt.memory.profile import measure_train_step
+from fitgpt.errors import UserError
+from fitgpt.estimate.profile import per_rank, profile_model
+from fitgpt.memory.timeline import measure_train_step
 from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer
-from fitgpt.plan import Plan, predict, profile_model
-from fitgpt.plan.profile import per_rank
+from fitgpt.plan import Plan, predict
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as du
 
@@ -120,7 +121,7 @@ def _memory_worker(rank: int, world: int, port: int, out_dir: str, cfg) -> None:
         rows = []
         for parallel in ("ddp", "fsdp"):
             profile = per_rank(profile_model(cfg, B, T, persistent_grads=parallel == "ddp"), world, parallel)
-            for plan in (Plan.uniform(4, "none"), Plan.uniform(4, "full", "chunked"), Plan(("full", "none", "selective", "full"))):
+            for plan in (Plan.uniform(4, "none"), Plan.uniform(4, "block", "chunked"), Plan(("block", "none", "selective", "block"))):
                 torch.manual_seed(0)
                 model = Transformer(cfg)
                 apply_activation_checkpointing(model, plan.spec())
@@ -163,7 +164,7 @@ def torchrun(args, cwd, nproc=2, script=None, **kw):
 def train_flags(data_dir, corpus_dir, out, steps, *extra):
     """The tiny preset itself (4 blocks x 128, context 128), with dropout, on the test corpus."""
     return ["train", "--data.dir", str(data_dir), "--data.inputs", str(corpus_dir), "--data.vocab-size", "512",
-            "--model.dropout", "0.1", "--batch-size", "4", "--max-steps", str(steps), "--ckpt-interval", "3",
+            "--model.dropout", "0.1", "--batch-size", "4", "--max-steps", str(steps), "--checkpoint-interval", "3",
             "--log-interval", "1", "--eval-interval", "3", "--eval-batches", "2", "--out-dir", str(out),
             "--no-progress", "--no-tensorboard", *extra]
 
@@ -198,7 +199,7 @@ def test_torchrun_ddp_trains_and_resumes_exactly(data_dir, corpus_dir, tmp_path)
 def test_torchrun_fsdp_checkpoints_move_to_one_process_and_back(data_dir, corpus_dir, tmp_path):
     run = tmp_path / "run"
     # FSDP with its mixed-precision policy (bf16 compute, fp32 weights and reductions)
-    finish(torchrun(train_flags(data_dir, corpus_dir, run, 3, "--parallel", "fsdp", "--checkpointing", "selective",
+    finish(torchrun(train_flags(data_dir, corpus_dir, run, 3, "--parallel", "fsdp", "--activation-checkpointing", "selective",
                                 "--precision", "bf16"), tmp_path))
     assert load_file(str(run / "checkpoints/step_00000003" / ckpt.MODEL_FILE))["lm_head.weight"].dtype == torch.float32
     ckpt.verify_checkpoint(run / "checkpoints/step_00000003")
@@ -216,7 +217,7 @@ def test_torchrun_fsdp_checkpoints_move_to_one_process_and_back(data_dir, corpus
 @pytest.mark.timeout(600)
 def test_ctrl_c_under_torchrun_saves_once_and_every_rank_exits_zero(data_dir, corpus_dir, tmp_path):
     run = tmp_path / "run"
-    p = torchrun(train_flags(data_dir, corpus_dir, run, 100000, "--ckpt-interval", "100000"), tmp_path, start_new_session=True)
+    p = torchrun(train_flags(data_dir, corpus_dir, run, 100000, "--checkpoint-interval", "100000"), tmp_path, start_new_session=True)
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count('"loss"') >= 3):
@@ -255,13 +256,14 @@ def test_a_rank_that_crashes_never_leaves_the_other_hanging(data_dir, corpus_dir
 
 
 def test_fsdp_with_compile_is_refused_with_a_clear_message(data_dir, corpus_dir, tmp_path, monkeypatch):
-    from fitgpt.train import load_config, train
+    from fitgpt.config import load_config
+    from fitgpt.train.trainer import train
 
     monkeypatch.setattr(du, "init_distributed", lambda *a: du.DistInfo(rank=0, world=2))
     monkeypatch.setattr(du, "shutdown", lambda info: None)
     cfg = load_config("tiny", overrides={"parallel": "fsdp", "compile": True, "out_dir": str(tmp_path / "r"),
                                          "data": {"dir": str(data_dir), "inputs": [str(corpus_dir)], "vocab_size": 512}})
-    with pytest.raises(ValueError, match="--compile with --parallel fsdp"):
+    with pytest.raises(UserError, match="--compile with --parallel fsdp"):
         train(cfg)
 
 

@@ -21,11 +21,14 @@ from torch.utils.flop_counter import FlopCounterMode
 from fitgpt.activation_checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
 from fitgpt.cli import main
 from fitgpt.config import OptimConfig, TrainConfig
-from fitgpt.data import DataConfig, TokenData, prepare
+from fitgpt.data.config import DataConfig
 from fitgpt.data.corpus import expand_inputs
+from fitgpt.data.loader import TokenData
+from fitgpt.data.prepare import prepare
 from fitgpt.data.shards import PROGRESS_FILE, ShardWriter, save_progress
+from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, Transformer
-from fitgpt.train import train
+from fitgpt.train.trainer import train
 from fitgpt.utils import DirLock
 
 
@@ -147,7 +150,7 @@ def test_short_shards_are_all_drawn_and_pass_the_context_check(tmp_path):
     assert len(meta["shards"]["train"]) > 20
     data = TokenData(d)
     data.check_context(512)  # no shard holds a window; the split does
-    from fitgpt.data import BatchSampler
+    from fitgpt.data.loader import BatchSampler
 
     s = BatchSampler(data.splits["train"], 64, 512, seed=0)
     x, y = s.next_batch()
@@ -175,8 +178,8 @@ SETTINGS = {"inputs": ("other.txt",), "text_field": "body", "tokenizer": "gpt2",
 def test_every_data_setting_is_either_the_datas_or_refused(data_dir, tmp_path):
     """Every DataConfig field but the directory: left at its default, the data's is used and recorded; given and
     different, the run is refused naming the flag (before, val_fraction and seed were ignored, then recorded)."""
-    from fitgpt.data import ensure_prepared
-    from fitgpt.data.prepare import adopt_prepared
+    from fitgpt.data.prepare import ensure_prepared
+    from fitgpt.data.prepared import adopt_prepared
 
     meta = json.loads((data_dir / "meta.json").read_text())
     fields = [f.name for f in dataclasses.fields(DataConfig) if f.name != "dir"]
@@ -184,7 +187,7 @@ def test_every_data_setting_is_either_the_datas_or_refused(data_dir, tmp_path):
     adopted = adopt_prepared(DataConfig(dir=str(data_dir)), meta)
     assert (adopted.val_fraction, adopted.seed, adopted.shard_tokens) == (meta["val_fraction"], meta["seed"], meta["shard_tokens"])
     for key, value in SETTINGS.items():
-        with pytest.raises(ValueError, match=f"--data.{key.replace('_', '-')}"):
+        with pytest.raises(UserError, match=f"--data.{key.replace('_', '-')}"):
             ensure_prepared(DataConfig(dir=str(data_dir), **{key: value}), progress=False)
 
 
@@ -207,8 +210,8 @@ def test_generate_never_draws_a_padding_id(tmp_path):
 def test_plan_without_a_budget_gives_one_that_fits_the_card(monkeypatch, capsys):
     """The default budget is the card's; if the allocator replay says the plan's reserved memory does not fit on the
     card, the budget is lowered until it does (before: DOES NOT FIT, then `train with:` for that plan)."""
-    from fitgpt.cli import plan as plan_cli
-    from fitgpt.plan.target import CUDA_CONTEXT, find_gpu
+    from fitgpt.estimate.hardware import CUDA_CONTEXT, find_gpu
+    from fitgpt.estimate.workload import Workload
 
     card = find_gpu("t4").memory
     budgets = []
@@ -218,12 +221,12 @@ def test_plan_without_a_budget_gives_one_that_fits_the_card(monkeypatch, capsys)
         over = 200 * 2**20 if len(budgets) == 1 else 0  # the first plan's reserved memory overflows the card
         return {"max_allocated": card // 2, "max_reserved": card - CUDA_CONTEXT + over}
 
-    monkeypatch.setattr(plan_cli.PlanConfig, "replay", replay)
+    monkeypatch.setattr(Workload, "replay", replay)
     capsys.readouterr()
     assert main(["plan", "--gpu", "t4", "--preset", "tiny"]) == 0
     out = capsys.readouterr().out
     assert len(budgets) == 2 and "budget lowered by 202.0 MiB" in out and "train with:" in out and "DOES NOT FIT" not in out
-    monkeypatch.setattr(plan_cli.PlanConfig, "replay", lambda self, spec: {"max_allocated": 1, "max_reserved": card})
+    monkeypatch.setattr(Workload, "replay", lambda self, spec: {"max_allocated": 1, "max_reserved": card})
     assert main(["plan", "--gpu", "t4", "--preset", "tiny", "--memory-budget", "14GiB"]) == 0
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "train with:" not in out and '"fits_card": false' in out
@@ -334,7 +337,7 @@ def test_pointwise_runs_no_matmul_twice_with_dropout_and_gqa():
 def exported(tmp_path_factory, data_dir, corpus_dir):
     pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("exp")
-    from fitgpt.train import load_config
+    from fitgpt.config import load_config
 
     train(load_config("tiny", overrides={"model": {"n_embed": 32, "n_head": 4, "n_blocks": 1, "context_length": 32},
                                          "data": {"dir": str(data_dir), "inputs": [str(corpus_dir)], "vocab_size": 512},
@@ -405,9 +408,9 @@ def test_bench_takes_every_readme_policy_and_checks_its_output_first(tmp_path, c
     small = ["--batch-size", "1", "--context", "16", "--repeats", "1", "--warmup", "0"]
     assert main(["bench", *small, "--policies", "none", "offload", "--out-dir", str(tmp_path / "b")]) == 0
     assert "`offload`" in capsys.readouterr().out
-    import fitgpt.plan.bench as bench
+    import fitgpt.cli.bench as bench_cli
 
-    monkeypatch.setattr(bench, "profile_model", lambda *a, **k: pytest.fail("measured before checking --out-dir"))
+    monkeypatch.setattr(bench_cli, "workload_for", lambda *a, **k: pytest.fail("measured before checking --out-dir"))
     (tmp_path / "file").write_text("x")
     code, err = run_cli(["bench", *small, "--out-dir", str(tmp_path / "file")], capsys)
     assert code == 2 and one_line(err) and "is a file" in err

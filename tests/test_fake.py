@@ -9,10 +9,10 @@ import textwrap
 import pytest
 import torch
 
+from fitgpt.estimate.profile import per_rank, profile_model
 from fitgpt.memory import LiveMemory
 from fitgpt.memory.fake import fake_mode, fake_module, is_fake
 from fitgpt.model import Transformer
-from fitgpt.plan.profile import per_rank, profile_model
 from fitgpt.plan.solver import Plan, predict
 
 
@@ -41,19 +41,19 @@ def test_fake_profile_equals_the_real_one_byte_for_byte(case, tiny_model_config)
     real = profile_model(cfg, batch, context, "cpu", **kw)
     fake = profile_model(cfg, batch, context, "cpu", fake=True, **kw)
     assert _fields(fake) == _fields(real)
-    assert real.step_flops > 0 and real.blocks[0]["full"].recompute_flops > 0  # FLOPs are counted, not zero on both
+    assert real.step_flops > 0 and real.blocks[0]["block"].recompute_flops > 0  # FLOPs are counted, not zero on both
     for world, parallel in ((2, "ddp"), (4, "fsdp")):
         assert _fields(per_rank(fake, world, parallel)) == _fields(per_rank(real, world, parallel))
     n = cfg.n_blocks
-    for plan in (Plan.uniform(n, "none"), Plan.uniform(n, "selective"), Plan.uniform(n, "full", "chunked")):
+    for plan in (Plan.uniform(n, "none"), Plan.uniform(n, "selective"), Plan.uniform(n, "block", "chunked")):
         assert predict(fake, plan).peak == predict(real, plan).peak
 
 
 @pytest.mark.parametrize("target, dtype, accum", [("cpu", None, 1), ("cpu", torch.bfloat16, 2), ("t4", torch.float16, 1),
                                                   ("h100-80gb", torch.bfloat16, 3)])
 def test_deep_models_profile_shallow_and_deepen_exactly(target, dtype, accum, tiny_model_config, monkeypatch):
-    from fitgpt.plan import profile as prof
-    from fitgpt.plan.target import Target, find_gpu
+    from fitgpt.estimate import profile as prof
+    from fitgpt.estimate.hardware import Target, find_gpu
 
     t = Target("cpu") if target == "cpu" else Target("cuda", find_gpu(target))
     cfg = tiny_model_config(n_blocks=prof.DEEP + 2, n_embed=40, n_head=5, vocab_size=200)
@@ -83,7 +83,7 @@ def test_a_3b_model_plans_without_memory(tmp_path):
         import json, resource, sys, time
         import torch
         from fitgpt.config import load_config
-        from fitgpt.plan.profile import profile_model
+        from fitgpt.estimate.profile import profile_model
         used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()  # address space so far
         resource.setrlimit(resource.RLIMIT_AS, (used + 2 * 2**30, resource.RLIM_INFINITY))
         cfg = load_config("3b")

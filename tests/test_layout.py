@@ -1,6 +1,8 @@
-"""The code's shape: lint-clean, and imports that run one way between the package's parts."""
+"""The code's shape: lint-clean, imports that run one way between the package's parts, light settings, and a
+README tree that names every file."""
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -42,6 +44,11 @@ def test_imports_run_one_way():
     graph = _imports()
     assert "activation_checkpoint" not in graph["model"] and "model" not in graph["activation_checkpoint"]
     assert "train" not in graph["plan"] and "plan" not in graph["train"]
+    # Modelling a step, then deciding from it, then measuring against it: estimate <- plan <- bench.
+    assert not graph["estimate"] & {"plan", "bench", "train", "data"}
+    assert not graph["plan"] & {"bench", "train", "data"}
+    assert not graph["bench"] & {"train", "data"}
+    assert not graph["train"] & {"estimate", "bench"}
     assert all("cli" not in deps for part, deps in graph.items() if part not in ("cli", "__main__"))
     # No cycle between parts: a depth-first walk never meets a part on its own path.
     def walk(part, path):
@@ -51,3 +58,43 @@ def test_imports_run_one_way():
 
     for part in graph:
         walk(part, [])
+
+
+def test_the_settings_load_nothing_heavy():
+    """The training config is read by every part (the planner, the CLI, the loop): loading it must not pull in the
+    data pipeline, the tokenizer library or the flag parser (before: all three, and tqdm through the pipeline)."""
+    code = ("import sys, fitgpt.config, fitgpt.optim, fitgpt.plan.solver; "
+            "print(' '.join(m for m in ('tokenizers', 'tyro', 'fitgpt.data.prepare', 'fitgpt.data.corpus') "
+            "if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == []
+
+
+def _readme_tree() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Files")
+    return text[start : text.index("```", text.index("```", start) + 3)]
+
+
+def test_the_readme_tree_names_every_module_and_preset():
+    """A newcomer reads the layout in the README: every source file and preset is in its tree, under its folder
+    (litgpt keeps the same promise with a test)."""
+    tree = _readme_tree()
+    folder = None
+    listed = set()
+    for line in tree.splitlines():
+        name = line.strip().split("  ")[0]
+        if line.startswith("  ") and not line.startswith("    ") and name.endswith("/"):
+            folder = name
+        elif line.startswith("    ") and folder:
+            listed |= {folder + n.strip() for n in name.split(",")}
+        elif line.startswith("  "):
+            listed.add(name)
+    missing = [str(p.relative_to(SRC)) for p in sorted(SRC.rglob("*.py"))
+               if p.name != "__init__.py" and str(p.relative_to(SRC)) not in listed]
+    assert missing == [], f"add these to the README's Files tree: {missing}"
+    presets = {p.stem for p in (SRC / "presets").glob("*.json")}
+    named = {n for group in re.findall(r"presets/\{([^}]*)\}\.json", tree) for n in group.split(",")}
+    assert presets == named
+    gone = [n for n in listed if n.endswith(".py") and not (SRC / n).exists()]
+    assert gone == [], f"the README's tree names files that do not exist: {gone}"

@@ -10,7 +10,7 @@ from fitgpt.cli import main
 from fitgpt.errors import UserError
 from fitgpt.memory import measure_step_flops, measure_step_memory
 from fitgpt.model import ModelConfig, Transformer
-from fitgpt.sample import load_run
+from fitgpt.train.load import load_run
 
 B, T, C, N, V, KV = 4, 64, 128, 4, 512, 2
 H = 384  # 8/3 C rounded up to a multiple of 64
@@ -82,7 +82,8 @@ def test_model_config_errors_name_the_flag():
 @pytest.fixture(scope="module")
 def trained_runs(tmp_path_factory, data_dir, corpus_dir):
     """A few steps of a tiny GPT-2 and a tiny Llama on the session's data."""
-    from fitgpt.train import load_config, train
+    from fitgpt.config import load_config
+    from fitgpt.train.trainer import train
 
     runs = {}
     for arch in ("gpt2", "llama"):
@@ -146,11 +147,11 @@ def test_import_refuses_what_it_cannot_map(tmp_path, capsys, cli_train_args):
     d = tmp_path / "scaled"
     transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64,
                              rope_scaling={"rope_type": "linear", "factor": 2.0}).save_pretrained(d)
-    with pytest.raises(ValueError, match="rope scaling 'linear' is not implemented"):
+    with pytest.raises(UserError, match="rope scaling 'linear' is not implemented"):
         import_config(d)
     other = tmp_path / "bert"
     transformers.BertConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64).save_pretrained(other)
-    with pytest.raises(ValueError, match="model_type 'bert' cannot be imported"):
+    with pytest.raises(UserError, match="model_type 'bert' cannot be imported"):
         import_config(other)
     assert main(cli_train_args(tmp_path / "r") + ["--init-from", str(tmp_path / "nothing")]) == 2
     assert "has no config.json" in capsys.readouterr().err

@@ -8,24 +8,26 @@ import pytest
 import torch
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
+from fitgpt.bench.report import pareto_front
 from fitgpt.cli import main
+from fitgpt.cli.workload import BudgetConfig
 from fitgpt.config import OptimConfig, load_config
 from fitgpt.device import autocast
-from fitgpt.memory.profile import measure_train_step
-from fitgpt.memory.units import format_bytes, parse_bytes
+from fitgpt.errors import UserError
+from fitgpt.estimate.profile import BLOCK_OPTIONS, HEAD_OPTIONS, profile_model
+from fitgpt.memory.timeline import measure_train_step
 from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer
-from fitgpt.plan import Plan, PlanError, min_peak, predict, profile_model, solve, solve_exhaustive
-from fitgpt.plan.bench import pareto_front
-from fitgpt.plan.fit import extrapolate, fit
-from fitgpt.plan.profile import BLOCK_OPTIONS, HEAD_OPTIONS
-from fitgpt.plan.workload import BudgetConfig
+from fitgpt.plan import Plan, PlanError, min_peak, predict, solve, solve_exhaustive
+from fitgpt.plan.extrapolate import extrapolate
+from fitgpt.plan.largest import largest
+from fitgpt.units import format_bytes, parse_bytes
 
 B, T = 4, 32
 MIXED = [
-    Plan(("none", "full", "selective", "full")),
-    Plan(("full", "none", "none", "selective"), "chunked"),
-    Plan(("selective", "selective", "full", "none"), "chunked"),
+    Plan(("none", "block", "selective", "block")),
+    Plan(("block", "none", "none", "selective"), "chunked"),
+    Plan(("selective", "selective", "block", "none"), "chunked"),
 ]
 
 
@@ -76,7 +78,7 @@ def test_prediction_holds_with_gradient_accumulation(tiny_model_config):
     cfg = tiny_model_config()
     profile = profile_model(cfg, B, T, grad_accum=2)
     measured = Measured(cfg, grad_accum=2)
-    for plan in [Plan.uniform(4, "none"), Plan.uniform(4, "full", "chunked"), MIXED[0]]:
+    for plan in [Plan.uniform(4, "none"), Plan.uniform(4, "block", "chunked"), MIXED[0]]:
         pred, real = predict(profile, plan).peak, measured.peak(plan)
         assert abs(real - pred) <= 0.01 * real, (plan.spec(), pred, real)
 
@@ -87,7 +89,7 @@ def test_prediction_holds_under_bf16_autocast(tiny_model_config):
     cfg = tiny_model_config()
     profile = profile_model(cfg, B, T, dtype=torch.bfloat16)
     # Under none only the bias copies are transient (addmm does not save its bias); under full, every copy.
-    assert profile.blocks[0]["full"].transient > 20 * profile.blocks[0]["none"].transient > 0
+    assert profile.blocks[0]["block"].transient > 20 * profile.blocks[0]["none"].transient > 0
     measured = Measured(cfg, dtype=torch.bfloat16)
     for plan in uniform_plans(4) + MIXED:
         pred, real = predict(profile, plan).peak, measured.peak(plan)
@@ -175,8 +177,8 @@ def test_auto_within_two_percent_of_measured_exhaustive_optimum(long_context, fr
 
 def test_plan_spec_round_trips_through_the_policy_grammar(tiny_model_config):
     assert Plan.uniform(4, "none").spec() == "none"
-    assert Plan.uniform(4, "full", "chunked").spec() == "block+chunked-loss"
-    assert Plan(("full", "none", "selective", "full")).spec() == "blocks:0,3+selective:2"
+    assert Plan.uniform(4, "block", "chunked").spec() == "block+chunked-loss"
+    assert Plan(("block", "none", "selective", "block")).spec() == "blocks:0,3+selective:2"
     model = Transformer(tiny_model_config())
     for plan in MIXED:
         apply_activation_checkpointing(model, plan.spec())  # the grammar accepts every plan the solver writes
@@ -206,7 +208,7 @@ def test_more_blocks_scale_the_fixed_costs(tiny_profile, tiny_model_config):
     deeper = tiny_profile.with_blocks(8)
     assert deeper.n_blocks == 8
     real = profile_model(tiny_model_config(n_blocks=8), B, T)
-    for plan in (Plan.uniform(8, "none"), Plan.uniform(8, "full", "chunked")):
+    for plan in (Plan.uniform(8, "none"), Plan.uniform(8, "block", "chunked")):
         a, b = predict(deeper, plan).peak, predict(real, plan).peak
         assert abs(a - b) <= 0.02 * b
 
@@ -218,7 +220,7 @@ def test_parse_bytes():
     assert parse_bytes("512") == 512
     assert format_bytes(3 * 2**20) == "3.0 MiB"
     for bad in ("six gigs", "-1GiB", "0", "5XB", ""):
-        with pytest.raises(ValueError, match="--memory-budget"):
+        with pytest.raises(UserError, match="--memory-budget"):
             parse_bytes(bad)
 
 
@@ -270,12 +272,12 @@ def test_fit_command(capsys):
 
 
 def test_train_config_budget_errors():
-    with pytest.raises(ValueError, match="--memory-budget"):
-        load_config("tiny", overrides={"checkpointing": "auto"})
-    with pytest.raises(ValueError, match="--activation-checkpointing auto"):
-        load_config("tiny", overrides={"checkpointing": "block", "memory_budget": "1GiB"})
-    with pytest.raises(ValueError, match="is not a size"):
-        load_config("tiny", overrides={"checkpointing": "auto", "memory_budget": "lots"})
+    with pytest.raises(UserError, match="--memory-budget"):
+        load_config("tiny", overrides={"activation_checkpointing": "auto"})
+    with pytest.raises(UserError, match="--activation-checkpointing auto"):
+        load_config("tiny", overrides={"activation_checkpointing": "block", "memory_budget": "1GiB"})
+    with pytest.raises(UserError, match="is not a size"):
+        load_config("tiny", overrides={"activation_checkpointing": "auto", "memory_budget": "lots"})
 
 
 @pytest.mark.parametrize("preset, batch, context, budget, dims", [
@@ -285,11 +287,11 @@ def test_train_config_budget_errors():
 def test_fit_answers_are_confirmed_by_real_steps_at_the_sizes_named(preset, batch, context, budget, dims):
     """fit settles on fake profiles of the sizes it names: a real step of that size fits the budget, one
     size more does not, and both measured peaks are the predicted ones within 1%."""
-    w = BudgetConfig(preset=preset, batch_size=batch, context=context, grad_accum=1, memory_budget=budget)
-    budget = w.budget
-    answers = fit(w, budget)["answers"]
-    cfg = w.model_config
-    for policy, option in (("none", "none"), ("block", "full")):
+    flags = BudgetConfig(preset=preset, batch_size=batch, context=context, grad_accum=1, memory_budget=budget)
+    w, budget = flags.workload, flags.budget
+    answers = largest(w, budget)["answers"]
+    cfg = w.model
+    for policy, option in (("none", "none"), ("block", "block")):
         b, c = answers[policy]["batch_size"], answers[policy]["context"]
         assert b > batch and c > context  # the budget leaves room beyond the profiled sizes
         sizes = [(b, context, True), (b + 1, context, False)]
@@ -306,17 +308,17 @@ def test_fit_answers_are_confirmed_by_real_steps_at_the_sizes_named(preset, batc
 
 @pytest.mark.parametrize("guess", [0, 1, 37, 99, 100, 101, 180, 5000])
 def test_settle_finds_the_largest_size_that_fits_from_any_guess(guess, monkeypatch):
-    from fitgpt.plan import fit as fit_module
+    from fitgpt.plan import largest as largest_module
 
     peak = {n: 1000 * n + (512 if n % 7 == 0 else 0) for n in range(0, 5002)}  # linear with a ripple
-    monkeypatch.setattr(fit_module, "_excess", lambda profile, policy, budget: profile - budget)
+    monkeypatch.setattr(largest_module, "_excess", lambda profile, policy, budget: profile - budget)
     probes = []
 
     def exact(n):
         probes.append(n)
         return peak[n]
 
-    assert fit_module._settle(exact, "none", 100_300, guess, 5000) == 100  # 100 fits, 101 does not
+    assert largest_module._settle(exact, "none", 100_300, guess, 5000) == 100  # 100 fits, 101 does not
     assert len(probes) <= 8, probes
-    assert fit_module._settle(lambda n: peak[n], "none", 500, guess, 5000) == 0  # not even 1 fits
-    assert fit_module._settle(lambda n: peak[n], "none", 10**9, guess, 5000) == 5000  # the cap
+    assert largest_module._settle(lambda n: peak[n], "none", 500, guess, 5000) == 0  # not even 1 fits
+    assert largest_module._settle(lambda n: peak[n], "none", 10**9, guess, 5000) == 5000  # the cap

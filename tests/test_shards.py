@@ -14,8 +14,11 @@ import types
 import numpy as np
 import pytest
 
-from fitgpt.data import BatchSampler, DataConfig, TokenData, ensure_prepared, prepare
+from fitgpt.data.config import DataConfig
+from fitgpt.data.loader import BatchSampler, TokenData
+from fitgpt.data.prepare import ensure_prepared, prepare
 from fitgpt.data.shards import PROGRESS_FILE, ShardWriter, StaleProgress, load_progress, save_progress
+from fitgpt.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +154,7 @@ def kill_at_random(args, out, rng) -> None:
     assert not (out / "meta.json").exists()  # nothing that looks complete
 
 
-def test_a_preparation_killed_at_random_resumes_to_the_same_bytes(records, data_dir, tmp_path, capsys):
+def test_a_preparation_killed_at_random_resumes_to_the_same_bytes(records, data_dir, tmp_path, capsys, test_rng):
     from fitgpt.cli import main
 
     # Shards larger than a file buffer, so that a kill finds bytes on disk past the last checkpoint.
@@ -160,13 +163,12 @@ def test_a_preparation_killed_at_random_resumes_to_the_same_bytes(records, data_
     out = tmp_path / "out"
     args = ["prepare", "--inputs", str(records[0]), "--dir", str(out), "--tokenizer", str(data_dir / "tokenizer.json"),
             "--shard-tokens", "6000"]
-    rng = random.Random(int(os.environ.get("FITGPT_TEST_SEED", "0")))
-    kill_at_random(args, out, rng)
-    with pytest.raises(ValueError, match="the interrupted preparation in .* was made with other shard_tokens .*without --resume"):
+    kill_at_random(args, out, test_rng)
+    with pytest.raises(UserError, match="the interrupted preparation in .* was made with other shard_tokens .*without --resume"):
         prepare(cfg(records, data_dir, out, shard_tokens=7000), progress=False, resume=True)
-    with pytest.raises(ValueError, match="meta.json is missing"):
+    with pytest.raises(UserError, match="meta.json is missing"):
         TokenData(out)
-    kill_at_random([*args, "--resume"], out, rng)  # killed again, while resuming
+    kill_at_random([*args, "--resume"], out, test_rng)  # killed again, while resuming
     assert main([*args, "--resume"]) == 0
     assert "resuming the preparation" in capsys.readouterr().err
     assert files(out) == files(ref)  # every shard, the tokenizer and meta.json, byte for byte
@@ -178,7 +180,7 @@ def test_training_resumes_an_interrupted_first_preparation(records, data_dir, tm
             "--shard-tokens", "500"]
     kill_at_random(args, out, random.Random(1))
     with caplog.at_level(logging.INFO, logger="fitgpt.data.prepare"):
-        meta = ensure_prepared(cfg(records, data_dir, out, shard_tokens=500), progress=False)
+        _, meta = ensure_prepared(cfg(records, data_dir, out, shard_tokens=500), progress=False)
     assert "resuming the preparation" in caplog.text and not (out / ".partial").exists()
     ref = prepare(cfg(records, data_dir, tmp_path / "ref", shard_tokens=500), progress=False)
     assert meta == ref
@@ -191,11 +193,11 @@ def test_training_resumes_an_interrupted_first_preparation(records, data_dir, tm
     # Training asked for other settings than the interrupted preparation had: it starts over, and says so.
     kill_at_random([*args[:3], "--dir", str(tmp_path / "other"), *args[5:]], tmp_path / "other", random.Random(3))
     with caplog.at_level(logging.WARNING, logger="fitgpt.data.prepare"):
-        meta = ensure_prepared(cfg(records, data_dir, tmp_path / "other", shard_tokens=500, val_fraction=0.2), progress=False)
+        _, meta = ensure_prepared(cfg(records, data_dir, tmp_path / "other", shard_tokens=500, val_fraction=0.2), progress=False)
     assert "was made with other val_fraction (0.05, now 0.2); starting over" in caplog.text and meta["val_fraction"] == 0.2
 
 
-def test_data_prepared_before_shards_still_loads(data_dir, tmp_path):
+def test_data_prepared_before_shards_is_refused_and_re_prepared(data_dir, tmp_path):
     import shutil
 
     old = tmp_path / "old"
@@ -206,8 +208,8 @@ def test_data_prepared_before_shards_still_loads(data_dir, tmp_path):
     del meta["shards"]
     meta["format_version"] = 1
     (old / "meta.json").write_text(json.dumps(meta))
-    data = TokenData(old)
-    assert [len(a) for a in data.splits["train"]] == [meta["train_tokens"]]
+    with pytest.raises(UserError, match=f"format 1 .*re-run `fitgpt prepare --dir {old}`"):
+        TokenData(old)
     # Re-preparing it replaces the old files with shards.
     new = prepare(DataConfig(dir=str(old), inputs=tuple(meta["inputs"]), vocab_size=512), progress=False)
     assert not (old / "train.bin").exists() and sorted(p.name for p in old.glob("*.bin")) == ["train_000000.bin", "val_000000.bin"]
@@ -244,7 +246,7 @@ def test_hf_datasets_are_read_from_the_local_cache_only(monkeypatch, data_dir, t
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     tok = str(data_dir / "tokenizer.json")
-    with pytest.raises(ValueError, match=r"'me/absent' is not in the local cache .*reads hf: inputs offline.*\.jsonl, \.parquet"):
+    with pytest.raises(UserError, match=r"'me/absent' is not in the local cache .*reads hf: inputs offline.*\.jsonl, \.parquet"):
         prepare(DataConfig(dir=str(tmp_path / "a"), inputs=("hf:me/absent",), tokenizer=tok), progress=False)
     assert calls[-1] == ("me/absent", "1", "1")
     prepare(DataConfig(dir=str(tmp_path / "hf"), inputs=("hf:me/cached",), tokenizer=tok), progress=False)

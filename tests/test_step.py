@@ -7,15 +7,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fitgpt.data import BatchSampler, TokenData
+from fitgpt.data.loader import BatchSampler, TokenData
 from fitgpt.device import autocast
-from fitgpt.memory.profile import PeakProbe, measure_train_step
+from fitgpt.memory.timeline import PeakProbe, measure_train_step
 from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer, lr_at
 from fitgpt.step import grad_scaler, train_step
-from fitgpt.train import train
 from fitgpt.train.checkpoint import tied_names
-from fitgpt.train.trainer import build_model
+from fitgpt.train.loop import TrainingError
+from fitgpt.train.trainer import build_model, train
 
 
 def test_the_trainer_step_is_the_shared_train_step(make_cfg, tmp_path):
@@ -60,17 +60,28 @@ def test_a_non_finite_step_is_skipped_and_leaves_no_gradients(tiny_model_config)
     assert not opt.state  # AdamW never stepped: no moments were created
 
 
-def test_fp16_scaler_runs_through_the_same_step(tiny_model_config):
-    """A disabled scaler (fp32/bf16) gives the same weights as none; an enabled one scales and unscales."""
+def test_the_loss_scaler_runs_through_the_same_step(tiny_model_config):
+    """A disabled scaler (fp32/bf16) and an enabled one (fp16's; by powers of two, exact in fp32) give the same
+    weights as none: the step scales the loss, unscales before clipping, steps through the scaler. An overflowing
+    scale makes the scaler skip the update and halve (routine under fp16: not a bad step for --max-bad-steps)."""
     x = torch.randint(0, 128, (2, 32))
+    cpu = torch.device("cpu")
+    scalers = {"none": None, "disabled": grad_scaler(cpu, torch.bfloat16), "enabled": torch.amp.GradScaler("cpu", init_scale=2.0**10),
+               "overflow": torch.amp.GradScaler("cpu", init_scale=2.0**127)}
+    assert not scalers["disabled"].is_enabled() and scalers["enabled"].is_enabled()
     results = {}
-    for name, scaler in {"none": None, "disabled": grad_scaler(torch.device("cpu"), torch.bfloat16)}.items():
+    for name, scaler in scalers.items():
         torch.manual_seed(0)
         model = Transformer(tiny_model_config())
+        before = {k: v.clone() for k, v in model.state_dict().items()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        train_step(model, opt, [(x, x)], scaler=scaler, grad_clip=1.0)
+        result = train_step(model, opt, [(x, x)], scaler=scaler, grad_clip=1.0)
         results[name] = model.state_dict()
-    assert all(torch.equal(results["none"][k], results["disabled"][k]) for k in results["none"])
+    for name in ("disabled", "enabled"):
+        assert all(torch.equal(results["none"][k], results[name][k]) for k in results["none"]), name
+    assert scalers["enabled"].get_scale() == 2.0**10
+    assert all(torch.equal(before[k], results["overflow"][k]) for k in before)  # skipped
+    assert scalers["overflow"].get_scale() == 2.0**126 and result.applied.item() and not result.grad_norm.isfinite()
 
 
 def test_measured_step_counts_clipping_and_amp_like_training(tiny_model_config):
@@ -159,8 +170,7 @@ def test_the_trainer_reports_a_skipped_step_at_its_next_read(make_cfg, tmp_path,
     the save at step 3 (checkpoints follow a read), naming step 0."""
     import pytest
 
-    import fitgpt.train.trainer as trainer
 
-    with pytest.raises(trainer.TrainingError, match=r"loss is nan at step 0 .*last good checkpoint: none"):
+    with pytest.raises(TrainingError, match=r"loss is nan at step 0 .*last good checkpoint: none"):
         train(make_cfg(tmp_path / "run", log_interval=4, eval_interval=5, checkpoint_interval=3))
     assert not list((tmp_path / "run").glob("checkpoints/step_*"))

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from fitgpt.cli import main
-from fitgpt.plan.profile import profile_model
+from fitgpt.cli.workload import BudgetConfig
+from fitgpt.errors import UserError
+from fitgpt.estimate.hardware import CUDA_CONTEXT, GPUS, Target, attention_saved_delta, find_gpu
+from fitgpt.estimate.profile import profile_model
 from fitgpt.plan.solver import Plan, predict
-from fitgpt.plan.target import CUDA_CONTEXT, GPUS, Target, attention_saved_delta, find_gpu
-from fitgpt.plan.workload import BudgetConfig
 
 H100, A100, T4 = (Target("cuda", find_gpu(n)) for n in ("h100-80gb", "a100-40gb", "t4"))
 
@@ -77,20 +78,20 @@ def test_autocast_weight_copies_and_flash_rng_state_are_counted(tiny_model_confi
     # every Linear weight and bias it used until the forward ends: each one allocator block, rounded.
     linears = [m for m in Transformer(cfg).attn_blocks[1].modules() if isinstance(m, torch.nn.Linear)]
     copies = sum(_r(p.numel() * 2) for m in linears for p in (m.weight, m.bias) if p is not None)
-    assert cuda["full"].saved == _r(B * T * cfg.n_embed * 4)
-    assert cuda["full"].transient == copies
+    assert cuda["block"].saved == _r(B * T * cfg.n_embed * 4)
+    assert cuda["block"].transient == copies
     # Flash on CUDA keeps its RNG state besides what the CPU kernel keeps: one more block for each of two tensors.
     cpu_like = profile_model(cfg, B, T, "cpu", dtype=torch.bfloat16, fake=True, target=Target("cuda"))
     assert cpu_like.device == "cuda"
     plain = profile_model(cfg, B, T, "cpu", dtype=torch.bfloat16, fake=True, target=Target("cpu")).blocks[1]
-    assert cuda["none"].saved - cuda["full"].saved > plain["none"].saved - plain["full"].saved
+    assert cuda["none"].saved - cuda["block"].saved > plain["none"].saved - plain["block"].saved
 
 
 def test_precision_auto_is_fp16_on_cards_without_bf16():
     assert T4.autocast_dtype("auto") == torch.float16
     assert H100.autocast_dtype("auto") == torch.bfloat16
     assert Target("cpu").autocast_dtype("auto") is None
-    with pytest.raises(ValueError, match="has no bf16"):  # asked for on a card without it: refused (was planned silently)
+    with pytest.raises(UserError, match="has no bf16"):  # asked for on a card without it: refused (was planned silently)
         T4.autocast_dtype("bf16")
 
 
@@ -112,10 +113,10 @@ def test_plan_for_a_card_from_this_cpu(capsys):
 
 
 def test_per_rank_plans_for_cuda_without_processes(tiny_model_config):
-    cfg = BudgetConfig(gpu="h100-80gb", world_size=4, parallel="fsdp", batch_size=2, context=32)
-    one = BudgetConfig(gpu="h100-80gb", batch_size=2, context=32)
-    n = cfg.profile().n_blocks
-    assert predict(cfg.profile(), Plan.uniform(n, "none")).peak < predict(one.profile(), Plan.uniform(n, "none")).peak
+    ranks = BudgetConfig(gpu="h100-80gb", world_size=4, parallel="fsdp", batch_size=2, context=32).workload.profile()
+    one = BudgetConfig(gpu="h100-80gb", batch_size=2, context=32).workload.profile()
+    n = one.n_blocks
+    assert predict(ranks, Plan.uniform(n, "none")).peak < predict(one, Plan.uniform(n, "none")).peak
 
 
 @pytest.mark.parametrize("args, match", [

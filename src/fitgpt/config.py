@@ -12,15 +12,13 @@ import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
-
-import tyro
+from typing import Any, Literal, Optional
 
 from fitgpt.activation_checkpoint.policy import parse_policy
-from fitgpt.data.prepare import DataConfig
-from fitgpt.errors import UserError, require_finite, user_errors
-from fitgpt.memory.units import parse_bytes
+from fitgpt.data.config import DataConfig
+from fitgpt.errors import UserError, require_finite
 from fitgpt.model.config import ModelConfig, require_positive_ints
+from fitgpt.units import parse_bytes
 
 
 @dataclass
@@ -40,19 +38,18 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
-    @user_errors
     def __post_init__(self) -> None:
         require_finite(self, "optim.")
         if not self.lr > 0:
-            raise ValueError(f"optim.lr must be positive, got {self.lr} (set --optim.lr)")
+            raise UserError(f"optim.lr must be positive, got {self.lr} (set --optim.lr)")
         if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr} (set --optim.min-lr)")
+            raise UserError(f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr} (set --optim.min-lr)")
         for name in ("warmup_steps", "weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
-                raise ValueError(f"optim.{name} must not be negative (set --optim.{name.replace('_', '-')})")
+                raise UserError(f"optim.{name} must not be negative (set --optim.{name.replace('_', '-')})")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"optim.{name} must be in [0, 1) (set --optim.{name})")
+                raise UserError(f"optim.{name} must be in [0, 1) (set --optim.{name})")
 
 
 @dataclass
@@ -78,7 +75,7 @@ class TrainConfig:
     """Batches per evaluation."""
     log_interval: int = 10
     """Write a metrics line every this many steps."""
-    checkpoint_interval: Annotated[int, tyro.conf.arg(aliases=("--ckpt-interval",))] = 100
+    checkpoint_interval: int = 100
     """Save a checkpoint (weights and training state, on disk) every this many steps (and at the end)."""
     keep_last: int = 3
     """Checkpoints to keep; older ones are deleted."""
@@ -89,7 +86,7 @@ class TrainConfig:
     """auto: bf16 autocast on CUDA, fp32 elsewhere; fp16 uses a GradScaler."""
     compile: bool = False
     """torch.compile the model (after activation checkpointing is applied)."""
-    activation_checkpointing: Annotated[str, tyro.conf.arg(aliases=("--checkpointing",))] = "none"
+    activation_checkpointing: str = "none"
     """Which activations to recompute in backward instead of keeping: none, block, group:2, every:2, selective,
     block+chunked-loss, ..., or auto (needs --memory-budget)."""
     parallel: Literal["ddp", "fsdp"] = "ddp"
@@ -121,32 +118,31 @@ class TrainConfig:
     max_bad_steps: int = 0
     """Skip up to this many steps whose loss is NaN/Inf before stopping (0: stop at the first)."""
 
-    @user_errors
     def __post_init__(self) -> None:
         require_finite(self)
         require_positive_ints(self, ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval",
                                      "checkpoint_interval", "keep_last"))
         if self.resume and self.overwrite:
-            raise ValueError("--resume continues the run in --out-dir and --overwrite removes it; drop one of them")
+            raise UserError("--resume continues the run in --out-dir and --overwrite removes it; drop one of them")
         if not self.dist_timeout > 0:
-            raise ValueError("dist_timeout must be positive (set --dist-timeout)")
+            raise UserError("dist_timeout must be positive (set --dist-timeout)")
         if self.max_bad_steps < 0:
-            raise ValueError("max_bad_steps must not be negative (set --max-bad-steps)")
+            raise UserError("max_bad_steps must not be negative (set --max-bad-steps)")
         if self.fsdp_offload and self.parallel != "fsdp":
-            raise ValueError("--fsdp-offload is FSDP's: add --parallel fsdp (and launch with torchrun)")
+            raise UserError("--fsdp-offload is FSDP's: add --parallel fsdp (and launch with torchrun)")
         if self.auto_config and not self.memory_budget:
-            raise ValueError("--auto-config chooses for a budget: add --memory-budget, e.g. --memory-budget 6GiB")
+            raise UserError("--auto-config chooses for a budget: add --memory-budget, e.g. --memory-budget 6GiB")
         if self.activation_checkpointing == "auto":
             if not self.memory_budget:
-                raise ValueError("--activation-checkpointing auto plans for a budget: add --memory-budget, e.g. --memory-budget 6GiB")
+                raise UserError("--activation-checkpointing auto plans for a budget: add --memory-budget, e.g. --memory-budget 6GiB")
         else:
             try:
                 # Parsed once, here: the trainer and the CLI read cfg.policy (not a dataclass field: the spec is the setting).
                 object.__setattr__(self, "_policy", parse_policy(self.activation_checkpointing))
-            except ValueError as e:
-                raise ValueError(f"activation_checkpointing: {e} (set --activation-checkpointing)") from None
+            except UserError as e:
+                raise UserError(f"activation_checkpointing: {e} (set --activation-checkpointing)") from None
             if self.memory_budget and not self.auto_config:
-                raise ValueError("--memory-budget is for --activation-checkpointing auto or --auto-config; set one of them "
+                raise UserError("--memory-budget is for --activation-checkpointing auto or --auto-config; set one of them "
                                  "or drop --memory-budget (fitgpt plan predicts the peak of any fixed policy)")
         if self.memory_budget:
             parse_bytes(self.memory_budget)
@@ -154,7 +150,7 @@ class TrainConfig:
     def policy(self):
         """The parsed activation checkpointing policy (``auto`` has none until it is planned)."""
         if self.activation_checkpointing == "auto":
-            raise ValueError("--activation-checkpointing auto becomes a policy only once planned")
+            raise UserError("--activation-checkpointing auto becomes a policy only once planned")
         return self._policy
 
     @property
@@ -178,30 +174,30 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
                 return _check_type(value, opt, where)
     if origin is Literal:
         if value not in typing.get_args(tp):
-            raise ValueError(f"{where} must be one of {list(typing.get_args(tp))}, got {value!r}")
+            raise UserError(f"{where} must be one of {list(typing.get_args(tp))}, got {value!r}")
         return value
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise ValueError(f"{where} must be a list of strings, got {value!r}")
+            raise UserError(f"{where} must be a list of strings, got {value!r}")
         return tuple(value)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float, str, bool) and (type(value) is not tp):
-        raise ValueError(f"{where} must be {tp.__name__}, got {value!r}")
+        raise UserError(f"{where} must be {tp.__name__}, got {value!r}")
     return value
 
 
 def from_dict(cls: type, data: dict, source: str, section: str = "") -> Any:
     """Build dataclass ``cls`` from ``data``: unknown keys and wrong types fail naming the key and file."""
     if not isinstance(data, dict):
-        raise ValueError(f"{source}: {section or 'the top level'} must be a JSON object")
+        raise UserError(f"{source}: {section or 'the top level'} must be a JSON object")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
         where = f"{section}{key}"
         if key not in names:
-            raise ValueError(f"{source}: unknown key {where!r}; valid keys here: {', '.join(sorted(names))}")
+            raise UserError(f"{source}: unknown key {where!r}; valid keys here: {', '.join(sorted(names))}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(tp, value, source, f"{where}.")
@@ -209,8 +205,8 @@ def from_dict(cls: type, data: dict, source: str, section: str = "") -> Any:
             kwargs[key] = _check_type(value, tp, f"{source}: {where}")
     try:
         return cls(**kwargs)
-    except (ValueError, UserError) as e:
-        raise ValueError(f"{source}: {e}") from None
+    except UserError as e:
+        raise UserError(f"{source}: {e}") from None
 
 
 def merge(base: dict, over: dict) -> dict:
@@ -223,61 +219,31 @@ def merge(base: dict, over: dict) -> dict:
 def read_json(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"config file {p} does not exist (check --config)")
+        raise UserError(f"config file {p} does not exist (check --config)")
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"config file {p} is not valid JSON: {e}") from None
+        raise UserError(f"config file {p} is not valid JSON: {e}") from None
 
 
 def preset_dict(name: str) -> dict:
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} (--preset)")
+        raise UserError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} (--preset)")
     return json.loads(resources.files("fitgpt.presets").joinpath(f"{name}.json").read_text())
-
-
-# Keys renamed so that "checkpoint" means files on disk and "activation checkpointing" means recompute.
-_RENAMED = {"checkpointing": "activation_checkpointing", "ckpt_interval": "checkpoint_interval"}
-
-
-def _migrate(data: dict, source: str) -> dict:
-    """Older spellings move to today's keys: ``checkpointing`` and ``ckpt_interval`` (renamed), and
-    ``model.checkpointing`` (from before the policy left ModelConfig)."""
-    data = dict(data)
-    for old, new in _RENAMED.items():
-        if old in data:
-            data = _move(data, old, data.pop(old), source, new=new)
-    model = data.get("model")
-    if isinstance(model, dict) and "checkpointing" in model:
-        model = dict(model)
-        legacy = model.pop("checkpointing")
-        data["model"] = model
-        if legacy not in (None, "none"):
-            data = _move(data, "model.checkpointing", legacy, source, none_is_unset=True)
-    return data
-
-
-def _move(data: dict, old: str, value: Any, source: str, new: str = "activation_checkpointing",
-          none_is_unset: bool = False) -> dict:
-    current = data.get(new, "none" if none_is_unset else None)
-    unset = current is None or (none_is_unset and current == "none")
-    if not unset and current != value:
-        raise ValueError(f"{source}: {old} {value!r} and {new} {current!r} disagree; keep {new} only")
-    return {**data, new: value}
 
 
 def load_config(preset: str = "tiny", config: str | None = None, overrides: dict | None = None) -> TrainConfig:
     """Defaults < preset < config file < overrides, as one validated TrainConfig."""
     data: dict = {"preset": preset}
-    data = merge(data, _migrate(preset_dict(preset), f"preset {preset}"))
+    data = merge(data, preset_dict(preset))
     source = f"preset {preset}"
     if config:
-        file_data = _migrate(read_json(config), str(config))  # each layer in today's keys, so that later layers win
+        file_data = read_json(config)
         file_data.pop("preset", None)
         data = merge(data, file_data)
         data["config"] = str(config)
         source = str(config)
-    data = merge(data, _migrate(overrides or {}, "overrides"))
+    data = merge(data, overrides or {})
     return from_dict(TrainConfig, data, source)
 
 

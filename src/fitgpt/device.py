@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import torch
 
+from fitgpt.errors import UserError
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -20,16 +22,16 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"unknown device {name!r} (set --device to auto, cpu, cuda or mps)") from None
+        raise UserError(f"unknown device {name!r} (set --device to auto, cpu, cuda or mps)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}, but this torch build sees no CUDA device; use --device cpu or auto")
+        raise UserError(f"--device {name}, but this torch build sees no CUDA device; use --device cpu or auto")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {name}, but this machine has {torch.cuda.device_count()} CUDA device(s); use --device cuda")
+        raise UserError(f"--device {name}, but this machine has {torch.cuda.device_count()} CUDA device(s); use --device cuda")
     mps = getattr(torch.backends, "mps", None)
     if device.type == "mps" and not (mps is not None and mps.is_available()):
-        raise ValueError(f"--device {name}, but MPS (Apple GPUs) is not available here; use --device cpu or auto")
+        raise UserError(f"--device {name}, but MPS (Apple GPUs) is not available here; use --device cpu or auto")
     if device.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"--device {name}: fitgpt runs on cpu, cuda or mps; use --device auto")
+        raise UserError(f"--device {name}: fitgpt runs on cpu, cuda or mps; use --device auto")
     return device
 
 
@@ -38,15 +40,17 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     if precision == "auto":
         return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
     if precision == "fp16" and device.type == "cpu":
-        raise ValueError("--precision fp16 needs a GPU; on CPU use bf16 or fp32")
+        raise UserError("--precision fp16 needs a GPU; on CPU use bf16 or fp32")
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-def peak_memory_bytes(device: torch.device) -> int:
+def peak_memory(device: torch.device) -> tuple[str, int]:
+    """The peak to log, named for what it counts: on CUDA the tensors' (``peak_allocated``, max_memory_allocated, as
+    the planner predicts it); elsewhere the process's resident memory (``peak_rss``: weights, data pages, libraries)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    # The process's peak RSS: ru_maxrss counts kilobytes on Linux, bytes on macOS.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        return "peak_allocated", torch.cuda.max_memory_allocated(device)
+    # ru_maxrss counts kilobytes on Linux, bytes on macOS.
+    return "peak_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> Callable[[], contextlib.AbstractContextManager]:

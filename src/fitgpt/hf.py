@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from fitgpt.data.tokenizer import EOT, TOKENIZER_FILE, Tokenizer
+from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, Transformer
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def transformers_module():
     try:
         import transformers
     except ImportError:
-        raise ValueError("Hugging Face export and import need transformers: pip install 'fitgpt[hf]'") from None
+        raise UserError("Hugging Face export and import need transformers: pip install 'fitgpt[hf]'") from None
     return transformers
 
 
@@ -110,20 +111,18 @@ def export_model(model: Transformer, tokenizer: Tokenizer, out_dir: str | Path) 
 
 
 def _loaded(what: Path, load):
-    """``load()``, or a one-line ValueError naming the file: a folder's files are the user's, and the libraries that
+    """``load()``, or a one-line UserError naming the file: a folder's files are the user's, and the libraries that
     read them fail on a broken one in many ways (OSError, ValueError, RuntimeError, SafetensorError, ...)."""
     try:
         return load()
-    except ValueError as e:
-        if str(e).startswith(str(what)):  # already ours
-            raise
-        reason = e
+    except UserError:  # already ours
+        raise
     except Exception as e:  # noqa: BLE001 - any failure to read a user's file is reported as that
         reason = e
     first = (str(reason).strip().splitlines() or [""])[0][:300]
     if "mismatched_sizes" in first or "size mismatch" in first:
         first = "its weights do not have the shapes its config.json gives"
-    raise ValueError(f"--init-from: {what} cannot be loaded ({type(reason).__name__}: {first}); it is damaged or not a "
+    raise UserError(f"--init-from: {what} cannot be loaded ({type(reason).__name__}: {first}); it is damaged or not a "
                      "Hugging Face GPT-2/Llama model folder: export or save it again") from None
 
 
@@ -132,13 +131,13 @@ def import_config(hf_dir: str | Path) -> ModelConfig:
     tf = transformers_module()
     path = Path(hf_dir)
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path} has no config.json: --init-from takes a folder written by save_pretrained")
+        raise UserError(f"{path} has no config.json: --init-from takes a folder written by save_pretrained")
     c = _loaded(path / "config.json", lambda: tf.AutoConfig.from_pretrained(str(path), local_files_only=True))
     tied = bool(getattr(c, "tie_word_embeddings", True))
     if c.model_type == "gpt2":
         act = _GPT2_GELU.get(c.activation_function)
         if act is None or (c.n_inner or 4 * c.n_embd) != 4 * c.n_embd or not c.scale_attn_weights:
-            raise ValueError(f"{path}: this GPT-2 variant (activation {c.activation_function}, n_inner {c.n_inner}) "
+            raise UserError(f"{path}: this GPT-2 variant (activation {c.activation_function}, n_inner {c.n_inner}) "
                              "does not map onto fitgpt's GPT-2 block")
         return ModelConfig(arch="gpt2", vocab_size=c.vocab_size, context_length=c.n_positions, n_embed=c.n_embd,
                            n_head=c.n_head, n_blocks=c.n_layer, dropout=0.0, tie_embeddings=tied, gelu=act)
@@ -146,19 +145,19 @@ def import_config(hf_dir: str | Path) -> ModelConfig:
         scaling = getattr(c, "rope_scaling", None)
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type not in (None, "default"):
-            raise ValueError(f"{path}: rope scaling {rope_type!r} is not implemented in fitgpt; only plain rotary embeddings")
+            raise UserError(f"{path}: rope scaling {rope_type!r} is not implemented in fitgpt; only plain rotary embeddings")
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False) or head_dim * c.num_attention_heads != c.hidden_size:
-            raise ValueError(f"{path}: attention/MLP biases or a head size other than hidden_size / heads do not map onto "
+            raise UserError(f"{path}: attention/MLP biases or a head size other than hidden_size / heads do not map onto "
                              "fitgpt's Llama block")
         if c.hidden_act != "silu":
-            raise ValueError(f"{path}: activation {c.hidden_act!r}; fitgpt's Llama block uses silu")
+            raise UserError(f"{path}: activation {c.hidden_act!r}; fitgpt's Llama block uses silu")
         theta = getattr(c, "rope_theta", None) or (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         return ModelConfig(arch="llama", vocab_size=c.vocab_size, context_length=c.max_position_embeddings,
                            n_embed=c.hidden_size, n_head=c.num_attention_heads, n_kv_head=c.num_key_value_heads,
                            n_blocks=c.num_hidden_layers, ffn_hidden=c.intermediate_size, tie_embeddings=tied,
                            rope_theta=float(theta), norm_eps=c.rms_norm_eps, dropout=0.0)
-    raise ValueError(f"{path}: model_type {c.model_type!r} cannot be imported; fitgpt maps gpt2 and llama")
+    raise UserError(f"{path}: model_type {c.model_type!r} cannot be imported; fitgpt maps gpt2 and llama")
 
 
 def import_weights(hf_dir: str | Path, model: Transformer) -> None:
@@ -170,16 +169,16 @@ def import_weights(hf_dir: str | Path, model: Transformer) -> None:
     ours = {}
     for hf_name, (name, transposed) in _name_map(model.config).items():
         if hf_name not in theirs:
-            raise ValueError(f"{hf_dir}: weight {hf_name} is missing")
+            raise UserError(f"{hf_dir}: weight {hf_name} is missing")
         w = theirs[hf_name].t() if transposed else theirs[hf_name]
         if w.shape != own[name].shape:
-            raise ValueError(f"{hf_dir}: {hf_name} has shape {tuple(theirs[hf_name].shape)}, fitgpt's model "
+            raise UserError(f"{hf_dir}: {hf_name} has shape {tuple(theirs[hf_name].shape)}, fitgpt's model "
                              f"{tuple(own[name].shape)}")
         ours[name] = w
     missing, unexpected = model.load_state_dict(ours, strict=False)
     missing = [m for m in missing if m != "lm_head.weight" or not model.config.tied]
     if missing or unexpected:
-        raise ValueError(f"{hf_dir}: weights do not map onto the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise UserError(f"{hf_dir}: weights do not map onto the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
 
 
 def check_tokenizer(hf_dir: str | Path, data_tokenizer: Path) -> None:
@@ -190,6 +189,6 @@ def check_tokenizer(hf_dir: str | Path, data_tokenizer: Path) -> None:
         return
     a, b = _loaded(theirs, lambda: Tokenizer.load(Path(hf_dir))), Tokenizer.load(data_tokenizer.parent)
     if a._tok.get_vocab() != b._tok.get_vocab():
-        raise ValueError(f"{theirs} is not the tokenizer of the training data ({data_tokenizer}): prepare the data "
+        raise UserError(f"{theirs} is not the tokenizer of the training data ({data_tokenizer}): prepare the data "
                          f"with it (--data.tokenizer {theirs} and another --data.dir), or start from a model trained with "
                          "this data's")

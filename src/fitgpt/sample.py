@@ -1,43 +1,15 @@
-"""Load a trained run and sample text from it."""
+"""Sample text from a loaded model (`fitgpt.train.load.load_run` loads a run)."""
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 
-from fitgpt.config import from_dict
 from fitgpt.data.tokenizer import Tokenizer
-from fitgpt.model import ModelConfig, Transformer
-from fitgpt.train import checkpoint as ckpt
+from fitgpt.model import Transformer
 
 log = logging.getLogger(__name__)
-
-
-def load_run(run_dir: str | Path, checkpoint: str = "latest", device: torch.device | str = "cpu") -> tuple[Transformer, Tokenizer, dict]:
-    """The model of a run's checkpoint and the run's tokenizer, checked against each other."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ValueError(f"run directory {run_dir} does not exist (check --run)")
-    path, meta = ckpt.resolve_resume(run_dir, checkpoint, flag="--checkpoint")
-    model_dict = dict(meta["config"]["model"])
-    model_dict.pop("checkpointing", None)  # runs written before the policy left the model's config
-    model_cfg = from_dict(ModelConfig, model_dict, str(path / ckpt.META_FILE), "model.")
-    tok_path = run_dir / "tokenizer.json"
-    if not tok_path.is_file():
-        raise ValueError(f"{tok_path} is missing: this run directory was not written by fitgpt train")
-    expected = meta.get("data", {}).get("tokenizer_sha256")
-    if expected and ckpt.sha256_file(tok_path) != expected:
-        raise ValueError(f"{tok_path} is not the tokenizer the checkpoint {path} was trained with")
-    tokenizer = Tokenizer.load(run_dir)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"{tok_path} has {tokenizer.vocab_size} tokens, more than the model's vocab_size {model_cfg.vocab_size}")
-    model = Transformer(model_cfg)
-    ckpt.load_weights(path, model)
-    model.to(device).eval()
-    log.info("loaded %s (step %d)", path, meta["step"])
-    return model, tokenizer, meta
 
 
 def sample_text(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, temperature: float,

@@ -8,6 +8,8 @@ import os
 import shutil
 from pathlib import Path
 
+from fitgpt.errors import UserError
+
 
 def sha256_file(path: str | Path) -> str:
     """Hex sha256 of a file, read in 1 MiB chunks."""
@@ -31,19 +33,20 @@ def write_error(e: BaseException, where: str | Path) -> str:
     return reason
 
 
-def writable_dir(out: Path, flag: str) -> None:
+def writable_dir(out: Path, flag: str) -> Path:
     """Create folder ``out`` if need be and prove it can be written, before any work whose result goes there; a
-    ValueError naming ``flag`` if it is a file or cannot be written."""
+    UserError naming ``flag`` if it is a file or cannot be written."""
     if out.exists() and not out.is_dir():
-        raise ValueError(f"{flag} {out} is a file; choose a folder")
+        raise UserError(f"{flag} {out} is a file; choose a folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".fitgpt-write-test"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"cannot write to {flag} {out} ({write_error(e, out if out.exists() else out.parent)}); "
+        raise UserError(f"cannot write to {flag} {out} ({write_error(e, out if out.exists() else out.parent)}); "
                          "choose a writable folder") from None
+    return out
 
 
 def pid_alive(pid: int) -> bool:
@@ -76,16 +79,16 @@ class DirLock:
             self.dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.dir / self.FILE, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise ValueError(f"cannot write to {self.dir} ({e.strerror}); choose a writable {self.flag}") from None
+            raise UserError(f"cannot write to {self.dir} ({e.strerror}); choose a writable {self.flag}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             if holder == str(os.getpid()):
-                raise ValueError(f"{self.dir} is already in use by this run for another purpose; give {self.flag} "
+                raise UserError(f"{self.dir} is already in use by this run for another purpose; give {self.flag} "
                                  "a directory of its own") from None
-            raise ValueError(f"{self.dir} is in use by another fitgpt process (pid {holder}); wait for it to end, "
+            raise UserError(f"{self.dir} is in use by another fitgpt process (pid {holder}); wait for it to end, "
                              f"or use another {self.flag}") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fitgpt.activation_checkpoint.policy import (
-    RECOMPUTE_FULL,
+    RECOMPUTE_BLOCK,
     RECOMPUTE_NONE,
     RECOMPUTE_SELECTIVE,
     Policy,
@@ -83,7 +83,8 @@ class _GroupState:
 class ActivationCheckpointWrapper(_Wrapper):
     """One position of the block list under a checkpointing region.
 
-    recompute: none, full or selective. offload: send what autograd saves to host memory.
+    recompute: none (keep everything), block (the whole block again in backward), selective or pointwise (a
+    save list chooses which ops run again). offload: send what autograd saves to host memory.
     group: shared with the other wrappers of a multi-block region; ``members`` are the blocks the
     first wrapper runs (its own and the followers'), held as plain references, not submodules.
     """
@@ -113,7 +114,7 @@ class ActivationCheckpointWrapper(_Wrapper):
                 out = run(*args, **kwargs)
             else:
                 # torch.compile accepts a context_fn only if it yields dispatch modes: pass one for op-level options alone.
-                extra = {"context_fn": self._context_fn(args)} if self.recompute != RECOMPUTE_FULL else {}
+                extra = {"context_fn": self._context_fn(args)} if self.recompute != RECOMPUTE_BLOCK else {}
                 out = checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
         if self._members:
             self._group.output, self._group.pending = out, self._group.size - 1

@@ -3,7 +3,7 @@
 Grammar: terms joined by ``+``.
 
     none                 no checkpointing (a real choice)
-    block | full         every block is its own region (the seed's Method 1)
+    block                every block is its own region (the seed's Method 1)
     group:K              each run of K consecutive blocks is one region (Method 2, done right)
     every:K              only blocks 0, K, 2K, ... are checkpointed (partial recompute)
     blocks:0,3,5         an explicit subset (what `fitgpt plan` emits)
@@ -11,7 +11,7 @@ Grammar: terms joined by ``+``.
     selective[:i,j]      op-level: keep attention and widening matmul outputs, recompute the rest
     pointwise[:i,j]      op-level: keep every matmul and attention output, recompute only the
                          pointwise ops (norms, GELU, dropout, residual adds): no matmul is run twice
-    offload[:i,j]        the blocks' saved tensors (or, under full recompute, their boundary) go to host memory
+    offload[:i,j]        the blocks' saved tensors (or, under block recompute, their boundary) go to host memory
     chunked-loss[:ROWS]  head + cross-entropy in chunks of ROWS tokens, never holding all logits
 
 At most one recompute selector covers a block; ``offload`` and ``chunked-loss`` compose with any.
@@ -22,7 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-RECOMPUTE_NONE, RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, RECOMPUTE_POINTWISE = "none", "full", "selective", "pointwise"
+from fitgpt.errors import UserError
+
+RECOMPUTE_NONE, RECOMPUTE_BLOCK, RECOMPUTE_SELECTIVE, RECOMPUTE_POINTWISE = "none", "block", "selective", "pointwise"
 OP_LEVEL = (RECOMPUTE_SELECTIVE, RECOMPUTE_POINTWISE)
 """Recompute options chosen op by op (a save list), each block its own region."""
 DEFAULT_LOSS_CHUNK_ROWS = 1024
@@ -42,7 +44,7 @@ class Selector:
         if self.kind == "blocks":
             bad = [i for i in self.ids if i >= n]
             if bad:
-                raise ValueError(f"block ids {bad} are out of range for a model with {n} blocks (ids go 0..{n - 1})")
+                raise UserError(f"block ids {bad} are out of range for a model with {n} blocks (ids go 0..{n - 1})")
             return sorted(self.ids)
         return list(range(n))  # all, group, sqrt
 
@@ -67,7 +69,7 @@ class Region:
 @dataclass(frozen=True)
 class Policy:
     spec: str
-    full: Selector | None = None
+    block: Selector | None = None
     selective: Selector | None = None
     pointwise: Selector | None = None
     offload: Selector | None = None
@@ -75,29 +77,29 @@ class Policy:
 
     @property
     def is_none(self) -> bool:
-        return all(x is None for x in (self.full, self.selective, self.pointwise, self.offload, self.loss_chunk_rows))
+        return all(x is None for x in (self.block, self.selective, self.pointwise, self.offload, self.loss_chunk_rows))
 
     def regions(self, n_blocks: int) -> list[Region]:
         """One region per block (or per group), in order, covering all n_blocks blocks."""
         recompute = [RECOMPUTE_NONE] * n_blocks
-        for sel, option in ((self.full, RECOMPUTE_FULL), (self.selective, RECOMPUTE_SELECTIVE),
+        for sel, option in ((self.block, RECOMPUTE_BLOCK), (self.selective, RECOMPUTE_SELECTIVE),
                             (self.pointwise, RECOMPUTE_POINTWISE)):
             if sel is not None:
                 for i in sel.block_ids(n_blocks):
                     if recompute[i] != RECOMPUTE_NONE:
-                        raise ValueError(f"block {i} is covered by two recompute terms in {self.spec!r}; give each block one")
+                        raise UserError(f"block {i} is covered by two recompute terms in {self.spec!r}; give each block one")
                     recompute[i] = option
         offload = set(self.offload.block_ids(n_blocks)) if self.offload else set()
-        k = self.full.group_size(n_blocks) if self.full else 1
+        k = self.block.group_size(n_blocks) if self.block else 1
         if k > n_blocks:
-            raise ValueError(f"group size {k} is larger than the model's {n_blocks} blocks; use group:{n_blocks} or less")
+            raise UserError(f"group size {k} is larger than the model's {n_blocks} blocks; use group:{n_blocks} or less")
         if k > 1:
             regions = []
             for s in range(0, n_blocks, k):
                 stop = min(s + k, n_blocks)
                 if len({i in offload for i in range(s, stop)}) > 1:
-                    raise ValueError(f"offload must cover whole groups in {self.spec!r}: blocks {s}..{stop - 1} are one region")
-                regions.append(Region(s, stop, RECOMPUTE_FULL, s in offload))
+                    raise UserError(f"offload must cover whole groups in {self.spec!r}: blocks {s}..{stop - 1} are one region")
+                regions.append(Region(s, stop, RECOMPUTE_BLOCK, s in offload))
             return regions
         return [Region(i, i + 1, recompute[i], i in offload) for i in range(n_blocks)]
 
@@ -107,7 +109,7 @@ class Policy:
             return "none: no block is checkpointed"
         parts = []
         regions = self.regions(n_blocks)
-        for option in (RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, RECOMPUTE_POINTWISE):
+        for option in (RECOMPUTE_BLOCK, RECOMPUTE_SELECTIVE, RECOMPUTE_POINTWISE):
             hit = [r for r in regions if r.recompute == option]
             if hit:
                 spans = [f"{r.start}" if r.stop - r.start == 1 else f"{r.start}-{r.stop - 1}" for r in hit]
@@ -124,18 +126,18 @@ def _int(text: str, term: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"{term!r}: {text!r} is not an integer") from None
+        raise UserError(f"{term!r}: {text!r} is not an integer") from None
     if value < minimum:
-        raise ValueError(f"{term!r}: the number must be at least {minimum}")
+        raise UserError(f"{term!r}: the number must be at least {minimum}")
     return value
 
 
 def _ids(text: str, term: str) -> tuple[int, ...]:
     ids = tuple(_int(t.strip(), term, 0) for t in text.split(",") if t.strip())
     if not ids:
-        raise ValueError(f"{term!r}: give at least one block id, for example blocks:0,2")
+        raise UserError(f"{term!r}: give at least one block id, for example blocks:0,2")
     if len(set(ids)) != len(ids):
-        raise ValueError(f"{term!r}: a block id is repeated")
+        raise UserError(f"{term!r}: a block id is repeated")
     return ids
 
 
@@ -144,44 +146,44 @@ def parse_policy(spec: str | Policy) -> Policy:
     if isinstance(spec, Policy):
         return spec
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"empty checkpointing policy {spec!r}; use 'none' for no checkpointing")
+        raise UserError(f"empty checkpointing policy {spec!r}; use 'none' for no checkpointing")
     spec = spec.strip().lower()
     terms = [t.strip() for t in spec.split("+")]
     if "none" in terms:
         if len(terms) > 1:
-            raise ValueError(f"'none' cannot be combined with other terms in {spec!r}")
+            raise UserError(f"'none' cannot be combined with other terms in {spec!r}")
         return Policy(spec="none")
     fields: dict[str, object] = {}
 
     def put(name: str, value: object, term: str) -> None:
         if name in fields:
-            clash = "recompute selector" if name == "full" else f"{name} term"
-            raise ValueError(f"{spec!r} has more than one {clash} ({term!r}); use one")
+            clash = "recompute selector" if name == "block" else f"{name} term"
+            raise UserError(f"{spec!r} has more than one {clash} ({term!r}); use one")
         fields[name] = value
 
     for term in terms:
         head, _, arg = term.partition(":")
         head = head.replace("_", "-")
-        if head in ("block", "full") and not arg:
-            put("full", Selector("all"), term)
+        if head == "block" and not arg:
+            put("block", Selector("all"), term)
         elif head == "group":
-            put("full", Selector("group", k=_int(arg, term, 1)), term)
+            put("block", Selector("group", k=_int(arg, term, 1)), term)
         elif head == "every":
-            put("full", Selector("every", k=_int(arg, term, 1)), term)
+            put("block", Selector("every", k=_int(arg, term, 1)), term)
         elif head == "blocks":
-            put("full", Selector("blocks", ids=_ids(arg, term)), term)
+            put("block", Selector("blocks", ids=_ids(arg, term)), term)
         elif head == "sqrt" and not arg:
-            put("full", Selector("sqrt"), term)
+            put("block", Selector("sqrt"), term)
         elif head in ("selective", "pointwise", "offload"):
             put(head, Selector("blocks", ids=_ids(arg, term)) if arg else Selector("all"), term)
         elif head == "chunked-loss":
             put("loss_chunk_rows", _int(arg, term, 1) if arg else DEFAULT_LOSS_CHUNK_ROWS, term)
         else:
-            raise ValueError(
+            raise UserError(
                 f"unknown checkpointing term {term!r} in {spec!r}; expected none, block, group:K, every:K, "
                 "blocks:i,j, sqrt, selective[:i,j], pointwise[:i,j], offload[:i,j] or chunked-loss[:ROWS], joined by '+'"
             )
-    _check_disjoint(spec, {name: fields[name] for name in ("full", "selective", "pointwise") if name in fields})
+    _check_disjoint(spec, {name: fields[name] for name in ("block", "selective", "pointwise") if name in fields})
     return Policy(spec=spec, **fields)  # type: ignore[arg-type]
 
 
@@ -193,8 +195,8 @@ def _check_disjoint(spec: str, selectors: dict) -> None:
         for b in names[a_i + 1:]:
             sa, sb = selectors[a], selectors[b]
             if sa.kind in ("all", "group", "sqrt") or sb.kind in ("all", "group", "sqrt"):
-                raise ValueError(f"{spec!r} asks for {a} and {b} recompute on the same blocks; "
+                raise UserError(f"{spec!r} asks for {a} and {b} recompute on the same blocks; "
                                  f"give them disjoint block lists, e.g. blocks:0,1+{b}:2,3")
             overlap = set(sa.ids) & set(sb.ids) if sa.kind == sb.kind == "blocks" else set()
             if overlap:
-                raise ValueError(f"{spec!r}: blocks {sorted(overlap)} are both {a} and {b}; give each block one")
+                raise UserError(f"{spec!r}: blocks {sorted(overlap)} are both {a} and {b}; give each block one")

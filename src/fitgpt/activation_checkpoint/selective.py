@@ -38,8 +38,13 @@ WIDENING = 4
 """A matmul whose output is at least this many times wider than its input is kept (the MLP's up-projection)."""
 
 
+def _operands(op, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """A matmul's input and weight (addmm's first argument is its bias)."""
+    return (args[1], args[2]) if op is _aten.addmm.default else (args[0], args[1])
+
+
 def _widens(op, args) -> bool:
-    a, b = (args[1], args[2]) if op is _aten.addmm.default else (args[0], args[1])
+    a, b = _operands(op, args)
     return b.shape[-1] >= WIDENING * a.shape[-1]
 
 
@@ -56,8 +61,7 @@ def selective_context_fn():
 
 def _contracted(op, args) -> int:
     """The width a matmul contracts over (its input's features)."""
-    a = args[1] if op is _aten.addmm.default else args[0]
-    return a.shape[-1]
+    return _operands(op, args)[0].shape[-1]
 
 
 def pointwise_context_fn(width: int, dropout: bool):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 
 COMMANDS = {
     "prepare": ("fitgpt.cli.prepare", "tokenize text (files, dirs, globs, or the built-in corpus) into train/val memmaps"),
@@ -17,8 +18,9 @@ COMMANDS = {
 
 
 def _usage() -> str:
-    lines = ["usage: fitgpt COMMAND [--help] [FLAGS]", "", "commands:"]
+    lines = ["usage: fitgpt COMMAND [--help] [FLAGS] [--verbose]", "", "commands:"]
     lines += [f"  {name:10s} {text}" for name, (_, text) in COMMANDS.items()]
+    lines += ["", "--verbose (any command): debug logging, and the traceback behind an error's one line"]
     return "\n".join(lines)
 
 
@@ -38,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(__version__)
         return 0
+    verbose = "--verbose" in argv
+    argv = [a for a in argv if a != "--verbose"]
+    if not argv:
+        print(_usage())
+        return 2
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"fitgpt: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
@@ -47,10 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     from fitgpt.errors import UserError
 
     module = importlib.import_module(COMMANDS[command][0])
-    setup_logging()
+    setup_logging(verbose)
     try:
         return module.run(rest)
-    except (UserError, ValueError) as e:  # user errors: the message names what to change
+    except UserError as e:  # what the user can change, named in the message; anything else is a bug: its traceback
+        if verbose:
+            traceback.print_exc()
         print(f"fitgpt {command}: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `fitgpt plan ... | head`: the reader left, nothing to report

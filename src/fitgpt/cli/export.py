@@ -7,9 +7,9 @@ from pathlib import Path
 
 import tyro
 
-from fitgpt.errors import user_errors
+from fitgpt.errors import UserError
 from fitgpt.hf import export_model
-from fitgpt.sample import load_run
+from fitgpt.train.load import load_run
 from fitgpt.train.rundir import fitgpt_owner
 from fitgpt.utils import writable_dir, write_error
 
@@ -27,10 +27,9 @@ class ExportConfig:
     overwrite: bool = False
     """Write into --out even if it already holds files (never into a run, a checkpoint or prepared data)."""
 
-    @user_errors
     def __post_init__(self) -> None:
         if not self.out:
-            raise ValueError("--out is required: the folder to write the Hugging Face model to")
+            raise UserError("--out is required: the folder to write the Hugging Face model to")
 
 
 def check_out(out: Path, overwrite: bool) -> None:
@@ -38,10 +37,10 @@ def check_out(out: Path, overwrite: bool) -> None:
     or that cannot be written."""
     owner = fitgpt_owner(out)
     if owner:
-        raise ValueError(f"--out {out} is inside {owner}, which fitgpt keeps; export to a folder of its own, "
+        raise UserError(f"--out {out} is inside {owner}, which fitgpt keeps; export to a folder of its own, "
                          "e.g. --out hf/NAME")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"--out {out} already exists and is not an empty folder; choose another or add --overwrite")
+        raise UserError(f"--out {out} already exists and is not an empty folder; choose another or add --overwrite")
     writable_dir(out, "--out")
 
 
@@ -52,7 +51,7 @@ def run(args: list[str]) -> int:
     try:
         out = export_model(model, tokenizer, cfg.out)
     except OSError as e:
-        raise ValueError(f"could not write the export to {cfg.out}: {write_error(e, cfg.out)}; free space or choose "
+        raise UserError(f"could not write the export to {cfg.out}: {write_error(e, cfg.out)}; free space or choose "
                          "another --out") from None
     print(f"exported {cfg.run} (step {meta['step']}) to {out}; load it with:\n"
           f"  from transformers import AutoModelForCausalLM, AutoTokenizer\n"

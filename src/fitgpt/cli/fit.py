@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import tyro
 
-from fitgpt.errors import user_errors
-from fitgpt.memory.units import format_bytes
-from fitgpt.plan.fit import POLICIES, fit
-from fitgpt.plan.search import fastest, format_choices
-from fitgpt.plan.workload import BudgetConfig
+from fitgpt.cli.workload import BudgetConfig
+from fitgpt.errors import UserError
+from fitgpt.plan.fastest import fastest, format_choices
+from fitgpt.plan.largest import POLICIES, largest
+from fitgpt.units import format_bytes
 
 
 @dataclass
@@ -22,16 +22,15 @@ class FitConfig(BudgetConfig):
     top: int = 5
     """How many of the fastest configurations to show."""
 
-    @user_errors
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.top < 1:
-            raise ValueError("--top must be at least 1")
+            raise UserError("--top must be at least 1")
 
 
 def run(args: list[str]) -> int:
     cfg = tyro.cli(FitConfig, args=args, prog="fitgpt fit")
-    result = fit(cfg, cfg.budget)
+    result = largest(cfg.workload, cfg.budget)
     a, cur = result["answers"], result["current"]
     print(f"{result['workload']}; budget {format_bytes(result['budget'])}\n")
     print("| largest that fits | " + " | ".join(POLICIES) + " | block vs none | auto vs none |")
@@ -42,8 +41,8 @@ def run(args: list[str]) -> int:
         ratios = [f"{v / vals[0]:.1f}x" if vals[0] else ("-" if not v else "fits only with it") for v in vals[1:]]
         print(f"| {label} | " + " | ".join(str(v) for v in vals) + " | " + " | ".join(ratios) + " |")
     print(f"\n({result['note']}; 0 means not even 1 fits)")
-    tcfg = cfg.train_config()
-    best = fastest(cfg, cfg.budget, top=cfg.top)
+    tcfg = cfg.workload.train
+    best = fastest(cfg.workload, cfg.budget, top=cfg.top)
     print("\nThe fastest configurations for the same tokens a step:\n")
     print(format_choices(best, tcfg.preset, tcfg.model.context_length, cfg.world_size))
     result["fastest"] = [{"micro_batch": c.micro_batch, "grad_accum": c.grad_accum, "precision": c.precision,

@@ -8,8 +8,9 @@ from typing import Optional
 import tyro
 
 from fitgpt.device import resolve_device
-from fitgpt.errors import user_errors
-from fitgpt.sample import load_run, sample_text
+from fitgpt.errors import UserError
+from fitgpt.sample import sample_text
+from fitgpt.train.load import load_run
 
 
 @dataclass
@@ -33,20 +34,19 @@ class GenerateConfig:
     cache: bool = True
     """Keep each layer's keys and values (--no-cache recomputes the whole prefix for every token, for comparison)."""
 
-    @user_errors
     def __post_init__(self) -> None:
         try:
             self.prompt.encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError("--prompt is not valid UTF-8 text; pass the prompt as UTF-8") from None
+            raise UserError("--prompt is not valid UTF-8 text; pass the prompt as UTF-8") from None
         if self.max_new_tokens <= 0:
-            raise ValueError("max_new_tokens must be positive (set --max-new-tokens)")
+            raise UserError("max_new_tokens must be positive (set --max-new-tokens)")
         if not 0 <= self.temperature < float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature} (set --temperature)")
+            raise UserError(f"temperature must be a finite number >= 0, got {self.temperature} (set --temperature)")
         if self.top_k is not None and self.top_k <= 0:
-            raise ValueError("top_k must be positive (set --top-k)")
+            raise UserError("top_k must be positive (set --top-k)")
         if self.num_samples <= 0:
-            raise ValueError("num_samples must be positive (set --num-samples)")
+            raise UserError("num_samples must be positive (set --num-samples)")
 
 
 def run(args: list[str]) -> int:

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import tyro
 
-from fitgpt.memory.units import format_bytes
-from fitgpt.plan import Plan, predict, solve
-from fitgpt.plan.profile import BLOCK_OPTIONS
-from fitgpt.plan.target import CUDA_CONTEXT
-from fitgpt.plan.workload import BudgetConfig
+from fitgpt.cli.workload import BudgetConfig
+from fitgpt.estimate.hardware import CUDA_CONTEXT
+from fitgpt.estimate.profile import BLOCK_OPTIONS
+from fitgpt.plan.solver import Plan, predict, solve
+from fitgpt.units import format_bytes
 
 
 @dataclass
@@ -21,8 +21,9 @@ class PlanConfig(BudgetConfig):
 
 def _cuda_notes(cfg: PlanConfig) -> list[str]:
     """What the numbers for a CUDA target rest on: modelled here, not measured on the card."""
-    t, m = cfg.plan_target(), cfg.model_config
-    backend = t.attention_backend(cfg.dtype(), m.n_embed // m.n_head)
+    w = cfg.workload
+    backend = w.target.attention_backend(w.dtype, w.model.head_dim)
+    t = w.target
     card = (f"{t.gpu.name}, {format_bytes(t.gpu.memory)}, sm {t.gpu.sm[0]}.{t.gpu.sm[1]} (source: {t.gpu.source})" if t.gpu
             else "none named (sm 8.0 or newer assumed)")
     notes = [f"card: {card}"]
@@ -43,7 +44,7 @@ def _cuda_notes(cfg: PlanConfig) -> list[str]:
 
 def _over_card(cfg: PlanConfig, replay: dict | None) -> int:
     """Bytes by which the replayed step's reserved memory and the CUDA context exceed the named card (0: it fits)."""
-    t = cfg.plan_target()
+    t = cfg.workload.target
     if not replay or not t.gpu:
         return 0
     return max(0, replay["max_reserved"] + CUDA_CONTEXT - t.gpu.memory)
@@ -55,7 +56,7 @@ def _solve_on_card(cfg: PlanConfig, profile, budget: int):
     included) fits on the card too."""
     while True:
         plan, pred = solve(profile, budget)
-        replay = cfg.replay(plan.spec())
+        replay = cfg.workload.replay(plan.spec())
         over = _over_card(cfg, replay)
         if not over or cfg.memory_budget:
             return plan, pred, replay, budget, over
@@ -69,11 +70,12 @@ def _budget_flag(cfg: PlanConfig, budget: int) -> str:
 
 def run(args: list[str]) -> int:
     cfg = tyro.cli(PlanConfig, args=args, prog="fitgpt plan")
-    tcfg = cfg.train_config()
-    profile = cfg.profile()
+    w = cfg.workload
+    tcfg = w.train
+    profile = w.profile()
     plan, pred, replay, budget, over = _solve_on_card(cfg, profile, cfg.budget)
-    print(f"{cfg.describe()}; budget {format_bytes(budget)}; profiled in {profile.seconds:.1f}s")
-    if cfg.plan_target().cuda and cfg.fake:
+    print(f"{w.describe()}; budget {format_bytes(budget)}; profiled in {profile.seconds:.1f}s")
+    if w.target.cuda and w.fake:
         print("\n".join("  " + line for line in _cuda_notes(cfg)))
         if budget < cfg.budget:
             print(f"  budget lowered by {format_bytes(cfg.budget - budget)} from the card's, so that the plan's reserved "
@@ -81,7 +83,7 @@ def run(args: list[str]) -> int:
     print(f"  time model: {profile.time_source}")
     print("\n| policy | predicted peak | step time | time vs none | FLOPs vs none | fits |\n|---|---:|---:|---:|---:|---|")
     n = profile.n_blocks
-    for plan in [Plan.uniform(n, o) for o in BLOCK_OPTIONS] + [Plan.uniform(n, "full", "chunked")]:
+    for plan in [Plan.uniform(n, o) for o in BLOCK_OPTIONS] + [Plan.uniform(n, "block", "chunked")]:
         pred = predict(profile, plan)
         print(f"| {plan.spec()} | {format_bytes(pred.peak)} | {pred.step_time * 1e3:.0f} ms | {pred.time_ratio:.3f}x | "
               f"{pred.flops_ratio:.3f}x | {'yes' if pred.peak <= budget else 'no'} |")
@@ -90,14 +92,14 @@ def run(args: list[str]) -> int:
           f"{tokens / pred.step_time:,.0f} tokens/s predicted)")
     print(f"predicted peak {format_bytes(pred.peak)} of {format_bytes(budget)} (in the {pred.where}): "
           + ", ".join(f"{k} {format_bytes(v)}" for k, v in pred.breakdown().items()))
-    workspaces = cfg.plan_target().workspace_bytes()
+    workspaces = w.target.workspace_bytes()
     if workspaces:
         print(f"predicted torch.cuda.max_memory_allocated: {format_bytes(pred.peak + workspaces)} "
               f"(the step's tensors + cuBLAS workspaces)")
     if replay:
         print(f"the plan's step replayed through CUDA's caching allocator (modelled): max_memory_allocated "
               f"{format_bytes(replay['max_allocated'])}, max_memory_reserved {format_bytes(replay['max_reserved'])}")
-        t = cfg.plan_target()
+        t = w.target
         if t.gpu:
             total = replay["max_reserved"] + CUDA_CONTEXT
             verdict = "fits" if not over else f"DOES NOT FIT: lower --memory-budget by {format_bytes(over)} or more"
@@ -107,7 +109,7 @@ def run(args: list[str]) -> int:
     if cfg.world_size > 1:
         launch = f"torchrun --nproc-per-node {cfg.world_size} -m fitgpt train --parallel {cfg.parallel}"
     if over:
-        print(f"no train command: this plan does not fit on the {cfg.plan_target().gpu.name}")
+        print(f"no train command: this plan does not fit on the {w.target.gpu.name}")
     else:
         print(f"train with: {launch} --preset {tcfg.preset} --batch-size {tcfg.batch_size} "
               f"--model.context-length {tcfg.model.context_length} --activation-checkpointing '{plan.spec()}'"
@@ -115,6 +117,6 @@ def run(args: list[str]) -> int:
     print(json.dumps({"policy": plan.spec(), "budget": budget, "predicted_peak": pred.peak, "where": pred.where,
                       "breakdown": pred.breakdown(), "flops_ratio": pred.flops_ratio, "profile_seconds": profile.seconds,
                       "step_seconds": pred.step_time, "time_ratio": pred.time_ratio, "time_model": profile.time_source,
-                      "target": cfg.plan_target().device, "gpu": cfg.gpu, "fake": cfg.fake,
+                      "target": w.target.device, "gpu": cfg.gpu, "fake": w.fake,
                       "predicted_max_allocated": pred.peak + workspaces, "replay": replay, "fits_card": not over}))
     return 0

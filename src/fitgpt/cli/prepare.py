@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import tyro
 
-from fitgpt.data import DataConfig, prepare
+from fitgpt.data.config import DataConfig
+from fitgpt.data.prepare import prepare
 
 
 @dataclass

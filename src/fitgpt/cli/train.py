@@ -9,9 +9,11 @@ import os
 import tyro
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from fitgpt.config import TrainConfig
-from fitgpt.memory.units import format_bytes
-from fitgpt.train import TrainingError, load_config, train
+from fitgpt.config import TrainConfig, load_config
+from fitgpt.errors import UserError
+from fitgpt.train.loop import TrainingError
+from fitgpt.train.trainer import train
+from fitgpt.units import format_bytes
 
 
 def parse(args: list[str]) -> TrainConfig:
@@ -28,7 +30,7 @@ def _planner(cfg: TrainConfig):
     """--activation-checkpointing auto: the loop is handed the planner's entry point (it never imports the planner)."""
     if cfg.activation_checkpointing != "auto":
         return None
-    from fitgpt.plan import plan_for
+    from fitgpt.plan.auto import plan_for
 
     return plan_for
 
@@ -38,12 +40,12 @@ def _auto_config(cfg: TrainConfig) -> TrainConfig:
     if not cfg.auto_config:
         return cfg
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("--auto-config chooses for one process: run fitgpt fit --world-size N --memory-budget ... and "
+        raise UserError("--auto-config chooses for one process: run fitgpt fit --world-size N --memory-budget ... and "
                          "launch the torchrun command it prints")
     if cfg.resume:
-        raise ValueError("--auto-config chooses a new run's configuration; to continue a run, resume with its config.json "
+        raise UserError("--auto-config chooses a new run's configuration; to continue a run, resume with its config.json "
                          "(it records what was chosen): --config RUN/config.json --resume latest")
-    from fitgpt.plan.search import for_training
+    from fitgpt.plan.fastest import for_training
 
     chosen, c, _ = for_training(cfg)
     print(f"auto-config: micro-batch {c.micro_batch} x accumulation {c.grad_accum}, {c.precision}, checkpointing "

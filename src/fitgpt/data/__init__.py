@@ -1,7 +1,11 @@
-"""Data: gather text, tokenize it into memmaps, sample training windows."""
+"""Data: gather text, tokenize it into token shards, sample training windows.
 
-from fitgpt.data.loader import BatchSampler, TokenData
-from fitgpt.data.prepare import DataConfig, ensure_prepared, prepare
-from fitgpt.data.tokenizer import Tokenizer
-
-__all__ = ["BatchSampler", "DataConfig", "TokenData", "Tokenizer", "ensure_prepared", "prepare"]
+    config.py    DataConfig: the settings (imports nothing heavy)
+    corpus.py    where text comes from: files, directories, globs, record files, the built-in corpus, HF datasets
+    tokenizer.py byte-level BPE, GPT-2's vocabulary, or a tokenizer.json
+    prepare.py   the pipeline: text in, token shards out (`fitgpt prepare`)
+    shards.py    shard files and the resumable journal
+    resume.py    continuing an interrupted preparation
+    prepared.py  the prepared-data contract training checks (meta.json)
+    loader.py    token shards as memmaps, sampled as random windows
+"""

@@ -23,11 +23,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fitgpt.data.config import BUILTIN
+from fitgpt.errors import UserError
 from fitgpt.utils import sha256_file
 
 log = logging.getLogger(__name__)
 
-BUILTIN = "stdlib"
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 
 
@@ -96,7 +97,7 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
             continue
         matches = _glob(item) if glob.has_magic(item) and not os.path.lexists(item) else [item]
         if not matches:
-            raise ValueError(f"input {item!r} matches no file (check the --inputs pattern)")
+            raise UserError(f"input {item!r} matches no file (check the --inputs pattern)")
         for m in matches:
             p = Path(m)
             if p.is_dir():
@@ -104,7 +105,7 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
             elif p.is_file():
                 files.append(p)
             else:
-                raise ValueError(f"input {item!r}: {m} does not exist (check the --inputs path)")
+                raise UserError(f"input {item!r}: {m} does not exist (check the --inputs path)")
     return _once(files)
 
 
@@ -214,7 +215,7 @@ def _record_documents(path: Path, index: int, records: Iterator[tuple[dict, int]
         size = 0
     if not used:
         have = f"its records have: {', '.join(keys)}" if keys else "it has no records"
-        raise ValueError(f"{path}: no record has a text field {text_field!r} ({have}); set --text-field "
+        raise UserError(f"{path}: no record has a text field {text_field!r} ({have}); set --text-field "
                          "(--data.text-field when training)")
 
 
@@ -237,9 +238,9 @@ def _records(path: Path, text_field: str, skip: int) -> Iterator[tuple[dict, int
                 try:
                     yield json.loads(line), len(line)
                 except ValueError as e:  # UnicodeDecodeError included
-                    raise ValueError(f"{path}:{n}: not a JSON record ({e}); fix or remove the line") from None
+                    raise UserError(f"{path}:{n}: not a JSON record ({e}); fix or remove the line") from None
     except (OSError, EOFError, zlib.error) as e:  # zlib.error: corrupt deflate data inside a valid gzip header
-        raise ValueError(f"{path}: cannot be read as {'gzip-compressed ' if opener is gzip.open else ''}JSON Lines "
+        raise UserError(f"{path}: cannot be read as {'gzip-compressed ' if opener is gzip.open else ''}JSON Lines "
                          f"({e})") from None
 
 
@@ -258,18 +259,18 @@ def _parquet_file(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError(f"{path}: reading Parquet needs pyarrow: pip install 'fitgpt[parquet]'") from None
+        raise UserError(f"{path}: reading Parquet needs pyarrow: pip install 'fitgpt[parquet]'") from None
     try:
         return pq.ParquetFile(path)
     except Exception as e:  # pyarrow's own error for a file that is not Parquet
-        raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+        raise UserError(f"{path}: not a readable Parquet file ({e})") from None
 
 
 def _parquet_records(path: Path, text_field: str, skip: int) -> Iterator[tuple[dict, int]]:
     f = _parquet_file(path)
     columns = f.schema_arrow.names
     if text_field not in columns:
-        raise ValueError(f"{path}: no column {text_field!r} (it has: {', '.join(columns)}); set --text-field "
+        raise UserError(f"{path}: no column {text_field!r} (it has: {', '.join(columns)}); set --text-field "
                          "(--data.text-field when training)")
     for batch in f.iter_batches(columns=[text_field], batch_size=1024):  # a bounded slice of a row group at a time
         if skip >= batch.num_rows:
@@ -330,18 +331,18 @@ def _hf_dataset(item: str):
     try:
         import datasets
     except ImportError:
-        raise ValueError("hf: inputs need the [hf] extra: pip install 'fitgpt[hf]'") from None
+        raise UserError("hf: inputs need the [hf] extra: pip install 'fitgpt[hf]'") from None
     try:
         ds = datasets.load_dataset(name, split="train")
     except Exception as e:  # not in the cache (the library's error varies by version): say so, and what to do
-        raise ValueError(
+        raise UserError(
             f"Hugging Face dataset {name!r} is not in the local cache ({os.environ.get('HF_HOME', '~/.cache/huggingface')}); "
             f"fitgpt reads hf: inputs offline: download it once where there is network (datasets.load_dataset({name!r})), "
             f"or pass its files (.jsonl, .parquet) to --inputs [{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}]"
         ) from None
     column = column or "text"
     if column not in ds.column_names:
-        raise ValueError(f"dataset {name!r} has no column {column!r}; use hf:{name}#COLUMN with one of {ds.column_names}")
+        raise UserError(f"dataset {name!r} has no column {column!r}; use hf:{name}#COLUMN with one of {ds.column_names}")
     return ds, column
 
 

@@ -9,47 +9,51 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fitgpt.data.prepare import META_FILE
+from fitgpt.data.prepared import FORMAT_VERSION, META_FILE
+from fitgpt.errors import UserError
 from fitgpt.utils import sha256_file
 
 
 class TokenData:
     """The prepared splits of one data directory, validated against meta.json."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, meta: dict | None = None) -> None:
+        """``meta``: the directory's meta.json as already read and checked (`ensure_prepared`), or None to read it."""
         self.dir = Path(directory)
         meta_path = self.dir / META_FILE
-        if not meta_path.is_file():
-            raise ValueError(f"{meta_path} is missing: run `fitgpt prepare --dir {self.dir}` first")
+        if meta is None and not meta_path.is_file():
+            raise UserError(f"{meta_path} is missing: run `fitgpt prepare --dir {self.dir}` first")
         try:
-            self.meta = json.loads(meta_path.read_text())
+            self.meta = meta if meta is not None else json.loads(meta_path.read_text())
             self.vocab_size = int(self.meta["vocab_size"])
             dtype = np.dtype(self.meta["dtype"])
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{meta_path} is unreadable or incomplete ({e}); re-run `fitgpt prepare`") from None
+            raise UserError(f"{meta_path} is unreadable or incomplete ({e}); re-run `fitgpt prepare`") from None
+        if self.meta.get("format_version") != FORMAT_VERSION:
+            raise UserError(f"{self.dir} holds data in format {self.meta.get('format_version')} (from a pre-release "
+                            f"fitgpt); this one reads format {FORMAT_VERSION}: re-run `fitgpt prepare --dir {self.dir}`")
         self.splits: dict[str, list[np.memmap]] = {}
         for split in ("train", "val"):
             shards = self._shards(split)
             if not any(tokens for _, tokens in shards):
-                raise ValueError(f"{self.dir} holds no {split} tokens; give `fitgpt prepare` more text")
+                raise UserError(f"{self.dir} holds no {split} tokens; give `fitgpt prepare` more text")
             self.splits[split] = [self._open(path, tokens, dtype) for path, tokens in shards if tokens]
         self._check_ids()
         self._check_tokenizer()
 
     def _shards(self, split: str) -> list[tuple[Path, int]]:
-        """The split's shard files and token counts; data prepared before shards has one file a split."""
-        listed = self.meta.get("shards", {split: [{"file": f"{split}.bin", "tokens": self.meta.get(f"{split}_tokens")}]})
+        """The split's shard files and token counts."""
         try:
-            return [(self.dir / s["file"], int(s["tokens"])) for s in listed[split]]
+            return [(self.dir / s["file"], int(s["tokens"])) for s in self.meta["shards"][split]]
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{self.dir / META_FILE} is unreadable or incomplete ({e}); re-run `fitgpt prepare`") from None
+            raise UserError(f"{self.dir / META_FILE} is unreadable or incomplete ({e}); re-run `fitgpt prepare`") from None
 
     def _open(self, path: Path, tokens: int, dtype: np.dtype) -> np.memmap:
         if not path.is_file():
-            raise ValueError(f"{path} is missing; re-run `fitgpt prepare --dir {self.dir}`")
+            raise UserError(f"{path} is missing; re-run `fitgpt prepare --dir {self.dir}`")
         size = path.stat().st_size
         if size != tokens * dtype.itemsize:
-            raise ValueError(
+            raise UserError(
                 f"{path} holds {size} bytes but {self.dir / META_FILE} says {tokens} {dtype.name} tokens "
                 f"({tokens * dtype.itemsize} bytes); the data is truncated or from another preparation: re-run `fitgpt prepare`"
             )
@@ -60,10 +64,10 @@ class TokenData:
         tok = self.dir / "tokenizer.json"
         expected = self.meta.get("tokenizer_sha256")
         if not tok.is_file():
-            raise ValueError(f"{tok} is missing; re-run `fitgpt prepare --dir {self.dir}`")
+            raise UserError(f"{tok} is missing; re-run `fitgpt prepare --dir {self.dir}`")
         self.tokenizer_sha256 = sha256_file(tok)
         if expected and self.tokenizer_sha256 != expected:
-            raise ValueError(
+            raise UserError(
                 f"{tok} is not the tokenizer that produced the token shards in {self.dir} (its sha256 differs from "
                 f"{self.dir / META_FILE}); the data and its tokenizer do not match: re-run `fitgpt prepare --dir {self.dir}`"
             )
@@ -76,7 +80,7 @@ class TokenData:
                 starts = rng.integers(0, max(1, len(arr) - window), size=max(1, samples // len(shards)))
                 top = max(max(int(arr[s : s + window].max()) for s in starts), int(arr[-window:].max()))
                 if top >= self.vocab_size:
-                    raise ValueError(
+                    raise UserError(
                         f"{arr.filename} holds token id {top}, but meta.json says vocab_size {self.vocab_size}; "
                         "the data and its tokenizer do not match: re-run `fitgpt prepare`"
                     )
@@ -85,7 +89,7 @@ class TokenData:
         for split, shards in self.splits.items():
             total = sum(len(a) for a in shards)
             if total < context_length + 1:
-                raise ValueError(
+                raise UserError(
                     f"the {split} split of {self.dir} holds {total} tokens, fewer than one context window + 1 "
                     f"({context_length + 1}); lower --model.context-length or prepare more text"
                 )

@@ -2,7 +2,7 @@
 
 from fitgpt.memory.flops import OpFlops, count_flops
 from fitgpt.memory.measure import StepMemory, measure_step_flops, measure_step_memory
-from fitgpt.memory.profile import (
+from fitgpt.memory.timeline import (
     PeakProbe,
     StepPeak,
     StepTimeline,
@@ -10,9 +10,8 @@ from fitgpt.memory.profile import (
     profile_step,
 )
 from fitgpt.memory.tracker import LiveMemory, SavedTensors
-from fitgpt.memory.units import format_bytes, parse_bytes
 
 __all__ = [
     "LiveMemory", "OpFlops", "PeakProbe", "SavedTensors", "StepMemory", "StepPeak", "StepTimeline", "count_flops",
-    "format_bytes", "measure_step_flops", "measure_step_memory", "measure_train_step", "parse_bytes", "profile_step",
+    "measure_step_flops", "measure_step_memory", "measure_train_step", "profile_step",
 ]

@@ -48,7 +48,7 @@ def count_flops(fn, *args, **kwargs) -> int:
 
 
 OpCost = Callable[[object, tuple, dict, object, int], float]
-"""Seconds one op takes: ``cost(func, args, kwargs, out, flops)`` (see ``fitgpt.plan.timing``)."""
+"""Seconds one op takes: ``cost(func, args, kwargs, out, flops)`` (see ``fitgpt.estimate.timing``)."""
 
 
 def op_flops(func, args: tuple, kwargs: dict, out) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from fitgpt.errors import require_finite, user_errors
+from fitgpt.errors import UserError, require_finite
 
 
 def require_positive_ints(obj: object, names: tuple[str, ...], section: str = "") -> None:
@@ -14,7 +14,7 @@ def require_positive_ints(obj: object, names: tuple[str, ...], section: str = ""
         value = getattr(obj, name)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             flag = f"--{section}{name.replace('_', '-')}"
-            raise ValueError(f"{section}{name} must be a positive integer, got {value!r} (set {flag})")
+            raise UserError(f"{section}{name} must be a positive integer, got {value!r} (set {flag})")
 
 
 @dataclass
@@ -51,32 +51,31 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """llama: RMSNorm epsilon."""
 
-    @user_errors
     def __post_init__(self) -> None:
         require_finite(self, "model.")
         require_positive_ints(self, ("vocab_size", "context_length", "n_embed", "n_head", "n_blocks"), "model.")
         if self.n_embed % self.n_head != 0:
-            raise ValueError(
+            raise UserError(
                 f"model.n_embed ({self.n_embed}) must be divisible by model.n_head ({self.n_head}); "
                 "change --model.n-embed or --model.n-head"
             )
         llama = self.arch == "llama"
         if llama and self.bias:
-            raise ValueError("Llama blocks have no biases: drop --model.bias (or use --model.arch gpt2)")
+            raise UserError("Llama blocks have no biases: drop --model.bias (or use --model.arch gpt2)")
         require_positive_ints(self, tuple(n for n in ("n_kv_head", "ffn_hidden") if getattr(self, n) is not None), "model.")
         if self.n_head % self.kv_heads:
-            raise ValueError(f"model.n_kv_head ({self.n_kv_head}) must divide model.n_head ({self.n_head}); "
+            raise UserError(f"model.n_kv_head ({self.n_kv_head}) must divide model.n_head ({self.n_head}); "
                              "change --model.n-kv-head")
         if not llama and (self.kv_heads != self.n_head or self.mlp_hidden != 4 * self.n_embed):
-            raise ValueError("--model.n-kv-head and --model.ffn-hidden are for --model.arch llama; GPT-2 blocks have "
+            raise UserError("--model.n-kv-head and --model.ffn-hidden are for --model.arch llama; GPT-2 blocks have "
                              "one key/value head per query head and a 4x MLP")
         if llama and (self.n_embed // self.n_head) % 2:
-            raise ValueError(f"rotary embeddings need an even head size; n_embed / n_head is {self.n_embed // self.n_head} "
+            raise UserError(f"rotary embeddings need an even head size; n_embed / n_head is {self.n_embed // self.n_head} "
                              "(change --model.n-embed or --model.n-head)")
         if not self.rope_theta > 0 or not self.norm_eps > 0:
-            raise ValueError("model.rope_theta and model.norm_eps must be positive (set --model.rope-theta / --model.norm-eps)")
+            raise UserError("model.rope_theta and model.norm_eps must be positive (set --model.rope-theta / --model.norm-eps)")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout} (set --model.dropout)")
+            raise UserError(f"model.dropout must be in [0, 1), got {self.dropout} (set --model.dropout)")
 
     # The settings whose default depends on the architecture, resolved (the fields keep None when unset, so that
     # switching --model.arch changes them too).

@@ -12,8 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fitgpt.model.attention import attend
 from fitgpt.model.config import ModelConfig
-from fitgpt.model.kv_cache import LayerCache, attend
+from fitgpt.model.kv_cache import LayerCache
 
 
 def rotary(T: int, head_dim: int, theta: float, device: torch.device, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

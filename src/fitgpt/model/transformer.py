@@ -16,8 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fitgpt.model.attention import attend
 from fitgpt.model.config import ModelConfig
-from fitgpt.model.kv_cache import KVCache, LayerCache, attend
+from fitgpt.model.kv_cache import KVCache, LayerCache
 from fitgpt.model.llama import LlamaBlock
 
 

@@ -1,16 +1,12 @@
-"""Plan memory: profile a config per option, predict any plan's peak, solve for the cheapest that fits."""
+"""Planning: decide, from a workload's profile (`fitgpt.estimate`), what to train with.
 
-from fitgpt.plan.auto import plan_for
-from fitgpt.plan.profile import StepProfile, profile_model
-from fitgpt.plan.solver import (
-    Plan,
-    PlanError,
-    Prediction,
-    min_peak,
-    predict,
-    solve,
-    solve_exhaustive,
-)
+    solver.py       the fastest checkpointing plan under a memory budget, and any plan's predicted peak and time
+    auto.py         --activation-checkpointing auto: a training config to a concrete plan
+    largest.py      `fitgpt fit`, first half: the largest batch, context and depth that fit
+    fastest.py      `fitgpt fit`, second half, and --auto-config: the fastest whole configuration that fits
+    extrapolate.py  a profile at an unprofiled size, fitted exactly through profiled ones
+"""
 
-__all__ = ["Plan", "PlanError", "Prediction", "StepProfile", "min_peak", "plan_for", "predict", "profile_model", "solve",
-           "solve_exhaustive"]
+from fitgpt.plan.solver import Plan, PlanError, Prediction, min_peak, predict, solve, solve_exhaustive
+
+__all__ = ["Plan", "PlanError", "Prediction", "min_peak", "predict", "solve", "solve_exhaustive"]

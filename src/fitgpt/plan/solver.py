@@ -1,6 +1,6 @@
 """Predict the peak and step time of any plan from a profile, and find the fastest plan under a memory budget.
 
-A plan gives every block an option (none, pointwise, selective, full; on CUDA also offload) and the head one
+A plan gives every block an option (none, pointwise, selective, block; on CUDA also offload) and the head one
 (plain, chunked).
 ``predict`` walks the step as the profile cut it: the level of live bytes moves by each segment's
 measured delta, and each segment adds its measured rise on top.
@@ -11,7 +11,7 @@ where ``S(i)`` is the bytes the blocks before i saved: the forward of block i ru
 gradients are not, and those do not depend on the options). So a dynamic programme over blocks whose
 state is ``S`` suffices, and a state with both more saved bytes and more recompute than another can
 be dropped: nothing after it can prefer it. The cost is lexicographic: predicted seconds first (the sum
-of the plan's segments by the profile's cost model, see ``fitgpt.plan.timing``), then recomputed
+of the plan's segments by the profile's cost model, see ``fitgpt.estimate.timing``), then recomputed
 FLOPs (all a profile without a cost model has), then the number of blocks that recompute anything.
 """
 
@@ -22,11 +22,12 @@ import itertools
 from dataclasses import dataclass
 
 from fitgpt.activation_checkpoint.policy import parse_policy
-from fitgpt.memory.units import format_bytes
-from fitgpt.plan.profile import HEAD_OPTIONS, StepProfile
+from fitgpt.errors import UserError
+from fitgpt.estimate.profile import HEAD_OPTIONS, StepProfile
+from fitgpt.units import format_bytes
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """No plan fits the budget; the message says by how much, and what to change."""
 
 
@@ -39,7 +40,7 @@ class Plan:
         """The plan as a ``--activation-checkpointing`` policy string."""
         n = len(self.blocks)
         terms = []
-        for option, whole, some in (("full", "block", "blocks:"), ("selective", "selective", "selective:"),
+        for option, whole, some in (("block", "block", "blocks:"), ("selective", "selective", "selective:"),
                                     ("pointwise", "pointwise", "pointwise:"), ("offload", "offload", "offload:")):
             ids = [i for i, o in enumerate(self.blocks) if o == option]
             if len(ids) == n:
@@ -234,7 +235,7 @@ def solve_exhaustive(profile: StepProfile, budget: int) -> tuple[Plan, Predictio
 def min_peak(profile: StepProfile) -> tuple[Plan, Prediction]:
     """The plan with the lowest predicted peak (the most aggressive one that exists)."""
     candidates = [Plan.uniform(profile.n_blocks, o, h) for o in profile.blocks[0] for h in HEAD_OPTIONS]
-    # The best uniform plan bounds it from above; a mixed plan can be lower (full recompute has the
+    # The best uniform plan bounds it from above; a mixed plan can be lower (block recompute has the
     # larger backward workspace). Bisect on the budget, each probe an exact solve; hi always fits.
     hi, lo = min(predict(profile, c).peak for c in candidates), profile.baseline
     while hi - lo > max(1, hi // 10_000):

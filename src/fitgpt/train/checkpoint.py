@@ -26,6 +26,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_file, save_model
 
+from fitgpt.errors import UserError
 from fitgpt.utils import pid_alive, sha256_file, write_error
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ _TMP = re.compile(r"\.tmp_step_\d+_(\d+)")
 T = TypeVar("T")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used: missing, corrupt, or not ours."""
 
 

@@ -94,20 +94,22 @@ def any_rank(info: DistInfo, flag: bool, device: torch.device) -> bool:
 def from_main(info: DistInfo, fn):
     """``fn()`` computed on rank 0 and handed to every rank (a choice all ranks must share, made once). A user error
     it raises is raised on every rank, so that all of them stop with the same one line (rather than the others
-    losing their connection to rank 0 at its exit)."""
+    losing their connection to rank 0 at its exit); a bug stops them too, with its traceback on rank 0."""
     if not info.enabled:
         return fn()
     box: list = [None]
     if info.is_main:
         try:
             box = [("ok", fn())]
-        except (UserError, ValueError) as e:
-            box = [("error", str(e))]
+        except Exception as e:
+            box = [("error" if isinstance(e, UserError) else "bug", str(e))]
             dist.broadcast_object_list(box, src=0)
             raise
     dist.broadcast_object_list(box, src=0)
     if box[0][0] == "error":
         raise UserError(box[0][1])
+    if box[0][0] == "bug":
+        raise RuntimeError(f"rank 0 failed: {box[0][1]} (its traceback is in rank 0's output)")
     return box[0][1]
 
 

@@ -13,7 +13,8 @@ import logging
 import shutil
 from pathlib import Path
 
-from fitgpt.data.prepare import is_prepared
+from fitgpt.data.prepared import is_prepared
+from fitgpt.errors import UserError
 from fitgpt.train.checkpoint import CKPT_DIR, META_FILE, list_checkpoints, step_of
 from fitgpt.utils import DirLock
 
@@ -56,16 +57,16 @@ def _trained(run_dir: Path) -> bool:
 
 def _check_not_foreign(run_dir: Path, data_dir: Path | None) -> None:
     if run_dir.exists() and not run_dir.is_dir():
-        raise ValueError(f"--out-dir {run_dir} is a file; choose a directory for the run")
+        raise UserError(f"--out-dir {run_dir} is a file; choose a directory for the run")
     if (data_dir is not None and run_dir.resolve() == data_dir.resolve()) or is_prepared(run_dir):
-        raise ValueError(f"--out-dir {run_dir} is a prepared data directory; give the run a directory of its own "
+        raise UserError(f"--out-dir {run_dir} is a prepared data directory; give the run a directory of its own "
                          "(--out-dir runs/NAME)")
     if is_run_dir(run_dir):
         return
     entries = sorted(p.name for p in run_dir.iterdir() if p.name != DirLock.FILE) if run_dir.is_dir() else []
     if entries:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-        raise ValueError(f"--out-dir {run_dir} holds files fitgpt did not write ({shown}); train into a new or empty "
+        raise UserError(f"--out-dir {run_dir} holds files fitgpt did not write ({shown}); train into a new or empty "
                          "--out-dir (--overwrite only ever removes a fitgpt run's own files)")
 
 
@@ -75,7 +76,7 @@ def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool, data_dir
     root = run_dir / CKPT_DIR
     strays = [p for p in root.iterdir() if step_of(p) is not None and not p.is_dir()] if root.is_dir() else []
     if strays:
-        raise ValueError(f"{strays[0]} is named like a checkpoint but is not one (a file); move it out of {root}")
+        raise UserError(f"{strays[0]} is named like a checkpoint but is not one (a file); move it out of {root}")
     _check_not_foreign(run_dir, data_dir)
     if resume:
         _mark(run_dir)
@@ -84,7 +85,7 @@ def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool, data_dir
     if trained and not overwrite:
         ckpts = [f"{CKPT_DIR}/{p.name}" for p in list_checkpoints(run_dir)]
         what = f"{len(ckpts)} checkpoint(s) up to {ckpts[-1]}" if ckpts else "metrics.jsonl"
-        raise ValueError(f"{run_dir} already holds a run ({what}); continue it with --resume latest, or start over with "
+        raise UserError(f"{run_dir} already holds a run ({what}); continue it with --resume latest, or start over with "
                          "--overwrite (removes that run's checkpoints, metrics and config) or another --out-dir")
     if is_run_dir(run_dir):
         _remove_run(run_dir, why="--overwrite" if trained else "a run that never trained a step")

@@ -32,10 +32,10 @@ from torch.utils._pytree import tree_leaves
 from fitgpt.activation_checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
+from fitgpt.estimate.hardware import GPU, GPUS
 from fitgpt.memory.flops import OpFlops, op_flops
 from fitgpt.model import ModelConfig, Transformer
 from fitgpt.optim import build_optimizer
-from fitgpt.plan.target import GPU, GPUS
 from fitgpt.step import grad_scaler, train_step
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ def _calibration_shape(cfg: ModelConfig, batch: int, context: int) -> tuple[int,
     return max(1, tokens // c), c
 
 
-RECOMPUTE_SPECS = {"pointwise": "pointwise", "selective": "selective", "full": "block"}
+RECOMPUTE_SPECS = {"pointwise": "pointwise", "selective": "selective", "block": "block"}
 """Each recompute option of a block, as the policy that applies it to every block."""
 
 

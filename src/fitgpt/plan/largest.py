@@ -1,4 +1,5 @@
-"""`fitgpt fit`: the largest batch, context and depth that train within a budget, per policy.
+"""`fitgpt fit`, first half: the largest batch, context and depth that train within a budget, per policy
+(the second half, the fastest configuration, is `fitgpt.plan.fastest`).
 
 Every quantity in a profile is a polynomial of low degree in the batch (bytes and FLOPs are linear
 in it) and the context (linear with flash attention, quadratic with the math kernel). So a few
@@ -10,55 +11,20 @@ and one more block adds its parameters, gradients, optimizer state and segments.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 
 from fitgpt.activation_checkpoint.policy import DEFAULT_LOSS_CHUNK_ROWS
-from fitgpt.plan.profile import BlockOption, HeadOption, StepProfile
+from fitgpt.estimate.profile import StepProfile
+from fitgpt.estimate.workload import Workload
+from fitgpt.plan.extrapolate import extrapolate
 from fitgpt.plan.solver import Plan, PlanError, min_peak, predict, solve
-from fitgpt.plan.workload import WorkloadConfig
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("none", "block", "auto")
 EXACT_TOKENS = 2**18
 """Answers up to this many tokens per micro-batch are settled on exact profiles; larger ones are extrapolated."""
-
-
-def _lagrange(xs: list[int], ys: list[float], x: int) -> float:
-    total = 0.0
-    for i, (xi, yi) in enumerate(zip(xs, ys)):
-        term = yi
-        for j, xj in enumerate(xs):
-            if j != i:
-                term *= (x - xj) / (xi - xj)
-        total += term
-    return total
-
-
-def extrapolate(points: list[tuple[int, StepProfile]], x: int, field_name: str) -> StepProfile:
-    """The profile at size ``x``, every integer in it fitted through ``points`` (size, profile)."""
-    xs = [p[0] for p in points]
-
-    def fit(values: list):
-        v0 = values[0]
-        if isinstance(v0, float):  # seconds: linear in the batch, like the bytes
-            return max(0.0, _lagrange(xs, values, x))
-        if isinstance(v0, bool) or not isinstance(v0, (int, list, dict, BlockOption, HeadOption)):
-            return values[-1]
-        if isinstance(v0, int):
-            return max(0, round(_lagrange(xs, values, x))) if min(values) >= 0 else round(_lagrange(xs, values, x))
-        if isinstance(v0, list):
-            return [fit([v[i] for v in values]) for i in range(len(v0))]
-        if isinstance(v0, dict):
-            return {k: fit([v[k] for v in values]) for k in v0}
-        return type(v0)(**{f.name: fit([getattr(v, f.name) for v in values]) for f in dataclasses.fields(v0)})
-
-    profiles = [p[1] for p in points]
-    kwargs = {f.name: fit([getattr(p, f.name) for p in profiles]) for f in dataclasses.fields(StepProfile)}
-    kwargs[field_name] = x
-    return StepProfile(**kwargs)
 
 
 def _fits(profile: StepProfile, policy: str, budget: int) -> bool:
@@ -68,7 +34,7 @@ def _fits(profile: StepProfile, policy: str, budget: int) -> bool:
             return True
         except PlanError:
             return False
-    option = "none" if policy == "none" else "full"
+    option = "none" if policy == "none" else "block"
     return predict(profile, Plan.uniform(profile.n_blocks, option)).peak <= budget
 
 
@@ -95,7 +61,7 @@ def _excess(profile: StepProfile, policy: str, budget: int) -> int:
     """Bytes by which the policy's peak exceeds ``budget`` (<= 0: it fits); for auto, the lowest plan's."""
     if policy == "auto":
         return min_peak(profile)[1].peak - budget
-    option = "none" if policy == "none" else "full"
+    option = "none" if policy == "none" else "block"
     return predict(profile, Plan.uniform(profile.n_blocks, option)).peak - budget
 
 
@@ -121,11 +87,10 @@ def _settle(exact, policy: str, budget: int, guess: int, cap: int) -> int:
     return fits_at
 
 
-def fit(w: WorkloadConfig, budget: int, max_batch: int = 4096, max_context: int = 1 << 17, max_blocks: int = 1024) -> dict:
+def largest(w: Workload, budget: int, max_batch: int = 4096, max_context: int = 1 << 17, max_blocks: int = 1024) -> dict:
     """For none, block and auto: the largest batch, context and number of blocks within ``budget``."""
-    tcfg = w.train_config()
-    mcfg = w.model_config
-    B, T = tcfg.batch_size, mcfg.context_length
+    mcfg = w.model
+    B, T = w.train.batch_size, mcfg.context_length
 
     cache: dict[tuple[int, int], StepProfile] = {}
 

@@ -2,7 +2,6 @@
 the FLOPs it promises. Memory and FLOPs are counted, not timed."""
 
 import copy
-import json
 
 import pytest
 import torch
@@ -19,12 +18,12 @@ from fitgpt.activation_checkpoint import (
     parse_policy,
     remove_activation_checkpointing,
 )
-from fitgpt.config import load_config
+from fitgpt.errors import UserError
 from fitgpt.memory import measure_step_flops, measure_step_memory
 from fitgpt.model import Transformer
 
 # Policies whose op order equals `none`: gradients must be bitwise equal.
-BITWISE = ["none", "block", "full", "group:2", "group:3", "every:2", "blocks:0,3", "sqrt", "selective", "selective:1,2",
+BITWISE = ["none", "block", "group:2", "group:3", "every:2", "blocks:0,3", "sqrt", "selective", "selective:1,2",
            "blocks:0+selective:1,2", "offload", "block+offload", "offload:0,1", "pointwise", "pointwise:0,3",
            "blocks:0+selective:1+pointwise:2,3", "pointwise+offload"]
 # Chunked loss sums per-chunk losses, then divides: a different summation order than one mean over
@@ -270,16 +269,6 @@ def test_the_model_knows_nothing_of_checkpointing_and_method_1_is_one_call(tiny_
     assert applied_policy(model).spec == "every:2"
 
 
-def test_a_legacy_model_checkpointing_key_moves_to_the_one_field(tmp_path):
-    old = tmp_path / "config.json"
-    old.write_text(json.dumps({"checkpointing": "none", "model": {"n_blocks": 2, "checkpointing": "every:2"}}))
-    cfg = load_config("tiny", str(old))
-    assert cfg.activation_checkpointing == "every:2" and cfg.policy.spec == "every:2"
-    old.write_text(json.dumps({"checkpointing": "block", "model": {"checkpointing": "every:2"}}))
-    with pytest.raises(ValueError, match="disagree"):
-        load_config("tiny", str(old))
-
-
 def test_chunked_loss_returns_no_logits_with_targets_but_logits_without(tiny_model_config):
     cfg = tiny_model_config()
     model = Transformer(cfg)
@@ -316,22 +305,22 @@ def test_find_blocks_knows_paths_and_falls_back_to_longest_modulelist(tiny_model
      ("every:x", "not an integer"), ("blocks:", "at least one block id"), ("block+every:2", "more than one"),
      ("blocks:1,1", "repeated"), ("wat", "unknown checkpointing term"), ("", "empty"),
      ("blocks:0,1+selective:1", r"\[1\] are both"), ("selective+pointwise", "same blocks"),
-     ("pointwise:2+blocks:2", r"\[2\] are both full and pointwise"), ("selective:0+pointwise:0,1", r"\[0\] are both")],
+     ("pointwise:2+blocks:2", r"\[2\] are both block and pointwise"), ("selective:0+pointwise:0,1", r"\[0\] are both")],
 )
 def test_nonsense_policies_get_clear_errors(spec, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(UserError, match=match):
         parse_policy(spec)
 
 
 def test_policy_errors_that_need_the_depth(tiny_model_config):
     model = Transformer(tiny_model_config(n_blocks=4))
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(UserError, match="out of range"):
         apply_activation_checkpointing(model, "blocks:7")
-    with pytest.raises(ValueError, match="larger than the model's 4 blocks"):
+    with pytest.raises(UserError, match="larger than the model's 4 blocks"):
         apply_activation_checkpointing(model, "group:5")
-    with pytest.raises(ValueError, match="whole groups"):
+    with pytest.raises(UserError, match="whole groups"):
         apply_activation_checkpointing(model, "group:2+offload:1")
-    with pytest.raises(ValueError, match="covered by two"):
+    with pytest.raises(UserError, match="covered by two"):
         apply_activation_checkpointing(model, "every:2+selective:2")
 
 
@@ -345,13 +334,13 @@ def test_policy_parser_fuzz(text):
     """Any string is a policy that round-trips through its spec, or a ValueError; never a crash."""
     try:
         policy = parse_policy(text)
-    except ValueError:
+    except UserError:
         return
     assert parse_policy(policy.spec) == policy
     for n in (1, 4, 12):
         try:
             policy.regions(n)
-        except ValueError:
+        except UserError:
             pass
 
 
@@ -364,7 +353,7 @@ def test_policy_combinations_fuzz(terms):
     try:
         policy = parse_policy(spec)
         regions = policy.regions(6)
-    except ValueError:
+    except UserError:
         return
     covered = [i for r in regions for i in range(r.start, r.stop)]
     assert covered == list(range(6))

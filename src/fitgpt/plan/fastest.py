@@ -22,12 +22,12 @@ import torch
 
 from fitgpt.config import TrainConfig
 from fitgpt.device import resolve_device
-from fitgpt.memory.units import format_bytes
+from fitgpt.estimate.profile import StepProfile
+from fitgpt.estimate.workload import Workload, workload_for
 from fitgpt.model import Transformer
-from fitgpt.plan.fit import extrapolate
-from fitgpt.plan.profile import StepProfile
+from fitgpt.plan.extrapolate import extrapolate
 from fitgpt.plan.solver import Plan, PlanError, solve
-from fitgpt.plan.workload import BudgetConfig
+from fitgpt.units import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
 
@@ -83,26 +83,26 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _precisions(w: BudgetConfig) -> list[str]:
+def _precisions(w: Workload) -> list[str]:
     """What the target trains in: on CUDA its half precision and fp32; on CPU fp32 and bf16."""
-    t = w.plan_target()
-    if w.precision != "auto":
-        return [w.precision]
+    t = w.target
+    if w.train.precision != "auto":
+        return [w.train.precision]
     if t.cuda:
         return ["bf16" if t.sm >= (8, 0) else "fp16", "fp32"]
     return ["fp32", "bf16"]
 
 
-def _layouts(w: BudgetConfig) -> list[Layout]:
-    cuda = w.plan_target().cuda
+def _layouts(w: Workload) -> list[Layout]:
+    cuda = w.target.cuda
     if w.world_size == 1:
         return [Layout("single")] + ([Layout("fsdp", True)] if cuda else [])
     return [Layout("ddp"), Layout("fsdp")] + ([Layout("fsdp", True)] if cuda else [])
 
 
-def _param_count(w: BudgetConfig) -> int:
+def _param_count(w: Workload) -> int:
     with torch.device("meta"):
-        model = Transformer(w.model_config)
+        model = Transformer(w.model)
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
@@ -115,9 +115,9 @@ def _offloaded(p: StepProfile, params: int, world: int) -> StepProfile:
                                optimizer_time=28 * params / world / HOST_BANDWIDTH)
 
 
-def _link_seconds(w: BudgetConfig, layout: Layout, accum: int, micro: float, params: int, dtype_bytes: int) -> float:
+def _link_seconds(w: Workload, layout: Layout, accum: int, micro: float, params: int, dtype_bytes: int) -> float:
     """Estimated seconds of communication and offload traffic not overlapped with compute."""
-    n, t = w.world_size, w.plan_target()
+    n, t = w.world_size, w.target
     gpu = t.gpu
     peer = (gpu.peer_link if gpu else 32e9) if t.cuda else GLOO_LINK
     share = (n - 1) / n
@@ -133,22 +133,19 @@ def _link_seconds(w: BudgetConfig, layout: Layout, accum: int, micro: float, par
     return seconds
 
 
-def fastest(w: BudgetConfig, budget: int, top: int = 5) -> dict:
+def fastest(w: Workload, budget: int, top: int = 5) -> dict:
     """Every configuration that fits ``budget`` (see the module's docstring), fastest first, ``top`` of them
     settled on their own profiles."""
-    tcfg = w.train_config()
-    seqs, T = tcfg.batch_size * tcfg.grad_accum, tcfg.model.context_length
+    seqs, T = w.train.batch_size * w.train.grad_accum, w.model.context_length
     tokens = seqs * T * w.world_size
     params = _param_count(w)
     costs: dict[str, object] = {}
     profiles = 0
 
-    def workload(precision: str, layout: Layout, micro: int, accum: int) -> BudgetConfig:
-        v = dataclasses.replace(w, precision=precision, parallel="ddp" if layout.parallel == "single" else layout.parallel,
-                                batch_size=micro, grad_accum=accum)
-        if precision not in costs:  # one calibration per precision
-            costs[precision] = v.cost_model()
-        v._cost = costs[precision]
+    def workload(precision: str, layout: Layout, micro: int, accum: int) -> Workload:
+        v = w.vary(precision=precision, parallel="ddp" if layout.parallel == "single" else layout.parallel,
+                   batch_size=micro, grad_accum=accum, cost=costs.get(precision))
+        costs[precision] = v.cost  # one calibration per autocast dtype
         return v
 
     def exact(precision: str, layout: Layout, micro: int, accum: int) -> StepProfile:
@@ -232,10 +229,8 @@ def for_training(cfg: TrainConfig) -> tuple[TrainConfig, Choice, dict]:
     """``fitgpt train --auto-config``: the fastest configuration for ``cfg``'s tokens a step within its
     --memory-budget, on the device it trains on (fake tensors on CPU; measured on an accelerator), as the
     training config to run (every choice written into it, so config.json records what ran)."""
-    device = resolve_device(cfg.device)
-    w = BudgetConfig(preset=cfg.preset, memory_budget=cfg.memory_budget, base=cfg,
-                     precision=cfg.precision, device=None if device.type == "cpu" else str(device))
-    result = fastest(w, w.budget, top=1)
+    w = workload_for(cfg, device=resolve_device(cfg.device))
+    result = fastest(w, w.target.tensor_budget(parse_bytes(cfg.memory_budget)), top=1)
     if not result["choices"]:
         raise PlanError(f"no configuration of {result['tokens_per_step']:,} tokens a step fits --memory-budget "
                         f"{cfg.memory_budget}; fitgpt fit --memory-budget {cfg.memory_budget} says what does")

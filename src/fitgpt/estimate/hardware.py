@@ -1,7 +1,7 @@
 """What a plan is for: a device type, and for CUDA a card, with what differs from the CPU we profile on.
 
 Plans for a CUDA card are made on fake CPU tensors (no GPU, no memory). What a CUDA step does
-differently is modelled, and every modelled part is named in ``Target.modelled()``:
+differently is modelled, and every modelled part is named here:
 
 - the caching allocator hands out blocks in multiples of 512 bytes (``max_memory_allocated`` counts
   the blocks): every storage is rounded up when profiling for CUDA;
@@ -20,12 +20,13 @@ reports as the total.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from fitgpt.device import autocast_dtype
+from fitgpt.errors import UserError
+from fitgpt.memory.tracker import round_up
 
 MiB, GiB = 2**20, 2**30
 ALLOCATOR_BLOCK = 512
@@ -88,7 +89,7 @@ GPUS = {g.name: g for g in (
 def find_gpu(name: str) -> GPU:
     key = name.lower().replace("_", "-").replace(" ", "-")
     if key not in GPUS:
-        raise ValueError(f"unknown GPU {name!r}; choose one of {', '.join(GPUS)} (--gpu), or give --memory-budget")
+        raise UserError(f"unknown GPU {name!r}; choose one of {', '.join(GPUS)} (--gpu), or give --memory-budget")
     return GPUS[key]
 
 
@@ -117,7 +118,7 @@ class Target:
             return torch.bfloat16 if self.sm >= (8, 0) else torch.float16
         if precision == "bf16" and self.cuda and self.sm < (8, 0):
             card = f"the {self.gpu.name}" if self.gpu else "this card"
-            raise ValueError(f"--precision bf16: {card} (sm {self.sm[0]}.{self.sm[1]}) has no bf16 (it needs sm 8.0 or newer); "
+            raise UserError(f"--precision bf16: {card} (sm {self.sm[0]}.{self.sm[1]}) has no bf16 (it needs sm 8.0 or newer); "
                              "use --precision fp16 (or auto) or fp32")
         return autocast_dtype(precision, torch.device(self.device))
 
@@ -138,9 +139,14 @@ class Target:
             return 0
         return 2 * (self.gpu.cublas_workspace if self.gpu else 32 * MiB)
 
+    def tensor_budget(self, device_bytes: int) -> int:
+        """Bytes for a step's tensors out of ``device_bytes`` of the device's memory: less what the allocator holds
+        besides them (cuBLAS workspaces on CUDA, modelled), so that max_memory_allocated stays within it."""
+        return device_bytes - self.workspace_bytes()
+
 
 def _saved_bytes(tensors, round_to: int) -> int:
-    return sum(math.ceil(t.numel() * t.element_size() / round_to) * round_to for t in tensors if t.numel())
+    return sum(round_up(t.numel() * t.element_size(), round_to) for t in tensors if t.numel())
 
 
 def attention_saved_delta(backend: str, batch: int, heads: int, context: int, head_dim: int, dtype: torch.dtype | None,

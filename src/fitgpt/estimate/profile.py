@@ -1,7 +1,7 @@
 """Profile a model config once per option: per-block bytes and FLOPs the planner composes into any plan.
 
-Three profiled steps cover every plan: all blocks ``none`` with the plain head, all blocks ``full``
-with the chunked loss, all blocks ``selective`` with the plain head. A block's segments do not
+Four profiled steps cover every plan: all blocks ``none`` with the plain head, all blocks ``block``
+with the chunked loss, all blocks ``selective``, all blocks ``pointwise``. A block's segments do not
 depend on what the other blocks do (a block's output is held by its successor whatever the option),
 so block i under option o is read from the run where every block had option o.
 """
@@ -21,9 +21,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
+from fitgpt.estimate.hardware import Target, attention_saved_delta
 from fitgpt.memory.fake import FakeTensorMode, fake_mode, fake_module
 from fitgpt.memory.flops import OpCost, OpFlops
-from fitgpt.memory.profile import (
+from fitgpt.memory.timeline import (
     LiveMemory,
     StepTimeline,
     grad_bytes,
@@ -31,17 +32,17 @@ from fitgpt.memory.profile import (
     param_bytes,
     profile_step,
 )
+from fitgpt.memory.tracker import round_up
 from fitgpt.model import ModelConfig, Transformer
 from fitgpt.optim import build_optimizer
-from fitgpt.plan.target import Target, attention_saved_delta
 from fitgpt.step import optimizer_update
 
 log = logging.getLogger(__name__)
 
-BLOCK_OPTIONS = ("none", "pointwise", "selective", "full")
+BLOCK_OPTIONS = ("none", "pointwise", "selective", "block")
 HEAD_OPTIONS = ("plain", "chunked")
 # One profiled step per option; the head option of each run is read from the same run.
-_RUNS = {"none": ("none", "plain"), "full": ("block+chunked-loss", "chunked"), "selective": ("selective", None),
+_RUNS = {"none": ("none", "plain"), "block": ("block+chunked-loss", "chunked"), "selective": ("selective", None),
          "pointwise": ("pointwise", None)}
 
 
@@ -157,8 +158,8 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
     ``fake``: on fake tensors (shapes, no storage, no arithmetic), so that any size plans in seconds
     with no memory; the same numbers as real tensors (tested byte for byte on CPU).
     ``target``: a CUDA target planned on fake CPU tensors, with what differs on CUDA modelled (see
-    ``fitgpt.plan.target``); by default the device itself.
-    ``cost``: a model of each op's seconds (``fitgpt.plan.timing``), giving every segment its time.
+    ``fitgpt.estimate.hardware``); by default the device itself.
+    ``cost``: a model of each op's seconds (``fitgpt.estimate.timing``), giving every segment its time.
     """
     t0 = time.perf_counter()
     device = torch.device(device)
@@ -167,7 +168,7 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
         raise ValueError("a CUDA target is planned on fake tensors or measured on a CUDA device")
     context = context or model_cfg.context_length
     cfg = dataclasses.replace(model_cfg, context_length=max(context, model_cfg.context_length))
-    run = _Run(cfg, batch_size, context, device, optim_cfg or OptimConfig(), grad_accum, dtype, persistent_grads, target,
+    run = _Subject(cfg, batch_size, context, device, optim_cfg or OptimConfig(), grad_accum, dtype, persistent_grads, target,
                simulated=target.cuda and device.type != "cuda", cost=cost)
     torch.manual_seed(seed)
     if not fake:
@@ -190,13 +191,13 @@ def fake_transformer(cfg: ModelConfig, device: torch.device) -> tuple[Transforme
         return fake_module(Transformer(cfg), device, mode), mode
 
 
-def _fake_profile(run: _Run, t0: float) -> StepProfile:
+def _fake_profile(run: _Subject, t0: float) -> StepProfile:
     model, mode = fake_transformer(run.cfg, run.device)
     with mode:
         return _profile(model, run, None, t0)
 
 
-def _deepen(run: _Run, t0: float) -> StepProfile:
+def _deepen(run: _Subject, t0: float) -> StepProfile:
     """The profile of ``run``'s depth from fake profiles at SHALLOW and SHALLOW + 1 blocks (every block like
     the last one; FLOPs grown by what one block added), with the fixed costs (weights, gradients,
     optimizer state and step) measured on the full-depth model. Tested equal, byte for byte, to
@@ -209,7 +210,7 @@ def _deepen(run: _Run, t0: float) -> StepProfile:
                                seconds=time.perf_counter() - t0)
 
 
-def _fixed_costs(run: _Run) -> dict[str, int | float]:
+def _fixed_costs(run: _Subject) -> dict[str, int | float]:
     """Parameters, gradients, optimizer state and the optimizer step's workspace of the full model, on fake
     tensors: the step's optimizer segment (as ``profile_step`` runs it) with every gradient present."""
     round_to, accumulate = run.target.round_to, run.grad_accum > 1 or run.persistent_grads
@@ -234,7 +235,7 @@ def _fixed_costs(run: _Run) -> dict[str, int | float]:
 
 
 @dataclass(frozen=True)
-class _Run:
+class _Subject:
     """What one profile is of."""
 
     cfg: ModelConfig
@@ -255,10 +256,10 @@ class _Run:
 
     @property
     def backend(self) -> str:
-        return self.target.attention_backend(self.dtype, self.cfg.n_embed // self.cfg.n_head)
+        return self.target.attention_backend(self.dtype, self.cfg.head_dim)
 
 
-def _profile(model: Transformer, run: _Run, seed: int | None, t0: float) -> StepProfile:
+def _profile(model: Transformer, run: _Subject, seed: int | None, t0: float) -> StepProfile:
     cfg, device, round_to = run.cfg, run.device, run.target.round_to
     batch_size, context, grad_accum = run.batch_size, run.context, run.grad_accum
     model.train()
@@ -323,32 +324,31 @@ def _profile(model: Transformer, run: _Run, seed: int | None, t0: float) -> Step
     return profile
 
 
-def _with_cuda_attention(blocks: list[dict[str, BlockOption]], run: _Run) -> list[dict[str, BlockOption]]:
+def _with_cuda_attention(blocks: list[dict[str, BlockOption]], run: _Subject) -> list[dict[str, BlockOption]]:
     """Each block's options with what the CUDA attention kernel saves beyond the CPU one we ran: kept
     until backward where the block keeps its attention (none, selective), made again in its backward
-    where the block is recomputed (full)."""
+    where the block is recomputed (block)."""
     m = run.cfg
-    delta = attention_saved_delta(run.backend, run.batch_size, m.n_head, run.context, m.n_embed // m.n_head, run.dtype,
+    delta = attention_saved_delta(run.backend, run.batch_size, m.n_head, run.context, m.head_dim, run.dtype,
                                   run.target.round_to)
     if delta == 0:
         return blocks
 
     def adjust(option: str, o: BlockOption) -> BlockOption:
-        if option == "full":
+        if option == "block":
             return dataclasses.replace(o, bwd_rise=o.bwd_rise + delta)
         return dataclasses.replace(o, saved=o.saved + delta, fwd_rise=o.fwd_rise + delta)
 
     return [{k: adjust(k, o) for k, o in b.items()} for b in blocks]
 
 
-def _offload_option(none: BlockOption, run: _Run) -> BlockOption:
+def _offload_option(none: BlockOption, run: _Subject) -> BlockOption:
     """A block that keeps its activations (none) but sends what autograd saves to pinned host memory
     (``save_on_cpu``), modelled, not profiled (on the CPU we profile on, offload is no copy at all): nothing
     stays on the card but its output until the next block has read it; its backward brings everything back
     first. The copies run on the compute stream (``save_on_cpu`` does not overlap them), out in the forward
     and back in the backward, at the card's host-link bandwidth."""
-    out = run.batch_size * run.context * run.cfg.n_embed * 4  # (B, T, C) fp32 residual stream
-    out = -(-out // run.target.round_to) * run.target.round_to
+    out = round_up(run.batch_size * run.context * run.cfg.n_embed * 4, run.target.round_to)  # (B, T, C) fp32 residual stream
     pcie = run.target.gpu.pcie if run.target.gpu else 32e9
     return dataclasses.replace(none, saved=0, fwd_rise=none.fwd_rise + out, bwd_rise=none.bwd_rise + none.saved,
                                time=none.time + 2 * none.saved / pcie)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from fitgpt.errors import UserError
+
 _UNITS = {
     "": 1, "b": 1,
     "k": 2**10, "kib": 2**10, "kb": 10**3,
@@ -21,10 +23,10 @@ def parse_bytes(text: str | int, flag: str = "--memory-budget") -> int:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
-            raise ValueError(f"{flag} {text!r} is not a size; write it like 6GiB, 512MiB, 8GB or a number of bytes")
+            raise UserError(f"{flag} {text!r} is not a size; write it like 6GiB, 512MiB, 8GB or a number of bytes")
         value = int(float(m.group(1)) * _UNITS[unit])
     if value <= 0:
-        raise ValueError(f"{flag} must be positive, got {text!r}")
+        raise UserError(f"{flag} must be positive, got {text!r}")
     return value
 
 

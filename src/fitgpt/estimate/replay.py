@@ -18,12 +18,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
+from fitgpt.estimate.hardware import Target
+from fitgpt.estimate.profile import fake_transformer
 from fitgpt.memory.allocator import CachingAllocatorModel
 from fitgpt.memory.tracker import LiveMemory
 from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
-from fitgpt.plan.profile import fake_transformer
-from fitgpt.plan.target import Target
 from fitgpt.step import train_step
 
 
@@ -43,7 +43,7 @@ def simulate_step(model_cfg: ModelConfig, policy: str, batch: int, context: int,
         alloc.malloc(id(p.untyped_storage()), p.untyped_storage().nbytes())
     for handle in range(target.workspace_bytes() and 2):
         alloc.malloc(-1 - handle, target.workspace_bytes() // 2)
-    math_only = target.attention_backend(dtype, cfg.n_embed // cfg.n_head) == "math"
+    math_only = target.attention_backend(dtype, cfg.head_dim) == "math"
     step_kw = {"amp": autocast(torch.device("cpu"), dtype), "grad_clip": optim.grad_clip, "check": False}
     with mode, LiveMemory(allocator=alloc), sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext():
         optimizer = build_optimizer(model, optim, torch.device(target.device))

@@ -1,0 +1,115 @@
+"""The flags `fitgpt plan`, `bench` and `fit` share: a preset or config, a batch shape, a device or a card to plan
+for, a precision, and the ranks; `WorkloadConfig.workload` resolves them into the one `Workload` they all take."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+import tyro
+
+from fitgpt.config import TrainConfig, load_config
+from fitgpt.device import resolve_device
+from fitgpt.errors import UserError
+from fitgpt.estimate.hardware import CUDA_CONTEXT, Target, find_gpu
+from fitgpt.estimate.workload import Workload, workload_for
+from fitgpt.model.config import require_positive_ints
+from fitgpt.units import parse_bytes
+
+
+@dataclass
+class WorkloadConfig:
+    preset: str = "tiny"
+    """Named preset: tiny, small, medium, 3b, llama-tiny or llama-1b."""
+    config: Optional[str] = None
+    """A JSON config file (for example a run's config.json) applied over the preset."""
+    batch_size: Optional[int] = None
+    """Sequences per micro-batch (default: the preset's)."""
+    context: Optional[int] = None
+    """Tokens per sequence (default: the preset's model.context_length)."""
+    grad_accum: Optional[int] = None
+    """Micro-batches per step (default: the preset's); above 1, gradients stay allocated between them."""
+    target: Optional[Literal["cpu", "cuda"]] = None
+    """The device type to plan for, from any machine, on fake tensors (default: this machine's)."""
+    gpu: Optional[str] = None
+    """The card to plan for (implies --target cuda): h100-80gb, h200, a100-80gb, a100-40gb, l4, rtx-4090, rtx-3090, t4."""
+    device: Optional[str] = None
+    """Measure on this local device (cpu, cuda, cuda:1, mps) with real tensors instead: the reference, at the cost of real steps."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """As for fitgpt train: auto is bf16 on CUDA (fp16 on cards without bf16), fp32 elsewhere."""
+    world_size: int = 1
+    """Processes (GPUs) to plan for: memory is reported per rank, --batch-size is per rank."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """With --world-size > 1: ddp (whole model per rank) or fsdp (weights, gradients, optimizer state sharded)."""
+    base: tyro.conf.Suppress[Optional[TrainConfig]] = None
+    """A training config to plan for instead of --preset/--config (``fitgpt train --auto-config``)."""
+
+    def __post_init__(self) -> None:
+        names = ("batch_size", "context", "grad_accum", "world_size")
+        require_positive_ints(self, tuple(n for n in names if getattr(self, n) is not None))
+        if self.device is not None and (self.target or self.gpu):
+            raise UserError("--device measures on this machine and --target/--gpu plan for another; give one of them")
+        if self.gpu is not None:
+            find_gpu(self.gpu)
+            if self.target == "cpu":
+                raise UserError("--gpu names a CUDA card: drop --target cpu (or --gpu)")
+        if self.device is None:
+            self.plan_target().autocast_dtype(self.precision)  # a precision the target has (bf16 on a T4 is refused)
+
+    @functools.cached_property
+    def workload(self) -> Workload:
+        """The one resolved workload these flags name: measured on --device, else planned on fake tensors."""
+        if self.device:
+            return workload_for(self.train_config(), device=self.measured_device(), fake=False, world_size=self.world_size)
+        return workload_for(self.train_config(), target=self.plan_target(), fake=True, world_size=self.world_size)
+
+    def train_config(self) -> TrainConfig:
+        """The training config these flags name (read once, by ``workload``)."""
+        cfg = self.base or load_config(self.preset, self.config)
+        model = cfg.model if self.context is None else dataclasses.replace(cfg.model, context_length=self.context)
+        return dataclasses.replace(cfg, model=model, batch_size=self.batch_size or cfg.batch_size,
+                                   grad_accum=self.grad_accum or cfg.grad_accum, precision=self.precision,
+                                   parallel=self.parallel, device=self.device or self.plan_target().device)
+
+    def plan_target(self) -> Target:
+        if self.gpu:
+            return Target("cuda", find_gpu(self.gpu))
+        if self.target:
+            return Target(self.target)
+        return Target(self.measured_device().type if self.device else resolve_device("auto").type)
+
+    def measured_device(self) -> torch.device:
+        try:
+            return resolve_device(self.device)
+        except UserError as e:
+            raise UserError(f"{e}; to plan for a device this machine lacks, use --target cuda or --gpu NAME "
+                            "instead of --device") from None
+
+
+@dataclass
+class BudgetConfig(WorkloadConfig):
+    memory_budget: str = ""
+    """Peak memory of a training step to fit in, e.g. 6GiB, 512MiB, 8GB (default with --gpu: what the card leaves
+    for tensors)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.memory_budget and not self.gpu:
+            raise UserError("--memory-budget is required, e.g. --memory-budget 6GiB (or name the card: --gpu h100-80gb)")
+        if self.memory_budget:
+            parse_bytes(self.memory_budget)
+
+    @property
+    def device_budget(self) -> int:
+        """The memory asked for: --memory-budget, or the card's memory less the CUDA context (modelled)."""
+        if self.memory_budget:
+            return parse_bytes(self.memory_budget)
+        return self.plan_target().gpu.memory - CUDA_CONTEXT
+
+    @property
+    def budget(self) -> int:
+        """Bytes for the step's tensors out of the device budget (`Target.tensor_budget`)."""
+        return self.plan_target().tensor_budget(self.device_budget)

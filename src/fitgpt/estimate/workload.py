@@ -1,0 +1,115 @@
+"""One training step to estimate, resolved once: the one path from a config to a profile.
+
+`fitgpt plan`, `fit` and `bench`, ``--activation-checkpointing auto`` and ``--auto-config`` all build a
+`Workload` with `workload_for` and read profiles, replays and descriptions from it. It is frozen: the
+training config, the device planned for, where the profiled step runs (fake tensors or a real
+device), the autocast dtype and the per-op cost model are fixed when it is made. A variant (another
+micro-batch or precision, as `fitgpt fit` searches them) is a new one, made by `Workload.vary`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from fitgpt.config import TrainConfig
+from fitgpt.device import autocast_dtype
+from fitgpt.estimate.hardware import Target
+from fitgpt.estimate.profile import StepProfile, per_rank, profile_model
+from fitgpt.estimate.replay import simulate_step
+from fitgpt.estimate.timing import calibrate, roofline
+from fitgpt.memory.flops import OpCost
+from fitgpt.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class Workload:
+    train: TrainConfig
+    """The run as it would train: model, micro-batch, accumulation, precision, optimizer, parallelism."""
+    target: Target
+    """The device planned for (a CUDA card may be modelled from a CPU)."""
+    device: torch.device
+    """Where the profiled steps run: the CPU for fake tensors, else the device measured on."""
+    fake: bool
+    """Profiled on fake tensors (shapes only: any size, in seconds); False: real steps on ``device``."""
+    dtype: torch.dtype | None
+    """The forward's autocast dtype (None: fp32)."""
+    cost: OpCost
+    """Each op's seconds on the target: measured on ``device`` when it is the target's kind, else a roofline."""
+    world_size: int = 1
+    """Processes the step is one rank of (profiles are per rank)."""
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.train.model
+
+    @property
+    def persistent_grads(self) -> bool:
+        """DDP keeps every gradient in its buckets between steps."""
+        return self.world_size > 1 and self.train.parallel == "ddp"
+
+    def profile(self, batch_size: int | None = None, context: int | None = None) -> StepProfile:
+        """The step's profile (or that of another micro-batch or context of it), per rank."""
+        t = self.train
+        prof = profile_model(self.model, batch_size or t.batch_size, context or self.model.context_length, self.device,
+                             t.optim, t.grad_accum, self.dtype, seed=t.seed, persistent_grads=self.persistent_grads,
+                             fake=self.fake, target=self.target, cost=self.cost)
+        return per_rank(prof, self.world_size, t.parallel)
+
+    def replay(self, policy: str) -> dict[str, int] | None:
+        """For a CUDA target planned here (one process): the plan's step replayed through CUDA's caching
+        allocator (modelled), giving max_memory_allocated and max_memory_reserved; None otherwise."""
+        if not (self.target.cuda and self.fake and self.world_size == 1) or "offload" in policy:
+            return None  # offload copies nothing on the CPU the replay runs on
+        t = self.train
+        return simulate_step(self.model, policy, t.batch_size, self.model.context_length, t.grad_accum, self.dtype, t.optim,
+                             self.target)
+
+    def vary(self, cost: OpCost | None = None, **changes) -> Workload:
+        """The same workload with training settings changed (batch_size, grad_accum, precision, parallel). The
+        cost model is kept while the autocast dtype is; for another it is ``cost``, or made again."""
+        train = dataclasses.replace(self.train, **changes)
+        same = self.target.autocast_dtype(train.precision) == self.dtype if self.fake else (
+            autocast_dtype(train.precision, self.device) == self.dtype)
+        return workload_for(train, target=self.target, device=self.device, fake=self.fake, world_size=self.world_size,
+                            cost=self.cost if same else cost)
+
+    def where(self) -> str:
+        """The device planned for, and how: measured on it, or fake tensors with a modelled CUDA."""
+        if not self.fake:
+            return f"measured on {self.device}"
+        if not self.target.cuda:
+            return "cpu (fake tensors)"
+        gpu = self.target.gpu
+        return f"cuda{' ' + gpu.name if gpu else ''} (fake tensors on this CPU; CUDA modelled)"
+
+    def describe(self, where: str | None = None) -> str:
+        """One line: the model, the step's shape, the device (``where``, or how it is estimated) and precision."""
+        t, m = self.train, self.model
+        accum = f", grad accum {t.grad_accum}" if t.grad_accum > 1 else ""
+        ranks = f", per rank of {self.world_size} under {t.parallel}" if self.world_size > 1 else ""
+        return (f"{t.preset} ({m.n_blocks} blocks x {m.n_embed} wide, vocab {m.vocab_size}), batch {t.batch_size} x "
+                f"context {m.context_length}{accum}, {where or self.where()}, {self.dtype or 'fp32'}{ranks}")
+
+
+def workload_for(cfg: TrainConfig, *, target: Target | None = None, device: torch.device | None = None,
+                 fake: bool | None = None, world_size: int = 1, cost: OpCost | None = None) -> Workload:
+    """The workload of training ``cfg``.
+
+    ``device``: where real steps run (default: the CPU for fake tensors). ``target``: the device planned for
+    (default: ``device``'s kind). ``fake``: profile on fake tensors; by default on a CPU, where they give the
+    real step's bytes exactly (tested) in a fraction of the time and memory, while an accelerator is measured,
+    as the reference. ``cost``: a cost model to reuse (one calibration serves every variant of a precision).
+    """
+    device = device or torch.device("cpu")
+    target = target or Target(device.type)
+    fake = device.type == "cpu" if fake is None else fake
+    dtype = target.autocast_dtype(cfg.precision) if fake else autocast_dtype(cfg.precision, device)
+    if cost is None:
+        if target.cuda and fake:
+            cost = roofline(target.gpu, dtype)
+        else:
+            cost = calibrate(cfg.model, cfg.batch_size, cfg.model.context_length, device, dtype, cfg.optim, seed=cfg.seed)
+    return Workload(cfg, target, device, fake, dtype, cost, world_size)

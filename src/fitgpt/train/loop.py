@@ -1,0 +1,228 @@
+"""The training loop: the shared ``train_step`` on each rank's next micro-batches, results read in one host
+sync at each log, evaluation or save point, bad steps skipped or stopped at, and checkpoints written by rank 0
+after the collectives every rank joins."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+from fitgpt.activation_checkpoint import Policy
+from fitgpt.config import TrainConfig, to_dict
+from fitgpt.data.loader import BatchSampler, TokenData
+from fitgpt.device import peak_memory
+from fitgpt.memory.timeline import PeakProbe
+from fitgpt.optim import lr_at
+from fitgpt.step import StepResult, train_step
+from fitgpt.train import checkpoint as ckpt
+from fitgpt.train import distributed as dist_utils
+from fitgpt.train.metrics import MetricsWriter
+from fitgpt.train.resume import rng_state
+from fitgpt.train.signals import StopFlag
+from fitgpt.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """Training stopped for a reason the user can act on (divergence, out of memory)."""
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: TokenData, cfg: TrainConfig, device: torch.device, amp) -> float:
+    """Mean val loss over cfg.eval_batches fixed batches (the same windows at every evaluation)."""
+    was_training = model.training
+    model.eval()
+    sampler = BatchSampler(data.splits["val"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + 1)
+    losses = []
+    for _ in range(cfg.eval_batches):
+        x, y = sampler.next_batch(device)
+        with amp():
+            _, loss = model(x, y)
+        losses.append(loss.item())
+    model.train(was_training)
+    return float(np.mean(losses))
+
+
+@dataclass
+class LoopState:
+    """What the loop works with, set up once by ``_train``."""
+
+    cfg: TrainConfig
+    info: dist_utils.DistInfo
+    device: torch.device
+    data: TokenData
+    model: nn.Module
+    """The bare model (activation checkpointing applied in place): what is saved."""
+    step_model: nn.Module
+    """The model as it trains: compiled and/or wrapped in DDP/FSDP."""
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    sampler: BatchSampler
+    amp: Callable
+    policy: Policy
+    planned: dict | None
+    metrics: MetricsWriter | None
+    tied: list[str]
+    """Names of tensors the weight file leaves out, because another name holds the same tensor."""
+
+
+@dataclass
+class Progress:
+    step: int
+    loss: float = float("nan")
+    grad_norm: float = float("nan")
+    val_loss: float | None = None
+    bad_steps: int = 0
+    checkpoint: Path | None = None
+    interrupted: str | None = None
+
+
+def tokens_per_step(cfg: TrainConfig, info: dist_utils.DistInfo) -> int:
+    return cfg.batch_size * cfg.grad_accum * cfg.model.context_length * info.world
+
+
+def run_loop(run: LoopState, start_step: int) -> Progress:
+    """Step, log, evaluate, save, until --max-steps or a signal.
+
+    The steps' results stay on the device; they are read together (one host sync) at each log,
+    evaluation or save point, where skipped (non-finite) steps are reported, or stop the run."""
+    cfg, info = run.cfg, run.info
+    p = Progress(step=start_step)
+    # disable=None hides the bar when stderr is not a terminal (CI logs, pipes).
+    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if cfg.progress and info.is_main else True, dynamic_ncols=True)
+    t_log = time.perf_counter()
+    run.model.train()
+    # With --activation-checkpointing auto, the second step of this process is measured against the plan.
+    probe_step = start_step + 1 if cfg.max_steps > start_step + 1 else start_step
+    pending: list[tuple[int, float, StepResult]] = []  # (step, lr, result) not read on the host yet
+    with StopFlag() as stop:
+        while p.step < cfg.max_steps:
+            lr = lr_at(p.step, cfg.optim, cfg.max_steps)
+            for group in run.optimizer.param_groups:
+                group["lr"] = lr
+            pending.append((p.step, lr, _step(run, p.step, probe=run.planned is not None and p.step == probe_step)))
+            p.step += 1
+            bar.update(1)
+            last = p.step == cfg.max_steps
+            log_due, eval_due = p.step % cfg.log_interval == 0 or last, p.step % cfg.eval_interval == 0 or last
+            save_due = p.step % cfg.checkpoint_interval == 0 or last
+            # A signal may reach one rank only: all of them stop, and save, at the same step (checked where
+            # the ranks meet anyway, so that a step never waits on a collective for it).
+            check_stop = not info.enabled or log_due or eval_due or save_due
+            stopping = check_stop and dist_utils.any_rank(info, stop.signal is not None, run.device)
+            if log_due or eval_due or save_due or stopping:
+                applied = _read_results(run, p, pending)
+                pending = []
+                if info.is_main and log_due and applied:
+                    t_log = _log_metrics(run, p, lr, bar, t_log)
+            if eval_due:
+                p.val_loss = evaluate(run.step_model, run.data, cfg, run.device, run.amp)
+                if run.metrics:
+                    run.metrics.write({"step": p.step, "val_loss": p.val_loss})
+                log.info("step %d: train loss %.4f, val loss %.4f", p.step, p.loss, p.val_loss)
+            if save_due or stopping:
+                p.checkpoint = _save(run, p.step)
+            if stopping:
+                p.interrupted = stop.signal or ("SIGNAL" if p.step < cfg.max_steps else None)
+                log.warning("stopped by %s at step %d; resume with --resume latest", stop.signal or "a signal on another rank", p.step)
+                break
+    bar.close()
+    return p
+
+
+def _read_results(run: LoopState, p: Progress, pending: list[tuple[int, float, StepResult]]) -> bool:
+    """Read the pending steps' results in one host sync: the newest applied loss and gradient norm go to
+    ``p``, each skipped step is reported (or stops the run). Returns whether the newest step was applied."""
+    values = torch.stack([torch.stack([r.loss.float(), r.grad_norm.float(), r.applied.float()]) for _, _, r in pending]).tolist()
+    for (step, lr, _), (loss, grad_norm, applied) in zip(pending, values):
+        if applied:
+            p.loss, p.grad_norm = loss, grad_norm
+        else:
+            _skip_bad_step(run, p, step, loss, grad_norm, lr)
+    return bool(values[-1][2])
+
+
+def _step(run: LoopState, step: int, probe: bool) -> StepResult:
+    """One shared ``train_step`` on this rank's next micro-batches; with ``probe``, its peak is checked against the plan."""
+    cfg, info = run.cfg, run.info
+    batches = [run.sampler.next_batch(run.device) for _ in range(cfg.grad_accum)]
+    # Not under torch.compile off CUDA: compiled kernels allocate outside the tracker's view.
+    measurable = not info.enabled and (run.device.type == "cuda" or not cfg.compile)
+    peak = PeakProbe(run.model, run.optimizer) if probe and measurable else None
+    try:
+        with peak or contextlib.nullcontext():
+            result = train_step(
+                run.step_model, run.optimizer, batches, amp=run.amp, scaler=run.scaler, grad_clip=cfg.optim.grad_clip,
+                # Gradients are reduced across ranks once, on the last micro-batch; every rank decides on the same loss.
+                sync=lambda last: dist_utils.sync_context(run.step_model, cfg.parallel, last),
+                reduce=lambda loss: dist_utils.all_mean_tensor(info, loss),
+            )
+    except torch.OutOfMemoryError:
+        raise TrainingError(
+            f"out of memory at step {step} (batch {cfg.batch_size} x {cfg.model.context_length}, checkpointing "
+            f"{run.policy.spec!r}). Run `fitgpt plan --preset {cfg.preset} --batch-size {cfg.batch_size} --context "
+            f"{cfg.model.context_length} --memory-budget <your GPU's memory>` for a plan that fits, or train with "
+            "--activation-checkpointing auto --memory-budget <size>; a smaller --batch-size with a larger --grad-accum "
+            "keeps the tokens per step"
+        ) from None
+    if peak is not None:
+        run.planned["measured_peak"] = peak.result.peak
+        log.info("auto: measured peak %s (%s) vs predicted %s, budget %s", format_bytes(peak.result.peak), peak.result.source,
+                 format_bytes(run.planned["predicted_peak"]), format_bytes(run.planned["budget"]))
+    return result
+
+
+def _skip_bad_step(run: LoopState, p: Progress, step: int, loss: float, grad_norm: float, lr: float) -> None:
+    """Step ``step`` had a non-finite loss or gradient and was not applied: warn, or stop after --max-bad-steps."""
+    p.bad_steps += 1
+    last = p.checkpoint or (ckpt.list_checkpoints(run.cfg.run_dir) or ["none"])[-1]
+    message = f"loss is {loss} at step {step} (lr {lr:.3g}, grad norm {grad_norm:.3g}); last good checkpoint: {last}"
+    if p.bad_steps > run.cfg.max_bad_steps:
+        raise TrainingError(message + ". Lower --optim.lr, or allow skips with --max-bad-steps")
+    log.warning("skipping bad step: %s", message)
+
+
+def _log_metrics(run: LoopState, p: Progress, lr: float, bar: tqdm, t_log: float) -> float:
+    """Write a metrics line and update the bar; returns the time of this log, for the next throughput."""
+    now = time.perf_counter()
+    tps = tokens_per_step(run.cfg, run.info) * run.cfg.log_interval / max(now - t_log, 1e-9)
+    key, peak = peak_memory(run.device)
+    run.metrics.write({"step": p.step, "loss": p.loss, "lr": lr, "grad_norm": p.grad_norm, "tokens_per_s": tps, key: peak})
+    bar.set_postfix(loss=f"{p.loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}", mem=f"{peak / 2**20:.0f}MiB")
+    return now
+
+
+def _save(run: LoopState, step: int) -> Path | None:
+    """Write checkpoint ``step``: collectives first, on every rank (full weights under FSDP, the optimizer
+    state, every rank's data position and RNG); then rank 0 writes. A failed write stops every rank."""
+    cfg, info = run.cfg, run.info
+    weights = None
+    if info.enabled and cfg.parallel == "fsdp":  # gathered to rank 0 only: the others never hold the whole state
+        weights = {k: v for k, v in dist_utils.full_model_state(run.model, keep=info.is_main).items() if k not in run.tied}
+    opt_state = (dist_utils.full_optimizer_state(run.optimizer, keep=info.is_main) if info.enabled
+                 else run.optimizer.state_dict())
+    samplers = dist_utils.gather_objects(info, run.sampler.state_dict())
+    rngs = dist_utils.gather_objects(info, rng_state(run.device))
+    path, error = None, None
+    if info.is_main:
+        state = {"optimizer": opt_state, "scaler": run.scaler.state_dict(), "rng": rngs[0], "rng_ranks": rngs}
+        meta = {"config": to_dict(cfg), "sampler": samplers[0], "sampler_ranks": samplers, "world_size": info.world,
+                "data": {"dir": str(cfg.data.path), "tokenizer_sha256": run.data.tokenizer_sha256}}
+        try:
+            path = ckpt.save_checkpoint(cfg.run_dir, step, weights if weights is not None else run.model, state, meta, cfg.keep_last)
+            log.info("saved %s", path)
+        except ckpt.CheckpointSaveError as e:
+            error = e
+    if dist_utils.any_rank(info, error is not None, run.device):
+        raise TrainingError(str(error) if error else "rank 0 could not write a checkpoint (see its log)") from error
+    return path

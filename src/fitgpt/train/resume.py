@@ -1,0 +1,97 @@
+"""Continuing a run from a checkpoint: the same model, the same tokenizer, every rank's data position and RNG,
+and a warning for each setting whose change makes the run differ from the uninterrupted one."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from fitgpt.config import OptimConfig, TrainConfig, to_dict
+from fitgpt.data.loader import BatchSampler, TokenData
+from fitgpt.errors import UserError
+from fitgpt.model import ModelConfig
+from fitgpt.optim import optimizer_params
+from fitgpt.train import checkpoint as ckpt
+from fitgpt.train import distributed as dist_utils
+
+log = logging.getLogger(__name__)
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def resume_run(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, scaler: torch.amp.GradScaler,
+            sampler: BatchSampler, device: torch.device, data: TokenData) -> tuple[int, dict]:
+    """Load weights, scaler, this rank's data position and RNG from --resume; returns (step, state)."""
+    path, (ck_meta, state) = ckpt.resolve_resume(
+        cfg.run_dir, cfg.resume, lambda p: load_for_resume(p, cfg, model, data.tokenizer_sha256))
+    scaler.load_state_dict(state["scaler"])
+    ranks = ck_meta.get("world_size", 1)
+    if ranks != info.world:
+        log.warning("resuming a %d-process run on %d processes: the data order differs from the original run", ranks, info.world)
+    samplers, rngs = ck_meta.get("sampler_ranks", [ck_meta["sampler"]]), state.get("rng_ranks", [state["rng"]])
+    if info.rank < len(samplers):
+        sampler.load_state_dict(samplers[info.rank])
+    set_rng_state(rngs[info.rank] if info.rank < len(rngs) else rngs[0], device)
+    step = ck_meta["step"]
+    if step >= cfg.max_steps:
+        raise UserError(f"--resume {path}: the checkpoint is at step {step} and --max-steps is {cfg.max_steps}, so "
+                         "there is nothing to train; raise --max-steps to continue (nothing was changed)")
+    warn_changed_settings(ck_meta["config"], cfg)
+    log.info("resumed from %s at step %d", path, step)
+    return step, state
+
+
+def load_for_resume(path: Path, cfg: TrainConfig, model: nn.Module, tok_hash: str) -> tuple[dict, dict]:
+    """Meta and state of checkpoint ``path``, its weights loaded into ``model``; CheckpointError if it is corrupt."""
+    ck_meta = ckpt.verify_checkpoint(path)
+    check_same_model(path, ck_meta["config"]["model"], cfg)
+    if ck_meta.get("data", {}).get("tokenizer_sha256") not in (None, tok_hash):
+        raise UserError(f"--resume {path}: the checkpoint was trained with another tokenizer than {cfg.data.path}")
+    ckpt.load_weights(path, model)  # full weights, on every rank, before any sharding
+    state = ckpt.load_state(path, [p.shape for p in optimizer_params(model)])
+    return ck_meta, state
+
+
+def check_same_model(path: Path, saved: dict, cfg: TrainConfig) -> None:
+    """The checkpoint's model must be the one this run builds: every ModelConfig setting but dropout (a change of
+    trajectory, warned about below) is compared, a key older checkpoints lack as its default."""
+    for f in dataclasses.fields(ModelConfig):
+        had, now = saved.get(f.name, f.default), getattr(cfg.model, f.name)
+        if f.name != "dropout" and had != now:
+            raise UserError(
+                f"--resume {path}: the checkpoint has model.{f.name}={had!r}, this run asks for {now!r}; resume with "
+                f"the run's own config (--config {cfg.run_dir / 'config.json'}) or set --model.{f.name.replace('_', '-')} {had}"
+            )
+
+
+# Settings whose change on resume makes the run differ from the uninterrupted one (the model's shape is checked apart).
+_TRAJECTORY = ("batch_size", "grad_accum", "max_steps", "seed", "precision", "model.dropout", "data.dir") + tuple(
+    f"optim.{f.name}" for f in dataclasses.fields(OptimConfig))
+
+
+def warn_changed_settings(saved: dict, cfg: TrainConfig) -> None:
+    now = to_dict(cfg)
+    changed = []
+    for key in _TRAJECTORY:
+        a, b = saved, now
+        for part in key.split("."):
+            a, b = a.get(part) if isinstance(a, dict) else None, b.get(part) if isinstance(b, dict) else None
+        if a is not None and a != b:
+            changed.append(f"{key} {a} -> {b}")
+    if changed:
+        log.warning("resuming with changed settings (%s): the run is no longer bitwise the uninterrupted one", ", ".join(changed))

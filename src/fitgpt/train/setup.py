@@ -1,0 +1,101 @@
+"""Everything made once before the loop: the data, the model, its checkpointing policy, and the one place that
+prepares the model to train (activation checkpointing, then compile, then DDP/FSDP)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import shutil
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from fitgpt.activation_checkpoint import Policy, apply_activation_checkpointing, parse_policy
+from fitgpt.config import TrainConfig, to_dict
+from fitgpt.data.loader import TokenData
+from fitgpt.data.prepare import ensure_prepared
+from fitgpt.errors import UserError
+from fitgpt.memory import measure_step_memory
+from fitgpt.model import Transformer
+from fitgpt.train import distributed as dist_utils
+from fitgpt.train.resume import rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+# (config, device, processes) -> {"policy": spec, "budget": bytes, "predicted_peak": bytes}
+Planner = Callable[[TrainConfig, torch.device, int], dict]
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> Transformer:
+    torch.manual_seed(cfg.seed)
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab_size)
+    return Transformer(model_cfg).to(device)
+
+
+def activation_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> int | None:
+    """Measured activation bytes of one micro-batch through ``model`` as it is now (None: out of memory). The RNG
+    and the gradients are left as they were."""
+    rng = rng_state(device)
+    try:
+        return measure_step_memory(model, x, y).activation_bytes
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        model.zero_grad(set_to_none=True)
+        set_rng_state(rng, device)
+
+
+def log_activation_memory(measured: dict[str, int | None], x: torch.Tensor) -> None:
+    parts = [f"{k}: {v / 2**20:.1f} MiB" if v is not None else f"{k}: out of memory" for k, v in measured.items()]
+    log.info("activation memory of one micro-batch (%d x %d): %s", x.size(0), x.size(1), ", ".join(parts))
+
+
+def load_data(cfg: TrainConfig, info: dist_utils.DistInfo) -> tuple[TokenData, TrainConfig]:
+    """The prepared tokens (rank 0 prepares them on first use, or checks them, and hands every rank their meta.json),
+    and cfg with the data's settings (config.json records them) and the model's vocabulary set from them."""
+    data_cfg, meta = dist_utils.from_main(info, lambda: ensure_prepared(cfg.data, progress=cfg.progress))
+    data = TokenData(data_cfg.path, meta)
+    data.check_context(cfg.model.context_length)
+    cfg = dataclasses.replace(cfg, data=data_cfg)
+    # Rounded up to a multiple of 64 for fast matmuls; a model started from elsewhere keeps its own.
+    vocab_size = int(math.ceil(data.vocab_size / 64) * 64)
+    if cfg.init_from:
+        if data.vocab_size > cfg.model.vocab_size:
+            raise UserError(f"--init-from {cfg.init_from}: the data has {data.vocab_size} token ids, the model "
+                             f"{cfg.model.vocab_size}; prepare the data with the model's tokenizer")
+        vocab_size = cfg.model.vocab_size
+    return data, dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+
+
+def write_run_files(cfg: TrainConfig) -> None:
+    # resume and overwrite are what this invocation did, not settings of the run: `--config config.json` must not repeat them.
+    (cfg.run_dir / "config.json").write_text(json.dumps(to_dict(dataclasses.replace(cfg, resume=None, overwrite=False)), indent=1))
+    # The run keeps its own tokenizer, so sampling works even if the data directory moves.
+    shutil.copyfile(cfg.data.path / "tokenizer.json", cfg.run_dir / "tokenizer.json")
+
+
+def choose_policy(cfg: TrainConfig, planner: Planner | None, device: torch.device, info: dist_utils.DistInfo) -> tuple[Policy, dict | None]:
+    """The run's checkpointing policy; for auto, the planner's plan for this device and process count, made on
+    rank 0 (its time model is measured, so ranks planning apart could choose apart) and shared."""
+    if cfg.activation_checkpointing != "auto":
+        return cfg.policy, None
+    if planner is None:
+        raise UserError("--activation-checkpointing auto needs a planner: pass the planner's plan_for as train(cfg, planner=...)")
+    planned = dist_utils.from_main(info, lambda: planner(cfg, device, info.world))
+    return parse_policy(planned["policy"]), planned
+
+
+def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist_utils.DistInfo, device: torch.device,
+                  dtype: torch.dtype | None, inspect: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """The one place a model is made ready to train, in this order on every rank: activation checkpointing
+    (in place), then torch.compile, then DDP or FSDP. Returns the module the steps call. ``inspect`` sees the
+    checkpointed model before it is compiled or sharded (the trainer measures its activations there)."""
+    apply_activation_checkpointing(model, policy)
+    log.info("checkpointing %s", policy.describe(cfg.model.n_blocks))
+    if inspect is not None:
+        inspect(model)
+    step_model = torch.compile(model) if cfg.compile else model
+    return dist_utils.wrap(step_model, info, cfg.parallel, device, dtype if cfg.parallel == "fsdp" else None, cfg.fsdp_offload)
