@@ -20,6 +20,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from fitgpt.memory.tracker import round_up
+
 MIN_BLOCK, SMALL_SIZE, SMALL_BUFFER = 512, 2**20, 2 * 2**20
 MIN_LARGE_ALLOC, LARGE_BUFFER, ROUND_LARGE = 10 * 2**20, 20 * 2**20, 2 * 2**20
 
@@ -50,7 +52,7 @@ class CachingAllocatorModel:
 
     @staticmethod
     def round_size(nbytes: int) -> int:
-        return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+        return max(MIN_BLOCK, round_up(nbytes, MIN_BLOCK))
 
     @staticmethod
     def segment_size(size: int) -> int:
@@ -58,7 +60,7 @@ class CachingAllocatorModel:
             return SMALL_BUFFER
         if size < MIN_LARGE_ALLOC:
             return LARGE_BUFFER
-        return -(-size // ROUND_LARGE) * ROUND_LARGE
+        return round_up(size, ROUND_LARGE)
 
     def _add_free(self, b: _Block) -> None:
         b.free = True

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import shutil
 from collections.abc import Callable
 
@@ -19,6 +18,7 @@ from fitgpt.data.loader import TokenData
 from fitgpt.data.prepare import ensure_prepared
 from fitgpt.errors import UserError
 from fitgpt.memory import measure_step_memory
+from fitgpt.memory.tracker import round_up
 from fitgpt.model import Transformer
 from fitgpt.train import distributed as dist_utils
 from fitgpt.train.resume import rng_state, set_rng_state
@@ -61,7 +61,7 @@ def load_data(cfg: TrainConfig, info: dist_utils.DistInfo) -> tuple[TokenData, T
     data.check_context(cfg.model.context_length)
     cfg = dataclasses.replace(cfg, data=data_cfg)
     # Rounded up to a multiple of 64 for fast matmuls; a model started from elsewhere keeps its own.
-    vocab_size = int(math.ceil(data.vocab_size / 64) * 64)
+    vocab_size = round_up(data.vocab_size, 64)
     if cfg.init_from:
         if data.vocab_size > cfg.model.vocab_size:
             raise UserError(f"--init-from {cfg.init_from}: the data has {data.vocab_size} token ids, the model "
