@@ -127,7 +127,7 @@ def _loaded(what: Path, load):
 
 
 def import_config(hf_dir: str | Path) -> ModelConfig:
-    """Our config of a local Hugging Face GPT-2 or Llama folder, or a ValueError naming what does not map."""
+    """Our config of a local Hugging Face GPT-2 or Llama folder, or a UserError naming what does not map."""
     tf = transformers_module()
     path = Path(hf_dir)
     if not (path / "config.json").is_file():

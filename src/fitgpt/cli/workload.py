@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
-import tyro
 
 from fitgpt.config import TrainConfig, load_config
 from fitgpt.device import resolve_device
@@ -44,8 +43,6 @@ class WorkloadConfig:
     """Processes (GPUs) to plan for: memory is reported per rank, --batch-size is per rank."""
     parallel: Literal["ddp", "fsdp"] = "ddp"
     """With --world-size > 1: ddp (whole model per rank) or fsdp (weights, gradients, optimizer state sharded)."""
-    base: tyro.conf.Suppress[Optional[TrainConfig]] = None
-    """A training config to plan for instead of --preset/--config (``fitgpt train --auto-config``)."""
 
     def __post_init__(self) -> None:
         names = ("batch_size", "context", "grad_accum", "world_size")
@@ -68,7 +65,7 @@ class WorkloadConfig:
 
     def train_config(self) -> TrainConfig:
         """The training config these flags name (read once, by ``workload``)."""
-        cfg = self.base or load_config(self.preset, self.config)
+        cfg = load_config(self.preset, self.config)
         model = cfg.model if self.context is None else dataclasses.replace(cfg.model, context_length=self.context)
         return dataclasses.replace(cfg, model=model, batch_size=self.batch_size or cfg.batch_size,
                                    grad_accum=self.grad_accum or cfg.grad_accum, precision=self.precision,

@@ -9,7 +9,7 @@ from fitgpt.errors import UserError, require_finite
 
 
 def require_positive_ints(obj: object, names: tuple[str, ...], section: str = "") -> None:
-    """Raise ValueError naming the field and its flag when one of ``names`` is not a positive int."""
+    """Raise a UserError naming the field and its flag when one of ``names`` is not a positive int."""
     for name in names:
         value = getattr(obj, name)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -133,8 +133,8 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
         dist_utils.load_full_optimizer_state(optimizer, state["optimizer"])
     _log_start(cfg, info, model, device, dtype, start_step)
     metrics = MetricsWriter(cfg.run_dir, cfg.tensorboard, resume_step=start_step) if info.is_main else None
-    run = LoopState(cfg, info, device, data, model, step_model, optimizer, scaler, sampler, autocast(device, dtype), policy, planned,
-               metrics, tied)
+    run = LoopState(cfg, info, device, data, model, step_model, optimizer, scaler, sampler, autocast(device, dtype), policy,
+                    planned, metrics, tied)
     t_start = time.perf_counter()
     try:
         progress = run_loop(run, start_step)
