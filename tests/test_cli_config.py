@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import shlex
 import subprocess
 import sys
 
@@ -73,3 +74,55 @@ def test_cli_reports_user_errors_without_traceback(capsys):
     assert "Traceback" in err and err.rstrip().endswith("error: unknown preset 'huge'; choose one of tiny, small, "
                                                         "medium, 3b, llama-tiny, llama-1b (--preset)")
     assert main(["frobnicate"]) == 2
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"batch_size": 3, "grad_accum": 2, "compile": True, "progress": False, "precision": "bf16"},
+    {"model": {"context_length": 64, "bias": False, "n_blocks": 2}, "activation_checkpointing": "every:2+chunked-loss"},
+    {"data": {"inputs": ["a b.txt", "c/*.jsonl"], "vocab_size": 4096}, "optim": {"lr": 1e-3}, "memory_budget": None},
+])
+def test_train_flags_give_the_config_back(overrides, tmp_path):
+    from fitgpt.cli.train import parse
+    from fitgpt.config import train_flags
+
+    for preset, config in (("tiny", None), ("llama-tiny", None), ("tiny", tmp_path / "c.json")):
+        if config:
+            config.write_text(json.dumps({"model": {"arch": "llama", "n_blocks": 3, "n_embed": 96, "n_head": 6, "n_kv_head": 3}}))
+        cfg = load_config(preset, str(config) if config else None, overrides=overrides)
+        assert parse(train_flags(cfg)) == cfg, (preset, config, train_flags(cfg))
+
+
+def _printed_command(out: str, prefix: str) -> list[str]:
+    line = next(x for x in out.splitlines() if x.startswith(prefix))
+    return shlex.split(line[len(prefix):].split("   (or:")[0])
+
+
+def test_the_printed_train_command_trains_what_was_planned(tmp_path, capsys):
+    """plan's `train with:` and fit's `train the fastest:` parse back to the planned model and step: a config file's
+    model (not the preset's), the context, batch and accumulation, the plan; torchrun for several ranks."""
+    from fitgpt.cli.train import parse
+
+    cfg_file = tmp_path / "c.json"
+    cfg_file.write_text(json.dumps({"model": {"arch": "llama", "n_blocks": 3, "n_embed": 64, "n_head": 4, "n_kv_head": 2,
+                                              "vocab_size": 256}}))
+    flags = ["--config", str(cfg_file), "--context", "48", "--batch-size", "3", "--grad-accum", "2"]
+    assert main(["plan", *flags, "--memory-budget", "64MiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("llama, 3 blocks x 64 wide, 4 heads (2 kv), vocab 256 (c.json over preset tiny)")
+    planned = json.loads(out.strip().splitlines()[-1])
+    words = _printed_command(out, "train with: ")
+    assert words[:2] == ["fitgpt", "train"] and "" not in words
+    trained = parse(words[2:])
+    expected = load_config("tiny", str(cfg_file), overrides={"model": {"context_length": 48}, "batch_size": 3, "grad_accum": 2,
+                                                              "activation_checkpointing": planned["policy"]})
+    assert trained == expected
+    assert main(["plan", *flags, "--memory-budget", "64MiB", "--world-size", "2", "--parallel", "fsdp"]) == 0
+    words = _printed_command(capsys.readouterr().out, "train with: ")
+    assert words[:6] == ["torchrun", "--nproc-per-node", "2", "-m", "fitgpt", "train"] and parse(words[6:]).parallel == "fsdp"
+    assert main(["fit", *flags, "--memory-budget", "64MiB", "--top", "1", "--precision", "fp32"]) == 0
+    out = capsys.readouterr().out
+    best = json.loads(out.strip().splitlines()[-1])["fastest"][0]
+    trained = parse(_printed_command(out, "train the fastest: ")[2:])
+    assert trained.model == expected.model and (trained.batch_size, trained.grad_accum) == (best["micro_batch"], best["grad_accum"])
+    assert (trained.precision, trained.activation_checkpointing) == (best["precision"], best["policy"])

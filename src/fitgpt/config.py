@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import types
 import typing
 from dataclasses import dataclass, field
@@ -251,3 +252,34 @@ def to_dict(cfg: TrainConfig) -> dict:
     d = dataclasses.asdict(cfg)
     d["data"]["inputs"] = list(d["data"]["inputs"])
     return d
+
+
+def train_flags(cfg: TrainConfig) -> list[str]:
+    """The `fitgpt train` arguments that give ``cfg``: its --preset and --config, then a flag for each setting that
+    differs from what those two give (tyro's spellings: ``--model.n-embed 64``, ``--compile`` / ``--no-compile`` for
+    a plain bool, values for an optional one). Parsing them gives ``cfg`` back (tested): a printed command trains the
+    model and step that were planned."""
+    flags = ["--preset", cfg.preset] + (["--config", cfg.config] if cfg.config else [])
+
+    def walk(cls: type, base: dict, now: dict, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for key, value in now.items():
+            if (key in ("preset", "config") and not prefix) or base.get(key) == value:
+                continue
+            name = f"--{prefix}{key.replace('_', '-')}"
+            if isinstance(value, dict):
+                walk(hints[key], base.get(key) or {}, value, f"{prefix}{key}.")
+            elif hints[key] is bool:
+                flags.append(name if value else f"--{prefix}no-{key.replace('_', '-')}")
+            else:
+                flags.extend([name, *(str(v) for v in (value if isinstance(value, (list, tuple)) else [value]))])
+
+    walk(TrainConfig, to_dict(load_config(cfg.preset, cfg.config)), to_dict(cfg), "")
+    return flags
+
+
+def train_command(cfg: TrainConfig, world_size: int = 1) -> str:
+    """The shell command that trains ``cfg`` (under torchrun for more than one process), quoted to paste."""
+    launch = ["fitgpt", "train"] if world_size == 1 else ["torchrun", "--nproc-per-node", str(world_size), "-m", "fitgpt",
+                                                          "train"]
+    return shlex.join(launch + train_flags(cfg))

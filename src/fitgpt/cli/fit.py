@@ -41,10 +41,9 @@ def run(args: list[str]) -> int:
         ratios = [f"{v / vals[0]:.1f}x" if vals[0] else ("-" if not v else "fits only with it") for v in vals[1:]]
         print(f"| {label} | " + " | ".join(str(v) for v in vals) + " | " + " | ".join(ratios) + " |")
     print(f"\n({result['note']}; 0 means not even 1 fits)")
-    tcfg = cfg.workload.train
     best = fastest(cfg.workload, cfg.budget, top=cfg.top)
     print("\nThe fastest configurations for the same tokens a step:\n")
-    print(format_choices(best, tcfg.preset, tcfg.model.context_length, cfg.world_size))
+    print(format_choices(best, cfg.workload))
     result["fastest"] = [{"micro_batch": c.micro_batch, "grad_accum": c.grad_accum, "precision": c.precision,
                           "parallel": c.layout.name, "policy": c.plan.spec(), "predicted_peak": c.peak,
                           "step_seconds": c.step_seconds, "link_seconds": c.link_seconds, "tokens_per_s": c.tokens_per_s}

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
 import tyro
 
 from fitgpt.cli.workload import BudgetConfig
+from fitgpt.config import train_command
 from fitgpt.estimate.hardware import CUDA_CONTEXT
 from fitgpt.estimate.profile import BLOCK_OPTIONS
 from fitgpt.plan.solver import Plan, predict, solve
@@ -105,14 +107,11 @@ def run(args: list[str]) -> int:
             verdict = "fits" if not over else f"DOES NOT FIT: lower --memory-budget by {format_bytes(over)} or more"
             print(f"on the card: reserved + CUDA context {format_bytes(total)} of {format_bytes(t.gpu.memory)}: {verdict}")
     print(f"predicted overhead: {pred.time_ratio:.3f}x time, {pred.flops_ratio:.3f}x FLOPs")
-    launch = "fitgpt train"
-    if cfg.world_size > 1:
-        launch = f"torchrun --nproc-per-node {cfg.world_size} -m fitgpt train --parallel {cfg.parallel}"
     if over:
         print(f"no train command: this plan does not fit on the {w.target.gpu.name}")
     else:
-        print(f"train with: {launch} --preset {tcfg.preset} --batch-size {tcfg.batch_size} "
-              f"--model.context-length {tcfg.model.context_length} --activation-checkpointing '{plan.spec()}'"
+        planned = dataclasses.replace(tcfg, activation_checkpointing=plan.spec())
+        print(f"train with: {train_command(planned, cfg.world_size)}"
               f"   (or: --activation-checkpointing auto --memory-budget {_budget_flag(cfg, budget)})")
     print(json.dumps({"policy": plan.spec(), "budget": budget, "predicted_peak": pred.peak, "where": pred.where,
                       "breakdown": pred.breakdown(), "flops_ratio": pred.flops_ratio, "profile_seconds": profile.seconds,

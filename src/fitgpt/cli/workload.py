@@ -69,7 +69,7 @@ class WorkloadConfig:
         model = cfg.model if self.context is None else dataclasses.replace(cfg.model, context_length=self.context)
         return dataclasses.replace(cfg, model=model, batch_size=self.batch_size or cfg.batch_size,
                                    grad_accum=self.grad_accum or cfg.grad_accum, precision=self.precision,
-                                   parallel=self.parallel, device=self.device or self.plan_target().device)
+                                   parallel=self.parallel, device=self.device or cfg.device)
 
     def plan_target(self) -> Target:
         if self.gpu:

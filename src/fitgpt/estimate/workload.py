@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -90,7 +91,10 @@ class Workload:
         t, m = self.train, self.model
         accum = f", grad accum {t.grad_accum}" if t.grad_accum > 1 else ""
         ranks = f", per rank of {self.world_size} under {t.parallel}" if self.world_size > 1 else ""
-        return (f"{t.preset} ({m.n_blocks} blocks x {m.n_embed} wide, vocab {m.vocab_size}), batch {t.batch_size} x "
+        source = f"{Path(t.config).name} over preset {t.preset}" if t.config else f"preset {t.preset}"
+        heads = f"{m.n_head} heads" + (f" ({m.n_kv_head} kv)" if m.n_kv_head and m.n_kv_head != m.n_head else "")
+        return (f"{m.arch}, {m.n_blocks} blocks x {m.n_embed} wide, {heads}, vocab {m.vocab_size} ({source}); "
+                f"batch {t.batch_size} x "
                 f"context {m.context_length}{accum}, {where or self.where()}, {self.dtype or 'fp32'}{ranks}")
 
 

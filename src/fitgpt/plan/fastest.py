@@ -3,7 +3,8 @@
 For a fixed number of sequences per step and rank (``--batch-size`` x ``--grad-accum``): every split into a
 micro-batch and accumulation, each precision the target trains in, and with ``--world-size`` DDP and FSDP; on
 CUDA also FSDP2's CPU offload of parameters, gradients and optimizer state (``CPUOffloadPolicy``) where the
-weights and optimizer state leave no room otherwise. Each gets the fastest checkpointing plan that fits (the
+weights and optimizer state leave no room otherwise (FSDP shards across processes: the trainer runs it under
+torchrun with two or more, so one process is offered neither). Each gets the fastest checkpointing plan that fits (the
 solver), and all are ranked by predicted tokens per second.
 
 Bytes are the planner's: micro-batches are fitted through two exact profiles (bytes are affine in the batch),
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fitgpt.config import TrainConfig
+from fitgpt.config import TrainConfig, train_command
 from fitgpt.device import resolve_device
 from fitgpt.estimate.profile import StepProfile
 from fitgpt.estimate.workload import Workload, workload_for
@@ -71,12 +72,12 @@ class Choice:
     def tokens_per_s(self) -> float:
         return self.tokens / self.step_seconds
 
-    def train_args(self, preset: str, context: int, world: int) -> str:
-        launch = "fitgpt train" if self.layout.parallel == "single" else (
-            f"torchrun --nproc-per-node {world} -m fitgpt train --parallel {self.layout.parallel}")
-        return (f"{launch} --preset {preset} --batch-size {self.micro_batch} --grad-accum {self.grad_accum} "
-                f"--model.context-length {context} --precision {self.precision} "
-                f"--activation-checkpointing '{self.plan.spec()}'" + (" --fsdp-offload" if self.layout.offload else ""))
+    def config(self, base: TrainConfig) -> TrainConfig:
+        """``base`` with this choice written into it: what trains it."""
+        parallel = "ddp" if self.layout.parallel == "single" else self.layout.parallel
+        return dataclasses.replace(base, batch_size=self.micro_batch, grad_accum=self.grad_accum, precision=self.precision,
+                                   activation_checkpointing=self.plan.spec(), parallel=parallel,
+                                   fsdp_offload=self.layout.offload)
 
 
 def _divisors(n: int) -> list[int]:
@@ -95,8 +96,8 @@ def _precisions(w: Workload) -> list[str]:
 
 def _layouts(w: Workload) -> list[Layout]:
     cuda = w.target.cuda
-    if w.world_size == 1:
-        return [Layout("single")] + ([Layout("fsdp", True)] if cuda else [])
+    if w.world_size == 1:  # FSDP (and its offload) shards across processes: the trainer runs it under torchrun, N >= 2
+        return [Layout("single")]
     return [Layout("ddp"), Layout("fsdp")] + ([Layout("fsdp", True)] if cuda else [])
 
 
@@ -210,7 +211,7 @@ def _family(seqs: int, precision: str, layout: Layout, exact, choose) -> list[Ch
     return out
 
 
-def format_choices(result: dict, preset: str, context: int, world: int) -> str:
+def format_choices(result: dict, w: Workload) -> str:
     lines = [f"{result['workload']}; budget {format_bytes(result['budget'])}; {result['tokens_per_step']:,} tokens a step",
              "", "| # | micro-batch x accum | precision | parallel | checkpointing | predicted peak | step (ms) | tokens/s | "
              "of which links (ms) |", "|---:|---|---|---|---|---:|---:|---:|---:|"]
@@ -221,7 +222,7 @@ def format_choices(result: dict, preset: str, context: int, world: int) -> str:
     lines.append(f"\n({result['note']}; time models: {models}"
                  + ("; links estimated from bandwidths" if any(c.link_seconds for c in result["choices"]) else "") + ")")
     if result["choices"]:
-        lines.append(f"train the fastest: {result['choices'][0].train_args(preset, context, world)}")
+        lines.append(f"train the fastest: {train_command(result['choices'][0].config(w.train), w.world_size)}")
     return "\n".join(lines)
 
 
@@ -235,6 +236,5 @@ def for_training(cfg: TrainConfig) -> tuple[TrainConfig, Choice, dict]:
         raise PlanError(f"no configuration of {result['tokens_per_step']:,} tokens a step fits --memory-budget "
                         f"{cfg.memory_budget}; fitgpt fit --memory-budget {cfg.memory_budget} says what does")
     c = result["choices"][0]
-    chosen = dataclasses.replace(cfg, batch_size=c.micro_batch, grad_accum=c.grad_accum, precision=c.precision,
-                                 activation_checkpointing=c.plan.spec(), memory_budget=None, auto_config=False)
+    chosen = dataclasses.replace(c.config(cfg), memory_budget=None, auto_config=False)
     return chosen, c, result
