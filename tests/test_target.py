@@ -134,3 +134,19 @@ def test_target_errors_name_the_flag(args, match, capsys):
 def test_measuring_on_a_missing_device_points_to_target(capsys):
     assert main(["plan", "--preset", "tiny", "--device", "cuda", "--memory-budget", "1GiB"]) == 2
     assert "use --target cuda or --gpu NAME instead of --device" in capsys.readouterr().err
+
+
+def test_a_card_not_in_the_table_is_the_nearest_one_with_its_own_memory(capsys):
+    """--gpu-memory gives the card's memory, --gpu the nearest card for the rest; the H100 NVL and 96 GB are in the table."""
+    assert GPUS["h100-nvl"].memory == 95830 * 2**20 and GPUS["h100-96gb"].sm == (9, 0)
+    capsys.readouterr()
+    assert main(["plan", "--preset", "tiny", "--gpu", "a100-80gb", "--gpu-memory", "48GiB"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["budget"] <= 48 * 2**30 - CUDA_CONTEXT - 2 * (8 * 2**20 + 128 * 2**10)
+    assert "card: a100-80gb with 48.00 GiB, 48.00 GiB, sm 8.0" in out
+    for args, match in ((["--gpu-memory", "48GiB"], "add --gpu NEAREST"), (["--gpu", "l4", "--gpu-memory", "100MB"], "CUDA context"),
+                        (["--gpu", "l4", "--gpu-memory", "lots"], "--gpu-memory")):
+        assert main(["plan", "--preset", "tiny", *args]) == 2
+        err = capsys.readouterr().err
+        assert match in err and len(err.strip().splitlines()) == 1, err

@@ -16,7 +16,7 @@ from fitgpt.errors import UserError
 from fitgpt.estimate.hardware import CUDA_CONTEXT, Target, find_gpu
 from fitgpt.estimate.workload import Workload, workload_for
 from fitgpt.model.config import require_positive_ints
-from fitgpt.units import parse_bytes
+from fitgpt.units import format_bytes, parse_bytes
 
 
 @dataclass
@@ -34,7 +34,11 @@ class WorkloadConfig:
     target: Optional[Literal["cpu", "cuda"]] = None
     """The device type to plan for, from any machine, on fake tensors (default: this machine's)."""
     gpu: Optional[str] = None
-    """The card to plan for (implies --target cuda): h100-80gb, h200, a100-80gb, a100-40gb, l4, rtx-4090, rtx-3090, t4."""
+    """The card to plan for (implies --target cuda): h100-80gb, h100-nvl, h100-96gb, h200, a100-80gb, a100-40gb, l4,
+    rtx-4090, rtx-3090, t4."""
+    gpu_memory: Optional[str] = None
+    """For a card not in the table: its memory as nvidia-smi reports the total (e.g. 48GiB), with --gpu naming the
+    nearest card for everything else (compute capability, FLOP/s, bandwidth, links)."""
     device: Optional[str] = None
     """Measure on this local device (cpu, cuda, cuda:1, mps) with real tensors instead: the reference, at the cost of real steps."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
@@ -49,8 +53,11 @@ class WorkloadConfig:
         require_positive_ints(self, tuple(n for n in names if getattr(self, n) is not None))
         if self.device is not None and (self.target or self.gpu):
             raise UserError("--device measures on this machine and --target/--gpu plan for another; give one of them")
+        if self.gpu_memory is not None and self.gpu is None:
+            raise UserError("--gpu-memory sets the memory of the card --gpu names (its compute, bandwidth and links are "
+                            "that card's): add --gpu NEAREST, e.g. --gpu a100-80gb --gpu-memory 48GiB")
         if self.gpu is not None:
-            find_gpu(self.gpu)
+            self.plan_target()
             if self.target == "cpu":
                 raise UserError("--gpu names a CUDA card: drop --target cpu (or --gpu)")
         if self.device is None:
@@ -73,7 +80,14 @@ class WorkloadConfig:
 
     def plan_target(self) -> Target:
         if self.gpu:
-            return Target("cuda", find_gpu(self.gpu))
+            gpu = find_gpu(self.gpu)
+            if self.gpu_memory:
+                memory = parse_bytes(self.gpu_memory, flag="--gpu-memory")
+                if memory <= CUDA_CONTEXT:
+                    raise UserError(f"--gpu-memory {self.gpu_memory}: less than the CUDA context alone "
+                                    f"({format_bytes(CUDA_CONTEXT)}); give the card's total, e.g. 48GiB")
+                gpu = dataclasses.replace(gpu, name=f"{gpu.name} with {format_bytes(memory)}", memory=memory)
+            return Target("cuda", gpu)
         if self.target:
             return Target(self.target)
         return Target(self.measured_device().type if self.device else resolve_device("auto").type)

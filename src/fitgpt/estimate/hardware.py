@@ -71,6 +71,10 @@ class GPU:
 GPUS = {g.name: g for g in (
     GPU("h100-80gb", 81559 * MiB, 989.4e12, 66.9e12, 3.35e12, (9, 0), "NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
         64e9, 450e9),
+    GPU("h100-nvl", 95830 * MiB, 835e12, 60e12, 3.9e12, (9, 0), "NVIDIA H100 NVL datasheet (PCIe, NVLink bridge); memory "
+        "as nvidia-smi reports it", 64e9, 300e9),
+    GPU("h100-96gb", 97871 * MiB, 989.4e12, 66.9e12, 4.0e12, (9, 0), "H100 96GB HBM3 (the GH200's GPU, SXM): compute as "
+        "the H100 SXM5 datasheet, 4 TB/s; memory as nvidia-smi reports it", 64e9, 450e9),
     GPU("h200", 143771 * MiB, 989.4e12, 66.9e12, 4.8e12, (9, 0), "NVIDIA H200 Tensor Core GPU datasheet (SXM)",
         64e9, 450e9),
     GPU("a100-80gb", 81920 * MiB, 312e12, 19.5e12, 2.039e12, (8, 0), "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)",
@@ -89,7 +93,8 @@ GPUS = {g.name: g for g in (
 def find_gpu(name: str) -> GPU:
     key = name.lower().replace("_", "-").replace(" ", "-")
     if key not in GPUS:
-        raise UserError(f"unknown GPU {name!r}; choose one of {', '.join(GPUS)} (--gpu), or give --memory-budget")
+        raise UserError(f"unknown GPU {name!r}; choose one of {', '.join(GPUS)} (--gpu): for a card not in the table, "
+                        "the nearest one and its memory (--gpu-memory), or --memory-budget")
     return GPUS[key]
 
 
