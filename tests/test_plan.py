@@ -3,6 +3,7 @@
 import dataclasses
 import itertools
 import json
+import shlex
 
 import pytest
 import torch
@@ -34,13 +35,14 @@ MIXED = [
 class Measured:
     """One model and optimizer in the trainer's steady state; measures the real peak of any plan."""
 
-    def __init__(self, cfg, batch=B, context=T, grad_accum=1, dtype=None):
+    def __init__(self, cfg, batch=B, context=T, grad_accum=1, dtype=None, optim=None):
         torch.manual_seed(0)
         self.model = Transformer(cfg)
-        self.opt = build_optimizer(self.model, OptimConfig(), torch.device("cpu"))
+        self.opt = build_optimizer(self.model, optim or OptimConfig(), torch.device("cpu"))
         idx = torch.randint(0, cfg.vocab_size, (grad_accum, batch, context + 1), generator=torch.Generator().manual_seed(1))
         self.batches = [(idx[i, :, :-1].contiguous(), idx[i, :, 1:].contiguous()) for i in range(grad_accum)]
-        self.step_kw = {"amp": autocast(torch.device("cpu"), dtype)}
+        # Clipped as the optimizer config given says (the profile clips as its optim config does).
+        self.step_kw = {"amp": autocast(torch.device("cpu"), dtype), "grad_clip": optim.grad_clip if optim else 0.0}
         measure_train_step(self.model, self.opt, self.batches, **self.step_kw)  # the optimizer state exists from here on
         self._cache: dict[str, int] = {}
 
@@ -234,7 +236,7 @@ def test_plan_command(capsys):
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
     assert result["predicted_peak"] <= 40 * 2**20
-    assert f"--activation-checkpointing '{result['policy']}'" in out
+    assert f"--activation-checkpointing {shlex.quote(result['policy'])}" in out
 
 
 def test_plan_command_errors_name_the_flag(capsys):
@@ -322,3 +324,18 @@ def test_settle_finds_the_largest_size_that_fits_from_any_guess(guess, monkeypat
     assert len(probes) <= 8, probes
     assert largest_module._settle(lambda n: peak[n], "none", 500, guess, 5000) == 0  # not even 1 fits
     assert largest_module._settle(lambda n: peak[n], "none", 10**9, guess, 5000) == 5000  # the cap
+
+
+@pytest.mark.parametrize("impl", ["for-loop", "foreach", "fused"])
+def test_the_optimizer_implementation_is_a_setting_training_and_planning_share(impl, tiny_model_config):
+    """fused, foreach and for-loop AdamW hold different temporaries while they step: the plan profiles the one the
+    trainer builds (optim.impl), and a real step's peak is the predicted one, byte for byte, under none and block."""
+    optim = OptimConfig(impl=impl)
+    cfg = tiny_model_config()
+    opt = build_optimizer(Transformer(cfg), optim, torch.device("cpu"))
+    assert (opt.defaults["fused"], opt.defaults["foreach"]) == (impl == "fused", impl == "foreach")
+    profile = profile_model(cfg, B, T, "cpu", optim, fake=True)
+    measured = Measured(cfg, optim=optim)
+    for option in ("none", "block"):
+        plan = Plan.uniform(cfg.n_blocks, option)
+        assert measured.peak(plan) == predict(profile, plan).peak, (impl, option)

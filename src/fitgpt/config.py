@@ -38,6 +38,10 @@ class OptimConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    impl: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    """AdamW's implementation: fused (one kernel a step), foreach (multi-tensor ops, torchtitan's default), for-loop
+    (a parameter at a time); auto: fused on CUDA, PyTorch's default elsewhere (the for-loop on CPU). Training and
+    planning build the same one: their temporaries differ."""
 
     def __post_init__(self) -> None:
         require_finite(self, "optim.")

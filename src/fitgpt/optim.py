@@ -21,10 +21,18 @@ def optimizer_params(model: nn.Module) -> list[nn.Parameter]:
     return decay + no_decay
 
 
+def optimizer_impl(cfg: OptimConfig, device: torch.device) -> str:
+    """The AdamW implementation that steps on ``device``: ``cfg.impl``, auto resolved (fused on CUDA)."""
+    return cfg.impl if cfg.impl != "auto" else ("fused" if device.type == "cuda" else "for-loop")
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over ``model`` as it steps on ``device`` (its implementation: ``cfg.impl``)."""
     decay, no_decay = _groups(model)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+    impl = optimizer_impl(cfg, device)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=impl == "fused",
+                             foreach=impl == "foreach")
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

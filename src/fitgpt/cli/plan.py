@@ -6,12 +6,14 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+import torch
 import tyro
 
 from fitgpt.cli.workload import BudgetConfig
 from fitgpt.config import train_command
 from fitgpt.estimate.hardware import CUDA_CONTEXT
 from fitgpt.estimate.profile import BLOCK_OPTIONS
+from fitgpt.optim import optimizer_impl
 from fitgpt.plan.solver import Plan, predict, solve
 from fitgpt.units import format_bytes
 
@@ -39,8 +41,8 @@ def _cuda_notes(cfg: PlanConfig) -> list[str]:
         "for the step's tensors",
         f"modelled: attention backend {backend} "
         + ("(run here as the math path)" if backend == "math" else "(its saved tensors from PyTorch's meta kernels)")
-        + "; allocator blocks of "
-        "512 bytes; fused AdamW; autocast weight copies as on CPU. Measured: nothing on a GPU (fake tensors on this CPU)",
+        + f"; allocator blocks of 512 bytes; AdamW {optimizer_impl(w.train.optim, torch.device('cuda'))}; autocast weight "
+        "copies as on CPU. Measured: nothing on a GPU (fake tensors on this CPU)",
     ]
 
 

@@ -5,7 +5,8 @@ differently is modelled, and every modelled part is named here:
 
 - the caching allocator hands out blocks in multiples of 512 bytes (``max_memory_allocated`` counts
   the blocks): every storage is rounded up when profiling for CUDA;
-- AdamW is fused on CUDA (``build_optimizer``): the profile runs the fused kernel's meta version;
+- AdamW is fused on CUDA unless ``optim.impl`` names another (``build_optimizer``): the profile runs that
+  implementation's meta version;
 - attention: the backend PyTorch picks on that card for this precision and head size, and what it
   saves for backward, from PyTorch's own meta kernels (flash: output, log-sum-exp per head and row,
   RNG state; memory-efficient: output, log-sum-exp padded to 32 rows, seed and offset; math: the

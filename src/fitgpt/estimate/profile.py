@@ -263,7 +263,7 @@ def _profile(model: Transformer, run: _Subject, seed: int | None, t0: float) -> 
     cfg, device, round_to = run.cfg, run.device, run.target.round_to
     batch_size, context, grad_accum = run.batch_size, run.context, run.grad_accum
     model.train()
-    # The optimizer as it is built on the target (fused AdamW on CUDA).
+    # The optimizer as it is built on the target (fused AdamW on CUDA unless optim.impl says otherwise).
     optimizer = build_optimizer(model, run.optim, torch.device(run.target.device)) if run.optimizer_step else None
     # (B, T + 1) token ids; their values matter to no byte count, so fake runs take zeros.
     if seed is None:

@@ -165,7 +165,7 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
             mark("start")
             loss = loss_fn()
             mark("fwd_end")
-            loss.backward()
+            (loss / 1).backward()  # as train_step: the loss over the micro-batches, a scalar held through backward
             mark("bwd_end")
             if optimizer is not None:
                 optimizer_update(model, optimizer, loss.detach(), grad_clip=grad_clip, check=False)
