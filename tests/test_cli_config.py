@@ -117,6 +117,14 @@ def test_the_printed_train_command_trains_what_was_planned(tmp_path, capsys):
     expected = load_config("tiny", str(cfg_file), overrides={"model": {"context_length": 48}, "batch_size": 3, "grad_accum": 2,
                                                               "activation_checkpointing": planned["policy"]})
     assert trained == expected
+    # train's own flags, under train's names: --model.*, --optim.*
+    assert main(["plan", "--preset", "small", "--model.n-blocks", "2", "--model.context-length", "32", "--batch-size", "1",
+                 "--optim.impl", "foreach", "--memory-budget", "2GiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("gpt2, 2 blocks x 768 wide, 12 heads, vocab 50304 (preset small); batch 1 x context 32")
+    trained = parse(_printed_command(out, "train with: ")[2:])
+    assert (trained.model.n_blocks, trained.model.context_length, trained.optim.impl, trained.batch_size) == (2, 32, "foreach", 1)
+    assert trained.model == dataclasses.replace(load_config("small").model, n_blocks=2, context_length=32)
     assert main(["plan", *flags, "--memory-budget", "64MiB", "--world-size", "2", "--parallel", "fsdp"]) == 0
     words = _printed_command(capsys.readouterr().out, "train with: ")
     assert words[:6] == ["torchrun", "--nproc-per-node", "2", "-m", "fitgpt", "train"] and parse(words[6:]).parallel == "fsdp"

@@ -239,6 +239,19 @@ def test_plan_command(capsys):
     assert f"--activation-checkpointing {shlex.quote(result['policy'])}" in out
 
 
+def test_plan_prints_the_plan_it_solved_not_the_tables_last_row(capsys):
+    """With room for everything the fastest plan is none; the table of uniform plans printed after solving once
+    overwrote it, so every answer (and its peak, its replay, its train command) was the last row's."""
+    args = ["plan", "--batch-size", "2", "--context", "32", "--memory-budget", "1GiB"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    profile = BudgetConfig(batch_size=2, context=32, memory_budget="1GiB").workload.profile()
+    solved, pred = solve(profile, 2**30)
+    assert result["policy"] == solved.spec() == "none" and result["predicted_peak"] == pred.peak
+    assert "plan: none (the fastest that fits" in out and "--activation-checkpointing none" in out
+
+
 def test_plan_command_errors_name_the_flag(capsys):
     assert main(["plan", "--device", "cpu"]) == 2
     assert "--memory-budget is required" in capsys.readouterr().err

@@ -258,17 +258,18 @@ def to_dict(cfg: TrainConfig) -> dict:
     return d
 
 
-def train_flags(cfg: TrainConfig) -> list[str]:
+def train_flags(cfg: TrainConfig, always: tuple[str, ...] = ()) -> list[str]:
     """The `fitgpt train` arguments that give ``cfg``: its --preset and --config, then a flag for each setting that
     differs from what those two give (tyro's spellings: ``--model.n-embed 64``, ``--compile`` / ``--no-compile`` for
-    a plain bool, values for an optional one). Parsing them gives ``cfg`` back (tested): a printed command trains the
-    model and step that were planned."""
+    a plain bool, values for an optional one), and for each key in ``always`` (``model.n_embed`` spelling) even if it
+    does not differ. Parsing them gives ``cfg`` back (tested): a printed command trains the model and step that were
+    planned."""
     flags = ["--preset", cfg.preset] + (["--config", cfg.config] if cfg.config else [])
 
     def walk(cls: type, base: dict, now: dict, prefix: str) -> None:
         hints = typing.get_type_hints(cls)
         for key, value in now.items():
-            if (key in ("preset", "config") and not prefix) or base.get(key) == value:
+            if (key in ("preset", "config") and not prefix) or (base.get(key) == value and prefix + key not in always):
                 continue
             name = f"--{prefix}{key.replace('_', '-')}"
             if isinstance(value, dict):
@@ -283,7 +284,8 @@ def train_flags(cfg: TrainConfig) -> list[str]:
 
 
 def train_command(cfg: TrainConfig, world_size: int = 1) -> str:
-    """The shell command that trains ``cfg`` (under torchrun for more than one process), quoted to paste."""
+    """The shell command that trains ``cfg`` (under torchrun for more than one process), quoted to paste; it names
+    its activation checkpointing even where that is the preset's (the planned choice)."""
     launch = ["fitgpt", "train"] if world_size == 1 else ["torchrun", "--nproc-per-node", str(world_size), "-m", "fitgpt",
                                                           "train"]
-    return shlex.join(launch + train_flags(cfg))
+    return shlex.join(launch + train_flags(cfg, always=("activation_checkpointing",)))

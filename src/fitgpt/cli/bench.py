@@ -9,12 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import tyro
-
 from fitgpt.activation_checkpoint import parse_policy
 from fitgpt.bench.report import format_table
 from fitgpt.bench.run import DEFAULT_POLICIES, auto_target, run_bench
-from fitgpt.cli.workload import WorkloadConfig
+from fitgpt.cli.workload import WorkloadConfig, parse_workload
 from fitgpt.errors import UserError
 from fitgpt.estimate.workload import Workload, workload_for
 from fitgpt.utils import writable_dir
@@ -63,7 +61,7 @@ class BenchConfig(WorkloadConfig):
 
 
 def run(args: list[str]) -> int:
-    cfg = tyro.cli(BenchConfig, args=args, prog="fitgpt bench")
+    cfg = parse_workload(BenchConfig, args, "fitgpt bench")
     writable_dir(Path(cfg.out_dir), "--out-dir")  # before anything is measured (the workload calibrates its time model)
     result = run_bench(cfg.workload, cfg.policies, cfg.out_dir, warmup=cfg.warmup, repeats=cfg.repeats)
     print(format_table(result))

@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import tyro
-
-from fitgpt.cli.workload import BudgetConfig
+from fitgpt.cli.workload import BudgetConfig, parse_workload
 from fitgpt.errors import UserError
 from fitgpt.plan.fastest import fastest, format_choices
 from fitgpt.plan.largest import POLICIES, largest
@@ -29,7 +27,7 @@ class FitConfig(BudgetConfig):
 
 
 def run(args: list[str]) -> int:
-    cfg = tyro.cli(FitConfig, args=args, prog="fitgpt fit")
+    cfg = parse_workload(FitConfig, args, "fitgpt fit")
     result = largest(cfg.workload, cfg.budget)
     a, cur = result["answers"], result["current"]
     print(f"{result['workload']}; budget {format_bytes(result['budget'])}\n")

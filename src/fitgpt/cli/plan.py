@@ -7,9 +7,8 @@ import json
 from dataclasses import dataclass
 
 import torch
-import tyro
 
-from fitgpt.cli.workload import BudgetConfig
+from fitgpt.cli.workload import BudgetConfig, parse_workload
 from fitgpt.config import train_command
 from fitgpt.estimate.hardware import CUDA_CONTEXT
 from fitgpt.estimate.profile import BLOCK_OPTIONS
@@ -73,7 +72,7 @@ def _budget_flag(cfg: PlanConfig, budget: int) -> str:
 
 
 def run(args: list[str]) -> int:
-    cfg = tyro.cli(PlanConfig, args=args, prog="fitgpt plan")
+    cfg = parse_workload(PlanConfig, args, "fitgpt plan")
     w = cfg.workload
     tcfg = w.train
     profile = w.profile()
@@ -87,10 +86,10 @@ def run(args: list[str]) -> int:
     print(f"  time model: {profile.time_source}")
     print("\n| policy | predicted peak | step time | time vs none | FLOPs vs none | fits |\n|---|---:|---:|---:|---:|---|")
     n = profile.n_blocks
-    for plan in [Plan.uniform(n, o) for o in BLOCK_OPTIONS] + [Plan.uniform(n, "block", "chunked")]:
-        pred = predict(profile, plan)
-        print(f"| {plan.spec()} | {format_bytes(pred.peak)} | {pred.step_time * 1e3:.0f} ms | {pred.time_ratio:.3f}x | "
-              f"{pred.flops_ratio:.3f}x | {'yes' if pred.peak <= budget else 'no'} |")
+    for row in [Plan.uniform(n, o) for o in BLOCK_OPTIONS] + [Plan.uniform(n, "block", "chunked")]:
+        p = predict(profile, row)  # the table's rows: the plan solved above stays `plan`
+        print(f"| {row.spec()} | {format_bytes(p.peak)} | {p.step_time * 1e3:.0f} ms | {p.time_ratio:.3f}x | "
+              f"{p.flops_ratio:.3f}x | {'yes' if p.peak <= budget else 'no'} |")
     tokens = tcfg.batch_size * tcfg.grad_accum * tcfg.model.context_length * cfg.world_size
     print(f"\nplan: {plan.spec()} (the fastest that fits: {pred.step_time * 1e3:.0f} ms a step, {pred.time_ratio:.3f}x none's, "
           f"{tokens / pred.step_time:,.0f} tokens/s predicted)")

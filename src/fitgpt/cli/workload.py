@@ -1,21 +1,24 @@
-"""The flags `fitgpt plan`, `bench` and `fit` share: a preset or config, a batch shape, a device or a card to plan
-for, a precision, and the ranks; `WorkloadConfig.workload` resolves them into the one `Workload` they all take."""
+"""The flags `fitgpt plan`, `bench` and `fit` share: the model and step as `fitgpt train` takes them (--preset,
+--config, --model.*, --optim.*, --batch-size, --grad-accum, --precision, --parallel, under train's names), a device
+or a card to plan for, and the ranks; `WorkloadConfig.workload` resolves them into the one `Workload` they all take."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, TypeVar
 
 import torch
+import tyro
 
-from fitgpt.config import TrainConfig, load_config
+from fitgpt.config import OptimConfig, TrainConfig, load_config
 from fitgpt.device import resolve_device
 from fitgpt.errors import UserError
 from fitgpt.estimate.hardware import CUDA_CONTEXT, Target, find_gpu
 from fitgpt.estimate.workload import Workload, workload_for
-from fitgpt.model.config import require_positive_ints
+from fitgpt.model.config import ModelConfig, require_positive_ints
 from fitgpt.units import format_bytes, parse_bytes
 
 
@@ -28,7 +31,7 @@ class WorkloadConfig:
     batch_size: Optional[int] = None
     """Sequences per micro-batch (default: the preset's)."""
     context: Optional[int] = None
-    """Tokens per sequence (default: the preset's model.context_length)."""
+    """Tokens per sequence: --model.context-length, shorter."""
     grad_accum: Optional[int] = None
     """Micro-batches per step (default: the preset's); above 1, gradients stay allocated between them."""
     target: Optional[Literal["cpu", "cuda"]] = None
@@ -47,8 +50,17 @@ class WorkloadConfig:
     """Processes (GPUs) to plan for: memory is reported per rank, --batch-size is per rank."""
     parallel: Literal["ddp", "fsdp"] = "ddp"
     """With --world-size > 1: ddp (whole model per rank) or fsdp (weights, gradients, optimizer state sharded)."""
+    model: ModelConfig = None  # filled from --preset and --config (the CLI reads those two first, as train does)
+    """The model, as fitgpt train takes it: the preset's or config file's, changed by --model.* flags."""
+    optim: OptimConfig = None  # likewise
+    """The optimizer, as fitgpt train takes it (its implementation, --optim.impl, sets the step's temporaries)."""
 
     def __post_init__(self) -> None:
+        self._base = load_config(self.preset, self.config)
+        self.model = self.model or self._base.model
+        self.optim = self.optim or self._base.optim
+        if self.context is not None and self.context != self.model.context_length:
+            self.model = dataclasses.replace(self.model, context_length=self.context)
         names = ("batch_size", "context", "grad_accum", "world_size")
         require_positive_ints(self, tuple(n for n in names if getattr(self, n) is not None))
         if self.device is not None and (self.target or self.gpu):
@@ -72,9 +84,8 @@ class WorkloadConfig:
 
     def train_config(self) -> TrainConfig:
         """The training config these flags name (read once, by ``workload``)."""
-        cfg = load_config(self.preset, self.config)
-        model = cfg.model if self.context is None else dataclasses.replace(cfg.model, context_length=self.context)
-        return dataclasses.replace(cfg, model=model, batch_size=self.batch_size or cfg.batch_size,
+        cfg = self._base
+        return dataclasses.replace(cfg, model=self.model, optim=self.optim, batch_size=self.batch_size or cfg.batch_size,
                                    grad_accum=self.grad_accum or cfg.grad_accum, precision=self.precision,
                                    parallel=self.parallel, device=self.device or cfg.device)
 
@@ -124,3 +135,23 @@ class BudgetConfig(WorkloadConfig):
     def budget(self) -> int:
         """Bytes for the step's tensors out of the device budget (`Target.tensor_budget`)."""
         return self.plan_target().tensor_budget(self.device_budget)
+
+
+Flags = TypeVar("Flags", bound=WorkloadConfig)
+
+
+def parse_workload(cls: type[Flags], args: list[str], prog: str) -> Flags:
+    """``cls`` from the command line, every setting's default the preset's or config file's, as for fitgpt train:
+    --preset and --config are read first."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default="tiny")
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(args)
+    base = load_config(known.preset, known.config)
+    # tyro reads its defaults from an instance; this one is only that (the parsed one runs the checks, such as
+    # that a budget is given), so it is made without them.
+    default = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        setattr(default, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+    default.preset, default.config, default.model, default.optim = known.preset, known.config, base.model, base.optim
+    return tyro.cli(cls, default=default, args=args, prog=prog)
