@@ -102,6 +102,9 @@ def test_the_printed_train_command_trains_what_was_planned(tmp_path, capsys):
     """plan's `train with:` and fit's `train the fastest:` parse back to the planned model and step: a config file's
     model (not the preset's), the context, batch and accumulation, the plan; torchrun for several ranks."""
     from fitgpt.cli.train import parse
+    from fitgpt.cli.workload import BudgetConfig
+    from fitgpt.config import train_command
+    from fitgpt.plan.fastest import fastest, format_choices
 
     cfg_file = tmp_path / "c.json"
     cfg_file.write_text(json.dumps({"model": {"arch": "llama", "n_blocks": 3, "n_embed": 64, "n_head": 4, "n_kv_head": 2,
@@ -118,19 +121,19 @@ def test_the_printed_train_command_trains_what_was_planned(tmp_path, capsys):
                                                               "activation_checkpointing": planned["policy"]})
     assert trained == expected
     # train's own flags, under train's names: --model.*, --optim.*
-    assert main(["plan", "--preset", "small", "--model.n-blocks", "2", "--model.context-length", "32", "--batch-size", "1",
-                 "--optim.impl", "foreach", "--memory-budget", "2GiB"]) == 0
+    assert main(["plan", "--preset", "llama-tiny", "--model.n-blocks", "2", "--model.context-length", "32", "--batch-size", "1",
+                 "--optim.impl", "foreach", "--memory-budget", "1GiB"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("gpt2, 2 blocks x 768 wide, 12 heads, vocab 50304 (preset small); batch 1 x context 32")
+    assert out.startswith("llama, 2 blocks x 128 wide, 4 heads (2 kv), vocab 2048 (preset llama-tiny); batch 1 x context 32")
     trained = parse(_printed_command(out, "train with: ")[2:])
     assert (trained.model.n_blocks, trained.model.context_length, trained.optim.impl, trained.batch_size) == (2, 32, "foreach", 1)
-    assert trained.model == dataclasses.replace(load_config("small").model, n_blocks=2, context_length=32)
-    assert main(["plan", *flags, "--memory-budget", "64MiB", "--world-size", "2", "--parallel", "fsdp"]) == 0
-    words = _printed_command(capsys.readouterr().out, "train with: ")
+    assert trained.model == dataclasses.replace(load_config("llama-tiny").model, n_blocks=2, context_length=32)
+    words = shlex.split(train_command(dataclasses.replace(expected, parallel="fsdp"), world_size=2))
     assert words[:6] == ["torchrun", "--nproc-per-node", "2", "-m", "fitgpt", "train"] and parse(words[6:]).parallel == "fsdp"
-    assert main(["fit", *flags, "--memory-budget", "64MiB", "--top", "1", "--precision", "fp32"]) == 0
-    out = capsys.readouterr().out
-    best = json.loads(out.strip().splitlines()[-1])["fastest"][0]
-    trained = parse(_printed_command(out, "train the fastest: ")[2:])
-    assert trained.model == expected.model and (trained.batch_size, trained.grad_accum) == (best["micro_batch"], best["grad_accum"])
-    assert (trained.precision, trained.activation_checkpointing) == (best["precision"], best["policy"])
+    # fit's second half prints its best the same way (its first half, the largest sizes, is test_plan's).
+    w = BudgetConfig(config=str(cfg_file), context=48, batch_size=3, grad_accum=2, precision="fp32", memory_budget="64MiB")
+    result = fastest(w.workload, w.budget, top=1)
+    best = result["choices"][0]
+    trained = parse(_printed_command(format_choices(result, w.workload), "train the fastest: ")[2:])
+    assert trained.model == expected.model and (trained.batch_size, trained.grad_accum) == (best.micro_batch, best.grad_accum)
+    assert (trained.precision, trained.activation_checkpointing) == (best.precision, best.plan.spec())
