@@ -5,6 +5,7 @@ Precedence: dataclass defaults < preset file < --config file < command-line flag
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import shlex
@@ -155,7 +156,7 @@ class TrainConfig:
     def policy(self):
         """The parsed activation checkpointing policy (``auto`` has none until it is planned)."""
         if self.activation_checkpointing == "auto":
-            raise UserError("--activation-checkpointing auto becomes a policy only once planned")
+            raise ValueError("--activation-checkpointing auto becomes a policy only once planned")  # a caller's bug
         return self._policy
 
     @property
@@ -250,6 +251,16 @@ def load_config(preset: str = "tiny", config: str | None = None, overrides: dict
         source = str(config)
     data = merge(data, overrides or {})
     return from_dict(TrainConfig, data, source)
+
+
+def load_config_named_in(args: list[str]) -> TrainConfig:
+    """The config that --preset and --config in ``args`` name (the other flags are parsed over it, as the defaults of
+    `fitgpt train`, and of `plan`, `fit` and `bench`, which take train's flags)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default="tiny")
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(args)
+    return load_config(known.preset, known.config)
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import tyro
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from fitgpt.config import TrainConfig, load_config
+from fitgpt.config import TrainConfig, load_config_named_in
 from fitgpt.errors import UserError
 from fitgpt.train.loop import TrainingError
 from fitgpt.train.trainer import train
@@ -18,12 +17,7 @@ from fitgpt.units import format_bytes
 
 def parse(args: list[str]) -> TrainConfig:
     # Only --preset and --config are looked at first, to pick the defaults; tyro parses every flag.
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--preset", default="tiny")
-    pre.add_argument("--config", default=None)
-    known, _ = pre.parse_known_args(args)
-    base = load_config(known.preset, known.config)
-    return tyro.cli(TrainConfig, default=base, args=args, prog="fitgpt train")
+    return tyro.cli(TrainConfig, default=load_config_named_in(args), args=args, prog="fitgpt train")
 
 
 def _planner(cfg: TrainConfig):

@@ -4,7 +4,6 @@ or a card to plan for, and the ranks; `WorkloadConfig.workload` resolves them in
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from typing import Literal, Optional, TypeVar
 import torch
 import tyro
 
-from fitgpt.config import OptimConfig, TrainConfig, load_config
+from fitgpt.config import OptimConfig, TrainConfig, load_config, load_config_named_in
 from fitgpt.device import resolve_device
 from fitgpt.errors import UserError
 from fitgpt.estimate.hardware import CUDA_CONTEXT, Target, find_gpu
@@ -143,15 +142,11 @@ Flags = TypeVar("Flags", bound=WorkloadConfig)
 def parse_workload(cls: type[Flags], args: list[str], prog: str) -> Flags:
     """``cls`` from the command line, every setting's default the preset's or config file's, as for fitgpt train:
     --preset and --config are read first."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--preset", default="tiny")
-    pre.add_argument("--config", default=None)
-    known, _ = pre.parse_known_args(args)
-    base = load_config(known.preset, known.config)
+    base = load_config_named_in(args)
     # tyro reads its defaults from an instance; this one is only that (the parsed one runs the checks, such as
     # that a budget is given), so it is made without them.
     default = object.__new__(cls)
     for f in dataclasses.fields(cls):
         setattr(default, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
-    default.preset, default.config, default.model, default.optim = known.preset, known.config, base.model, base.optim
+    default.preset, default.config, default.model, default.optim = base.preset, base.config, base.model, base.optim
     return tyro.cli(cls, default=default, args=args, prog=prog)

@@ -72,8 +72,7 @@ class Workload:
         """The same workload with training settings changed (batch_size, grad_accum, precision, parallel). The
         cost model is kept while the autocast dtype is; for another it is ``cost``, or made again."""
         train = dataclasses.replace(self.train, **changes)
-        same = self.target.autocast_dtype(train.precision) == self.dtype if self.fake else (
-            autocast_dtype(train.precision, self.device) == self.dtype)
+        same = _dtype(train.precision, self.target, self.device, self.fake) == self.dtype
         return workload_for(train, target=self.target, device=self.device, fake=self.fake, world_size=self.world_size,
                             cost=self.cost if same else cost)
 
@@ -110,10 +109,16 @@ def workload_for(cfg: TrainConfig, *, target: Target | None = None, device: torc
     device = device or torch.device("cpu")
     target = target or Target(device.type)
     fake = device.type == "cpu" if fake is None else fake
-    dtype = target.autocast_dtype(cfg.precision) if fake else autocast_dtype(cfg.precision, device)
+    dtype = _dtype(cfg.precision, target, device, fake)
     if cost is None:
         if target.cuda and fake:
             cost = roofline(target.gpu, dtype)
         else:
             cost = calibrate(cfg.model, cfg.batch_size, cfg.model.context_length, device, dtype, cfg.optim, seed=cfg.seed)
     return Workload(cfg, target, device, fake, dtype, cost, world_size)
+
+
+def _dtype(precision: str, target: Target, device: torch.device, fake: bool) -> torch.dtype | None:
+    """The autocast dtype of ``precision``: as the target trains it when planned on fake tensors (its card is not
+    here to ask), as the device measured on does otherwise."""
+    return target.autocast_dtype(precision) if fake else autocast_dtype(precision, device)

@@ -47,6 +47,11 @@ class Layout:
     def name(self) -> str:
         return self.parallel + ("+offload" if self.offload else "")
 
+    @property
+    def trains_as(self) -> str:
+        """--parallel for this layout (one process is ddp's default: no wrapper)."""
+        return "ddp" if self.parallel == "single" else self.parallel
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -74,9 +79,8 @@ class Choice:
 
     def config(self, base: TrainConfig) -> TrainConfig:
         """``base`` with this choice written into it: what trains it."""
-        parallel = "ddp" if self.layout.parallel == "single" else self.layout.parallel
         return dataclasses.replace(base, batch_size=self.micro_batch, grad_accum=self.grad_accum, precision=self.precision,
-                                   activation_checkpointing=self.plan.spec(), parallel=parallel,
+                                   activation_checkpointing=self.plan.spec(), parallel=self.layout.trains_as,
                                    fsdp_offload=self.layout.offload)
 
 
@@ -144,8 +148,8 @@ def fastest(w: Workload, budget: int, top: int = 5) -> dict:
     profiles = 0
 
     def workload(precision: str, layout: Layout, micro: int, accum: int) -> Workload:
-        v = w.vary(precision=precision, parallel="ddp" if layout.parallel == "single" else layout.parallel,
-                   batch_size=micro, grad_accum=accum, cost=costs.get(precision))
+        v = w.vary(precision=precision, parallel=layout.trains_as, batch_size=micro, grad_accum=accum,
+                   cost=costs.get(precision))
         costs[precision] = v.cost  # one calibration per autocast dtype
         return v
 
