@@ -40,8 +40,9 @@ def _cuda_notes(cfg: PlanConfig) -> list[str]:
         "for the step's tensors",
         f"modelled: attention backend {backend} "
         + ("(run here as the math path)" if backend == "math" else "(its saved tensors from PyTorch's meta kernels)")
-        + f"; allocator blocks of 512 bytes; AdamW {optimizer_impl(w.train.optim, torch.device('cuda'))}; autocast weight "
-        "copies as on CPU. Measured: nothing on a GPU (fake tensors on this CPU)",
+        + f"; allocator blocks of 512 bytes; AdamW {optimizer_impl(w.train.optim, torch.device('cuda'))}"
+        + ("; autocast casts by CUDA's rules (this PyTorch's lists)" if w.dtype else "")
+        + ". Measured: nothing on a GPU (fake tensors on this CPU)",
     ]
 
 

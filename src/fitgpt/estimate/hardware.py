@@ -11,7 +11,9 @@ differently is modelled, and every modelled part is named here:
   saves for backward, from PyTorch's own meta kernels (flash: output, log-sum-exp per head and row,
   RNG state; memory-efficient: output, log-sum-exp padded to 32 rows, seed and offset; math: the
   attention matrix, profiled by running the math path itself);
-- autocast's cast copies of the weights behave as on CPU (the cast cache is per device type alike);
+- autocast casts by CUDA's rules, not the CPU's (``fitgpt.estimate.cuda_autocast``: CUDA keeps
+  ``cross_entropy``'s log-softmax in half precision, runs ``softmax``, ``layer_norm`` and ``rms_norm``
+  in fp32, ...), weight-cast cache included;
 - cuBLAS workspaces (one per handle: the forward thread and autograd's device thread), held by the
   allocator; the CUDA context, outside it.
 

@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
+from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
 from fitgpt.estimate.hardware import Target, attention_saved_delta
 from fitgpt.memory.fake import FakeTensorMode, fake_mode, fake_module
 from fitgpt.memory.flops import OpCost, OpFlops
@@ -282,7 +283,9 @@ def _profile(model: Transformer, run: _Subject, seed: int | None, t0: float) -> 
 
     accumulate = grad_accum > 1 or run.persistent_grads
     timelines: dict[str, StepTimeline] = {}
-    with sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext():
+    # A CUDA step's tensors get CUDA autocast's dtypes, not the CPU's we run on.
+    rules = cuda_autocast_rules() if run.simulated and run.dtype else contextlib.nullcontext()
+    with rules, sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext():
         if accumulate:  # gradients stay allocated between micro-batches: give them their tensors up front
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)

@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
+from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
 from fitgpt.estimate.hardware import Target
 from fitgpt.estimate.profile import fake_transformer
 from fitgpt.memory.allocator import CachingAllocatorModel
@@ -45,7 +46,8 @@ def simulate_step(model_cfg: ModelConfig, policy: str, batch: int, context: int,
         alloc.malloc(-1 - handle, target.workspace_bytes() // 2)
     math_only = target.attention_backend(dtype, cfg.head_dim) == "math"
     step_kw = {"amp": autocast(torch.device("cpu"), dtype), "grad_clip": optim.grad_clip, "check": False}
-    with mode, LiveMemory(allocator=alloc), sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext():
+    rules = cuda_autocast_rules() if target.cuda and dtype else contextlib.nullcontext()  # CUDA's casts, on CPU tensors
+    with mode, rules, LiveMemory(allocator=alloc), sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext():
         optimizer = build_optimizer(model, optim, torch.device(target.device))
 
         def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
