@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
 from fitgpt.errors import UserError
-from fitgpt.estimate.profile import per_rank, profile_model
+from fitgpt.estimate.profile import profile_model
 from fitgpt.memory.timeline import measure_train_step
 from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer
@@ -112,41 +112,66 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(distributed_results, mod
         torch.testing.assert_close(got["exp_avg"][i], s["exp_avg"], rtol=1e-5, atol=1e-7)
 
 
-def _memory_worker(rank: int, world: int, port: int, out_dir: str, cfg) -> None:
+MIXED = Plan(("block", "none", "selective", "pointwise"))
+NONE, CHUNKED = Plan.uniform(4, "none"), Plan.uniform(4, "block", "chunked")
+# (parallel, autocast and FSDP param dtype, model, plans): every option, a mixed plan (what auto picks), Llama with GQA.
+MEMORY_CASES = [("ddp", None, "gpt2", [NONE, CHUNKED, MIXED]),
+                ("fsdp", None, "gpt2", [NONE, CHUNKED, Plan.uniform(4, "selective"), Plan.uniform(4, "pointwise"), MIXED]),
+                ("fsdp", torch.bfloat16, "gpt2", [NONE, Plan.uniform(4, "block"), MIXED]),
+                ("fsdp", torch.bfloat16, "llama", [NONE, Plan.uniform(4, "selective"), MIXED])]
+
+
+def _memory_model(tiny_model_config, arch: str):
+    extra = {"arch": "llama", "n_head": 4, "n_kv_head": 2} if arch == "llama" else {}
+    return tiny_model_config(context_length=64, n_embed=64, vocab_size=512, **extra)
+
+
+def _memory_worker(rank: int, world: int, port: int, out_dir: str, cfgs: dict) -> None:
+    """Each rank's measured peak (the tracker, at the second step) for every case, in its own file."""
+    from fitgpt.device import autocast
+    from fitgpt.parallel import precision_roles
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     info = du.init_distributed("cpu", timeout_s=120)
     try:
-        B, T = 8, 128
-        x = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(rank))
+        B, T = 4, 64
         rows = []
-        for parallel in ("ddp", "fsdp"):
-            profile = per_rank(profile_model(cfg, B, T, persistent_grads=parallel == "ddp"), world, parallel)
-            for plan in (Plan.uniform(4, "none"), Plan.uniform(4, "block", "chunked"), Plan(("block", "none", "selective", "block"))):
+        for parallel, dtype, arch, specs in MEMORY_CASES:
+            cfg = cfgs[arch]
+            x = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(rank))
+            for plan in specs:
                 torch.manual_seed(0)
                 model = Transformer(cfg)
                 apply_activation_checkpointing(model, plan.spec())
-                step_model = du.wrap(model, info, parallel, CPU, None)
+                step_model = du.wrap(model, info, parallel, CPU, precision_roles(dtype, parallel == "fsdp")[1])
                 opt = build_optimizer(model, OPTIM, CPU)
-                measure_train_step(step_model, opt, [(x, x)])  # the optimizer state exists from here on
-                rows.append((parallel, plan.spec(), predict(profile, plan).peak, measure_train_step(step_model, opt, [(x, x)]).peak))
-        if rank == 0:
-            torch.save(rows, os.path.join(out_dir, "memory.pt"))
+                kw = {"amp": autocast(CPU, precision_roles(dtype, parallel == "fsdp")[0])}  # as the trainer
+                measure_train_step(step_model, opt, [(x, x)], **kw)  # the optimizer state exists from here on
+                rows.append((parallel, str(dtype), arch, plan.spec(), measure_train_step(step_model, opt, [(x, x)], **kw).peak))
+        torch.save(rows, os.path.join(out_dir, f"memory_{rank}.pt"))
     finally:
         du.shutdown(info)
 
 
 @pytest.mark.timeout(300)
-def test_plan_predicts_the_per_rank_peak_under_ddp_and_fsdp(tmp_path, tiny_model_config):
-    cfg = tiny_model_config(context_length=128, n_embed=128, vocab_size=2048)
-    mp.spawn(_memory_worker, args=(2, _free_port(), str(tmp_path), cfg), nprocs=2, join=True)
-    rows = torch.load(tmp_path / "memory.pt")
-    assert len(rows) == 6
-    for parallel, spec, predicted, measured in rows:
-        assert abs(measured - predicted) <= 0.10 * predicted, (parallel, spec, predicted, measured)
-        if parallel == "ddp":  # gradients live in DDP's buckets, as profiled: exact
-            assert abs(measured - predicted) <= 0.01 * predicted
-    ddp = {spec: m for par, spec, _, m in rows if par == "ddp"}
-    fsdp = {spec: m for par, spec, _, m in rows if par == "fsdp"}
+def test_plan_predicts_each_ranks_peak_under_ddp_and_fsdp(tmp_path, tiny_model_config):
+    """Profiled, not divided: FSDP's step is profiled as one rank of two on fake ranks, sharded as the trainer shards;
+    every rank's measured peak equals the prediction to the byte, for every option, mixed plans, bf16 and Llama GQA."""
+    cfgs = {arch: _memory_model(tiny_model_config, arch) for arch in ("gpt2", "llama")}
+    mp.spawn(_memory_worker, args=(2, _free_port(), str(tmp_path), cfgs), nprocs=2, join=True)
+    measured = [torch.load(tmp_path / f"memory_{r}.pt") for r in range(2)]
+    rows = []
+    for parallel, dtype, arch, specs in MEMORY_CASES:
+        cfg = cfgs[arch]
+        kw = {"persistent_grads": True} if parallel == "ddp" else {"fsdp_ranks": 2}
+        profile = profile_model(cfg, 4, 64, "cpu", dtype=dtype, fake=True, **kw)
+        for plan in specs:
+            rows.append((parallel, str(dtype), arch, plan.spec(), predict(profile, plan).peak))
+    for r in range(2):
+        assert [row[:4] for row in measured[r]] == [row[:4] for row in rows]
+        assert [row[4] for row in measured[r]] == [row[4] for row in rows]
+    ddp = {spec: m for par, dt, arch, spec, m in measured[0] if par == "ddp"}
+    fsdp = {spec: m for par, dt, arch, spec, m in measured[0] if par == "fsdp" and dt == "None" and arch == "gpt2"}
     assert all(fsdp[k] < ddp[k] for k in ddp)  # sharded weights, gradients and optimizer state
 
 
@@ -198,9 +223,12 @@ def test_torchrun_ddp_trains_and_resumes_exactly(data_dir, corpus_dir, tmp_path)
 @pytest.mark.timeout(600)
 def test_torchrun_fsdp_checkpoints_move_to_one_process_and_back(data_dir, corpus_dir, tmp_path):
     run = tmp_path / "run"
-    # FSDP with its mixed-precision policy (bf16 compute, fp32 weights and reductions)
-    finish(torchrun(train_flags(data_dir, corpus_dir, run, 3, "--parallel", "fsdp", "--activation-checkpointing", "selective",
-                                "--precision", "bf16"), tmp_path))
+    # FSDP with its mixed-precision policy (bf16 compute, fp32 weights and reductions), planned for its ranks
+    out, _ = finish(torchrun(train_flags(data_dir, corpus_dir, run, 3, "--parallel", "fsdp", "--activation-checkpointing", "auto",
+                                         "--memory-budget", "16MiB", "--precision", "bf16"), tmp_path))
+    plan = json.loads(out.strip().splitlines()[-1])["memory_plan"]
+    # Each rank measured its own second step (the tracker); the plan for one rank of two predicted it.
+    assert len(plan["measured_peaks"]) == 2 and all(abs(m - plan["predicted_peak"]) <= 0.001 * m for m in plan["measured_peaks"]), plan
     assert load_file(str(run / "checkpoints/step_00000003" / ckpt.MODEL_FILE))["lm_head.weight"].dtype == torch.float32
     ckpt.verify_checkpoint(run / "checkpoints/step_00000003")
     # One process picks up the sharded run's checkpoint ...

@@ -58,3 +58,12 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> Callable[[], co
     if dtype is None:
         return contextlib.nullcontext
     return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def loss_logits(logits: torch.Tensor) -> torch.Tensor:
+    """The logits a loss is computed from: half-precision logits outside autocast (pure bf16 under FSDP) in fp32, as
+    torchtitan computes its loss; under autocast as they are (autocast decides: fp32 on CPU, while CUDA keeps the
+    log-softmax in half precision)."""
+    if logits.dtype in (torch.float16, torch.bfloat16) and not torch.is_autocast_enabled(logits.device.type):
+        return logits.float()
+    return logits

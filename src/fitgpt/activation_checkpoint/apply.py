@@ -28,6 +28,7 @@ from fitgpt.activation_checkpoint.policy import (
     parse_policy,
 )
 from fitgpt.activation_checkpoint.selective import pointwise_context_fn, selective_context_fn
+from fitgpt.device import loss_logits
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ class ChunkedLossHead(_Wrapper):
 
     def _chunk_loss_sum(self, xc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
         logits = F.linear(xc, self.inner.weight, self.inner.bias)  # (rows, vocab)
-        return F.cross_entropy(logits, tc.long(), reduction="sum").float()
+        return F.cross_entropy(loss_logits(logits), tc.long(), reduction="sum").float()
 
 
 # ---- finding the blocks -------------------------------------------------------------------------

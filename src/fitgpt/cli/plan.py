@@ -84,6 +84,10 @@ def run(args: list[str]) -> int:
         if budget < cfg.budget:
             print(f"  budget lowered by {format_bytes(cfg.budget - budget)} from the card's, so that the plan's reserved "
                   "memory (the allocator's blocks and fragmentation, modelled) fits on the card")
+    if w.fsdp_ranks > 1:
+        print(f"  ranks: one of {w.fsdp_ranks} under FSDP2, profiled on {w.fsdp_ranks} fake ranks (PyTorch's fake process "
+              f"group) and sharded as the trainer shards: weights gathered in {w.dtype or 'fp32'} block by block, "
+              "gradients reduce-scattered in fp32; the gathers' time is estimated from link bandwidths by fit, not here")
     print(f"  time model: {profile.time_source}")
     print("\n| policy | predicted peak | step time | time vs none | FLOPs vs none | fits |\n|---|---:|---:|---:|---:|---|")
     n = profile.n_blocks

@@ -175,6 +175,13 @@ def _append_dtype_overload(op):
 def cuda_autocast_rules() -> Iterator[None]:
     """While entered, CPU autocast casts as CUDA autocast does (see the module docstring): for a CUDA step
     profiled on CPU tensors. Process-wide (the dispatcher's table is), so nothing else should train meanwhile."""
+    try:
+        policies = cuda_policies()
+    except FileNotFoundError:
+        log.warning("this PyTorch install has no C++ headers (%s): CUDA's autocast lists cannot be read, so the CPU's "
+                    "casts are planned (cross_entropy over-predicted by 2 bytes a logit)", _header())
+        yield
+        return
     rules, lib = _Rules(), torch.library.Library("aten", "IMPL")
     clear = torch.clear_autocast_cache
 
@@ -185,7 +192,6 @@ def cuda_autocast_rules() -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel": that is the point
-            policies = cuda_policies()
             for name, (cpu, cuda) in autocast_ops().items():
                 short = name.removeprefix("aten::")
                 if cuda:

@@ -23,6 +23,7 @@ from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
 from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
 from fitgpt.estimate.hardware import Target, attention_saved_delta
+from fitgpt.estimate.ranks import fake_ranks
 from fitgpt.memory.fake import FakeTensorMode, fake_mode, fake_module
 from fitgpt.memory.flops import OpCost, OpFlops
 from fitgpt.memory.timeline import (
@@ -36,6 +37,7 @@ from fitgpt.memory.timeline import (
 from fitgpt.memory.tracker import round_up
 from fitgpt.model import ModelConfig, Transformer
 from fitgpt.optim import build_optimizer
+from fitgpt.parallel import fsdp_shard, precision_roles
 from fitgpt.step import optimizer_update
 
 log = logging.getLogger(__name__)
@@ -153,7 +155,7 @@ def _head_option(tl: StepTimeline, base: StepTimeline) -> HeadOption:
 def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None = None, device: str | torch.device = "cpu",
                   optim_cfg=None, grad_accum: int = 1, dtype: torch.dtype | None = None, seed: int = 0,
                   persistent_grads: bool = False, fake: bool = False, target: Target | None = None,
-                  cost: OpCost | None = None) -> StepProfile:
+                  cost: OpCost | None = None, fsdp_ranks: int = 1) -> StepProfile:
     """Profile one training step per option (four in all) of ``model_cfg`` on ``device``.
 
     ``fake``: on fake tensors (shapes, no storage, no arithmetic), so that any size plans in seconds
@@ -161,7 +163,20 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
     ``target``: a CUDA target planned on fake CPU tensors, with what differs on CUDA modelled (see
     ``fitgpt.estimate.hardware``); by default the device itself.
     ``cost``: a model of each op's seconds (``fitgpt.estimate.timing``), giving every segment its time.
+    ``fsdp_ranks``: above 1, the step of one rank of that many under FSDP2, sharded as the trainer shards
+    (``fitgpt.parallel``) on a fake process group in this process: every gather, reduce-scatter and shard
+    is the real one's, in its dtype (tested equal to each rank's measured peak under torchrun).
     """
+    if fsdp_ranks > 1:
+        with fake_ranks(fsdp_ranks) as mesh:
+            return _profile_model(model_cfg, batch_size, context, device, optim_cfg, grad_accum, dtype, seed,
+                                  persistent_grads, fake, target, cost, mesh)
+    return _profile_model(model_cfg, batch_size, context, device, optim_cfg, grad_accum, dtype, seed, persistent_grads,
+                          fake, target, cost, None)
+
+
+def _profile_model(model_cfg, batch_size, context, device, optim_cfg, grad_accum, dtype, seed, persistent_grads, fake,
+                   target, cost, mesh) -> StepProfile:
     t0 = time.perf_counter()
     device = torch.device(device)
     target = target or Target(device.type)
@@ -170,10 +185,10 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
     context = context or model_cfg.context_length
     cfg = dataclasses.replace(model_cfg, context_length=max(context, model_cfg.context_length))
     run = _Subject(cfg, batch_size, context, device, optim_cfg or OptimConfig(), grad_accum, dtype, persistent_grads, target,
-               simulated=target.cuda and device.type != "cuda", cost=cost)
+               simulated=target.cuda and device.type != "cuda", cost=cost, mesh=mesh)
     torch.manual_seed(seed)
     if not fake:
-        return _profile(Transformer(cfg).to(device), run, seed, t0)
+        return _profile(_sharded(Transformer(cfg).to(device), run), run, seed, t0)
     if cfg.n_blocks >= DEEP:
         return _deepen(run, t0)
     return _fake_profile(run, t0)
@@ -192,10 +207,17 @@ def fake_transformer(cfg: ModelConfig, device: torch.device) -> tuple[Transforme
         return fake_module(Transformer(cfg), device, mode), mode
 
 
+def _sharded(model: Transformer, run: _Subject) -> Transformer:
+    """The model as one rank of ``run``'s FSDP holds it (unchanged without FSDP)."""
+    if run.mesh is not None:
+        fsdp_shard(model, precision_roles(run.dtype, True)[1], mesh=run.mesh)  # as the trainer: pure half precision
+    return model
+
+
 def _fake_profile(run: _Subject, t0: float) -> StepProfile:
     model, mode = fake_transformer(run.cfg, run.device)
     with mode:
-        return _profile(model, run, None, t0)
+        return _profile(_sharded(model, run), run, None, t0)
 
 
 def _deepen(run: _Subject, t0: float) -> StepProfile:
@@ -217,6 +239,7 @@ def _fixed_costs(run: _Subject) -> dict[str, int | float]:
     round_to, accumulate = run.target.round_to, run.grad_accum > 1 or run.persistent_grads
     model, mode = fake_transformer(run.cfg, run.device)
     with mode:
+        model = _sharded(model, run)
         optimizer = build_optimizer(model, run.optim, torch.device(run.target.device))
         rises, times = [], []
         for _ in range(2):  # the first step creates the optimizer state, the second is the steady one
@@ -254,6 +277,8 @@ class _Subject:
     """False for the shallow profiles of a deep model, whose optimizer costs are taken at full depth."""
     cost: OpCost | None = None
     """Each op's seconds, for the segments' times."""
+    mesh: object = None
+    """The fake ranks' DeviceMesh when the step is one rank's under FSDP (None: one process, or DDP)."""
 
     @property
     def backend(self) -> str:
@@ -273,7 +298,7 @@ def _profile(model: Transformer, run: _Subject, seed: int | None, t0: float) -> 
         g = torch.Generator().manual_seed(seed)
         idx = torch.randint(0, cfg.vocab_size, (batch_size, context + 1), generator=g).to(device)
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-    amp = autocast(device, run.dtype)
+    amp = autocast(device, precision_roles(run.dtype, run.mesh is not None)[0])
     # The math backend on CUDA is the math path: run it here as it will run there.
     math_sdpa = run.simulated and run.backend == "math"
 
@@ -355,36 +380,3 @@ def _offload_option(none: BlockOption, run: _Subject) -> BlockOption:
     pcie = run.target.gpu.pcie if run.target.gpu else 32e9
     return dataclasses.replace(none, saved=0, fwd_rise=none.fwd_rise + out, bwd_rise=none.bwd_rise + none.saved,
                                time=none.time + 2 * none.saved / pcie)
-
-
-def per_rank(profile: StepProfile, world: int, parallel: str) -> StepProfile:
-    """The profile of one rank out of ``world`` under DDP or FSDP (profile DDP with persistent_grads=True).
-
-    DDP: every rank holds the whole model; gradients live in the all-reduce buckets for the whole run,
-    which is what ``persistent_grads`` profiled. FSDP: parameters, gradients and optimizer state are
-    divided by ``world``; a block's weights are gathered whole while it runs (plus the next one,
-    prefetched) and its gradients are whole until reduce-scattered; the root's (embeddings, head)
-    stay gathered through the step.
-    """
-    if world <= 1 or parallel == "ddp":
-        return profile
-    n, p = world, profile
-    block = p.block_param_bytes
-    root = max(0, p.params - block * p.n_blocks)
-    held_grads = p.baseline - p.params - p.optimizer  # only with persistent gradients
-    fwd_extra, bwd_extra = 2 * block, 3 * block
-
-    def shard(o: BlockOption) -> BlockOption:
-        return dataclasses.replace(o, fwd_rise=o.fwd_rise + fwd_extra, bwd_rise=o.bwd_rise + bwd_extra)
-
-    params = p.params // n + root - root // n  # this rank's shard, and the root gathered whole
-    return dataclasses.replace(
-        p,
-        params=params,
-        optimizer=p.optimizer // n,
-        grads=p.grads // n,
-        baseline=params + p.optimizer // n + held_grads // n,
-        blocks=[{k: shard(o) for k, o in b.items()} for b in p.blocks],
-        block_grads=[g // n for g in p.block_grads],
-        optimizer_rise=p.optimizer_rise // n,
-    )

@@ -21,31 +21,43 @@ from fitgpt.device import autocast
 from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
 from fitgpt.estimate.hardware import Target
 from fitgpt.estimate.profile import fake_transformer
+from fitgpt.estimate.ranks import fake_ranks
 from fitgpt.memory.allocator import CachingAllocatorModel
-from fitgpt.memory.tracker import LiveMemory
+from fitgpt.memory.tracker import LiveMemory, storages
 from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
+from fitgpt.parallel import fsdp_shard, precision_roles
 from fitgpt.step import train_step
 
 
 def simulate_step(model_cfg: ModelConfig, policy: str, batch: int, context: int, grad_accum: int, dtype: torch.dtype | None,
-                  optim: OptimConfig, target: Target, allocator=None) -> dict[str, int]:
-    """Peak allocated and reserved bytes of a steady-state step of ``policy`` on ``target`` (one process).
+                  optim: OptimConfig, target: Target, allocator=None, fsdp_ranks: int = 1) -> dict[str, int]:
+    """Peak allocated and reserved bytes of a steady-state step of ``policy`` on ``target`` (one process, or one rank
+    of ``fsdp_ranks`` under FSDP, sharded as the trainer shards on fake ranks).
 
     The weights are allocated first, then the cuBLAS workspaces; a first step creates the optimizer
     state; the second step, of up to two micro-batches (later ones repeat the second), is measured,
     its token batches included. ``allocator``: the model replayed through (default: CUDA's).
     """
+    with fake_ranks(fsdp_ranks) if fsdp_ranks > 1 else contextlib.nullcontext() as mesh:
+        return _replay(model_cfg, policy, batch, context, grad_accum, dtype, optim, target, allocator, mesh)
+
+
+def _replay(model_cfg, policy, batch, context, grad_accum, dtype, optim, target, allocator, mesh) -> dict[str, int]:
     cfg = dataclasses.replace(model_cfg, context_length=max(context, model_cfg.context_length))
     model, mode = fake_transformer(cfg, torch.device("cpu"))
     apply_activation_checkpointing(model, policy)
+    if mesh is not None:
+        with mode:
+            fsdp_shard(model, precision_roles(dtype, True)[1], mesh=mesh)
     alloc = allocator if allocator is not None else CachingAllocatorModel()
-    for p in {id(p): p for p in model.parameters()}.values():
-        alloc.malloc(id(p.untyped_storage()), p.untyped_storage().nbytes())
+    for st in {id(st): st for p in model.parameters() for st in storages(p)}.values():
+        alloc.malloc(id(st), st.nbytes())
     for handle in range(target.workspace_bytes() and 2):
         alloc.malloc(-1 - handle, target.workspace_bytes() // 2)
     math_only = target.attention_backend(dtype, cfg.head_dim) == "math"
-    step_kw = {"amp": autocast(torch.device("cpu"), dtype), "grad_clip": optim.grad_clip, "check": False}
+    amp = autocast(torch.device("cpu"), precision_roles(dtype, mesh is not None)[0])  # FSDP: pure half precision
+    step_kw = {"amp": amp, "grad_clip": optim.grad_clip, "check": False}
     rules = cuda_autocast_rules() if target.cuda and dtype else contextlib.nullcontext()  # CUDA's casts, on CPU tensors
     with mode, rules, LiveMemory(allocator=alloc), sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext():
         optimizer = build_optimizer(model, optim, torch.device(target.device))

@@ -18,7 +18,8 @@ import torch
 from fitgpt.config import TrainConfig
 from fitgpt.device import autocast_dtype
 from fitgpt.estimate.hardware import Target
-from fitgpt.estimate.profile import StepProfile, per_rank, profile_model
+from fitgpt.estimate.profile import StepProfile, profile_model
+from fitgpt.estimate.ranks import RanksBusy, in_own_process
 from fitgpt.estimate.replay import simulate_step
 from fitgpt.estimate.timing import calibrate, roofline
 from fitgpt.memory.flops import OpCost
@@ -51,22 +52,31 @@ class Workload:
         """DDP keeps every gradient in its buckets between steps."""
         return self.world_size > 1 and self.train.parallel == "ddp"
 
+    @property
+    def fsdp_ranks(self) -> int:
+        """Ranks the step is sharded over under FSDP (1: not sharded)."""
+        return self.world_size if self.world_size > 1 and self.train.parallel == "fsdp" else 1
+
     def profile(self, batch_size: int | None = None, context: int | None = None) -> StepProfile:
         """The step's profile (or that of another micro-batch or context of it), per rank."""
         t = self.train
-        prof = profile_model(self.model, batch_size or t.batch_size, context or self.model.context_length, self.device,
-                             t.optim, t.grad_accum, self.dtype, seed=t.seed, persistent_grads=self.persistent_grads,
-                             fake=self.fake, target=self.target, cost=self.cost)
-        return per_rank(prof, self.world_size, t.parallel)
+        args = (self.model, batch_size or t.batch_size, context or self.model.context_length, self.device)
+        kw = {"optim_cfg": t.optim, "grad_accum": t.grad_accum, "dtype": self.dtype, "seed": t.seed,
+              "persistent_grads": self.persistent_grads, "fake": self.fake, "target": self.target, "cost": self.cost,
+              "fsdp_ranks": self.fsdp_ranks}
+        try:
+            return profile_model(*args, **kw)
+        except RanksBusy:  # under torchrun: the fake ranks get a process of their own
+            return in_own_process(profile_model, *args, **kw)
 
     def replay(self, policy: str) -> dict[str, int] | None:
         """For a CUDA target planned here (one process): the plan's step replayed through CUDA's caching
         allocator (modelled), giving max_memory_allocated and max_memory_reserved; None otherwise."""
-        if not (self.target.cuda and self.fake and self.world_size == 1) or "offload" in policy:
+        if not (self.target.cuda and self.fake and (self.world_size == 1 or self.fsdp_ranks > 1)) or "offload" in policy:
             return None  # offload copies nothing on the CPU the replay runs on
         t = self.train
         return simulate_step(self.model, policy, t.batch_size, self.model.context_length, t.grad_accum, self.dtype, t.optim,
-                             self.target)
+                             self.target, fsdp_ranks=self.fsdp_ranks)
 
     def vary(self, cost: OpCost | None = None, **changes) -> Workload:
         """The same workload with training settings changed (batch_size, grad_accum, precision, parallel). The
@@ -108,7 +118,10 @@ def workload_for(cfg: TrainConfig, *, target: Target | None = None, device: torc
     """
     device = device or torch.device("cpu")
     target = target or Target(device.type)
-    fake = device.type == "cpu" if fake is None else fake
+    sharded = world_size > 1 and cfg.parallel == "fsdp"
+    fake = device.type == "cpu" or sharded if fake is None else fake
+    if fake and device.type != "cpu":  # one rank of N, profiled in this process: fake CPU tensors, the device modelled
+        device = torch.device("cpu")
     dtype = _dtype(cfg.precision, target, device, fake)
     if cost is None:
         if target.cuda and fake:

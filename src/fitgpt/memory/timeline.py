@@ -25,7 +25,7 @@ import torch.nn as nn
 from fitgpt.activation_checkpoint.apply import find_blocks
 from fitgpt.memory.flops import OpCost, OpFlops
 from fitgpt.memory.measure import default_loss
-from fitgpt.memory.tracker import LiveMemory, round_up
+from fitgpt.memory.tracker import LiveMemory, round_up, storages
 from fitgpt.step import Batch, optimizer_update, train_step
 
 
@@ -75,9 +75,8 @@ def _unique_bytes(tensors, round_to: int = 1) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor shard: this rank's bytes
-            st = t.untyped_storage()
-            seen[st._cdata] = round_up(st.nbytes(), round_to)  # the storage's identity: fake storages have no data pointer
+            for st in storages(t):  # a DTensor: this rank's shard
+                seen[st._cdata] = round_up(st.nbytes(), round_to)  # the storage's identity: fake storages have no data pointer
     return sum(seen.values())
 
 
@@ -159,7 +158,9 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
             return hook
 
         for i, mod in enumerate(block_list):
-            handles.append(mod.register_forward_pre_hook(pre(i)))
+            # Outside any hooks already there (FSDP2's gather its weights before the block and free them after):
+            # what they allocate belongs to the block's segment, and segments stay contiguous.
+            handles.append(mod.register_forward_pre_hook(pre(i), prepend=True))
             handles.append(mod.register_forward_hook(post(i)))
         try:
             mark("start")
@@ -182,13 +183,16 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
     s = mark.segment
     return StepTimeline(
         fwd_embed=s("start", "fwd_pre_0"),
-        fwd_blocks=[s(f"fwd_pre_{i}", f"fwd_post_{i}") for i in range(n)],
+        # From the previous block's end: what is freed between two blocks (an input the next one did not keep, once
+        # FSDP's hook has cast it) is the next block's doing, and the segments stay contiguous.
+        fwd_blocks=[s(f"fwd_post_{i - 1}" if i else "fwd_pre_0", f"fwd_post_{i}") for i in range(n)],
         fwd_head=s(f"fwd_post_{n - 1}", "fwd_end"),
         bwd_head=s("fwd_end", f"bwd_out_{n - 1}"),
         bwd_blocks=[s(f"bwd_out_{i}", f"bwd_out_{i - 1}" if i else "bwd_in_0") for i in range(n)],
         bwd_embed=s("bwd_in_0", "bwd_end"),
         optimizer=s("bwd_end", "opt_end"),
-        fwd_transient=[mark.freed_between(f"fwd_pre_{i}", f"fwd_post_{i}", f"fwd_post_{n - 1}", "fwd_end") for i in range(n)],
+        fwd_transient=[mark.freed_between(f"fwd_post_{i - 1}" if i else "fwd_pre_0", f"fwd_post_{i}", f"fwd_post_{n - 1}", "fwd_end")
+                       for i in range(n)],
         peak=max(p[1] for p in mark.points.values()),
         flops=fc.total,
         baseline=baseline,

@@ -13,12 +13,21 @@ import weakref
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 
 def round_up(nbytes: int, block: int) -> int:
     return -(-nbytes // block) * block
+
+
+def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding ``t``'s data: its own, or for a tensor subclass that wraps others (a DTensor: this
+    rank's shard), theirs. A wrapper's own storage reports the whole (global) size and holds nothing."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [st for name in names if isinstance(inner := getattr(t, name), torch.Tensor) for st in storages(inner)]
+    return [t.untyped_storage()]
 
 
 class LiveMemory(TorchDispatchMode):
@@ -43,15 +52,15 @@ class LiveMemory(TorchDispatchMode):
         self.peak = 0
         self._live: dict[int, int] = {}
 
-    def _free(self, key: int, nbytes: int) -> None:
-        if self._live.pop(key, None) is not None:
+    def _free(self, key: int) -> None:
+        nbytes = self._live.pop(key, None)
+        if nbytes is not None:
             self.current -= nbytes
             self.frees.append((self._born.pop(key), self.epoch, nbytes))
             if self.allocator is not None:
                 self.allocator.free(key)
 
-    def _track(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
+    def _track(self, st: torch.UntypedStorage) -> None:
         key = id(st)
         if key in self._live:
             return
@@ -62,7 +71,30 @@ class LiveMemory(TorchDispatchMode):
         self._born[key] = self.epoch
         self.current += nbytes
         self.peak = max(self.peak, self.current)
-        weakref.finalize(st, self._free, key, nbytes)
+        weakref.finalize(st, self._free, key)  # on a resized storage again: the first to run frees it, the rest find nothing
+
+    def _resized(self, st: torch.UntypedStorage) -> None:
+        """A storage resized in place (FSDP2 frees and re-allocates its unsharded parameters so): a free, then
+        an allocation of the new size, as the allocator sees it."""
+        self._free(id(st))
+        if st.nbytes() > 0:
+            self._track(st)
+
+    def __enter__(self) -> LiveMemory:
+        # Storage resizes reach no dispatch mode; PyTorch's own MemTracker watches them the same way.
+        self._resize = resize = torch.UntypedStorage.resize_
+
+        def resize_(st, size):
+            out = resize(st, size)
+            self._resized(st)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
     def reset_peak(self) -> None:
         self.peak = self.current
@@ -72,10 +104,12 @@ class LiveMemory(TorchDispatchMode):
         out = func(*args, **kwargs)
         # Views and in-place results share an input's storage: nothing new was allocated
         # (this is what keeps views of parameters, such as a weight's transpose, out of the count).
-        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {id(st) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for st in storages(t)}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta" and id(t.untyped_storage()) not in inputs:
-                self._track(t)
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                for st in storages(t):
+                    if id(st) not in inputs:
+                        self._track(st)
         return out
 
 

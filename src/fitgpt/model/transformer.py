@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fitgpt.device import loss_logits
 from fitgpt.model.attention import attend
 from fitgpt.model.config import ModelConfig
 from fitgpt.model.kv_cache import KVCache, LayerCache
@@ -65,7 +66,7 @@ class LMHead(nn.Linear):
         logits = F.linear(x, self.weight, self.bias)  # (B, T, vocab)
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1).long())
+        loss = F.cross_entropy(loss_logits(logits).view(-1, logits.size(-1)), targets.reshape(-1).long())
         return logits, loss
 
 

@@ -112,12 +112,12 @@ def _param_count(w: Workload) -> int:
 
 
 def _offloaded(p: StepProfile, params: int, world: int) -> StepProfile:
-    """The per-rank FSDP profile with parameters, gradients and optimizer state in host memory: the device keeps
-    the root's gathered weights and what a block gathers while it runs (its segments' rises, as under FSDP)."""
-    root = max(0, 4 * params - p.block_param_bytes * p.n_blocks)
+    """One rank's FSDP profile with parameters, gradients and optimizer state in host memory (modelled): the device
+    keeps what the ranks gather while a module runs (the root's weights from its forward to its backward, a block's
+    while it runs: in the profiled segments, as under FSDP) and no shard, gradient or moment between them."""
     # AdamW on the host reads parameter, gradient and both moments (16 B, fp32) and writes three of them (12 B).
-    return dataclasses.replace(p, params=root, optimizer=0, grads=0, baseline=root, optimizer_rise=0,
-                               optimizer_time=28 * params / world / HOST_BANDWIDTH)
+    return dataclasses.replace(p, params=0, optimizer=0, grads=0, baseline=0, optimizer_rise=0,
+                               block_grads=[0] * p.n_blocks, optimizer_time=28 * params / world / HOST_BANDWIDTH)
 
 
 def _link_seconds(w: Workload, layout: Layout, accum: int, micro: float, params: int, dtype_bytes: int) -> float:

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fitgpt.activation_checkpoint.apply import ActivationCheckpointWrapper, find_blocks
 from fitgpt.errors import UserError
+from fitgpt.parallel import fsdp_shard
 
 log = logging.getLogger(__name__)
 
@@ -133,17 +133,7 @@ def wrap(model: nn.Module, info: DistInfo, parallel: str, device: torch.device, 
 
         # Gradients as views into the all-reduce buckets: no second copy of every gradient.
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype is not None else MixedPrecisionPolicy()
-    kw = {"mp_policy": mp, "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()}
-    _, blocks = find_blocks(model)
-    for block in blocks:
-        # Shard the block itself, not its checkpoint wrapper: a group's first wrapper runs the
-        # other blocks of its group directly, and their own hooks must gather their weights.
-        fully_shard(block.inner if isinstance(block, ActivationCheckpointWrapper) else block, **kw)
-    fully_shard(model, **kw)
-    return model
+    return fsdp_shard(model, param_dtype, offload, pin_memory=device.type == "cuda")
 
 
 def sync_context(step_model: nn.Module, parallel: str, last_micro_batch: bool):

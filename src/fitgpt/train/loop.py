@@ -157,7 +157,7 @@ def _step(run: LoopState, step: int, probe: bool) -> StepResult:
     cfg, info = run.cfg, run.info
     batches = [run.sampler.next_batch(run.device) for _ in range(cfg.grad_accum)]
     # Not under torch.compile off CUDA: compiled kernels allocate outside the tracker's view.
-    measurable = not info.enabled and (run.device.type == "cuda" or not cfg.compile)
+    measurable = run.device.type == "cuda" or not cfg.compile
     peak = PeakProbe(run.model, run.optimizer) if probe and measurable else None
     try:
         with peak or contextlib.nullcontext():
@@ -176,10 +176,19 @@ def _step(run: LoopState, step: int, probe: bool) -> StepResult:
             "keeps the tokens per step"
         ) from None
     if peak is not None:
-        run.planned["measured_peak"] = peak.result.peak
-        log.info("auto: measured peak %s (%s) vs predicted %s, budget %s", format_bytes(peak.result.peak), peak.result.source,
-                 format_bytes(run.planned["predicted_peak"]), format_bytes(run.planned["budget"]))
+        _log_measured_peak(run, peak.result)
     return result
+
+
+def _log_measured_peak(run: LoopState, measured) -> None:
+    """Every rank's measured peak (rank 0 logs them all) beside the plan's prediction for one rank."""
+    peaks = dist_utils.gather_objects(run.info, measured.peak)
+    run.planned["measured_peak"] = max(peaks)
+    if run.info.enabled:
+        run.planned["measured_peaks"] = peaks
+    ranks = ", ".join(f"rank {r}: {format_bytes(b)}" for r, b in enumerate(peaks)) if run.info.enabled else format_bytes(peaks[0])
+    log.info("auto: measured peak %s (%s) vs predicted %s, budget %s", ranks, measured.source,
+             format_bytes(run.planned["predicted_peak"]), format_bytes(run.planned["budget"]))
 
 
 def _skip_bad_step(run: LoopState, p: Progress, step: int, loss: float, grad_norm: float, lr: float) -> None:

@@ -20,6 +20,7 @@ from fitgpt.errors import UserError
 from fitgpt.memory import measure_step_memory
 from fitgpt.memory.tracker import round_up
 from fitgpt.model import Transformer
+from fitgpt.parallel import precision_roles
 from fitgpt.train import distributed as dist_utils
 from fitgpt.train.resume import rng_state, set_rng_state
 
@@ -98,4 +99,5 @@ def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist
     if inspect is not None:
         inspect(model)
     step_model = torch.compile(model) if cfg.compile else model
-    return dist_utils.wrap(step_model, info, cfg.parallel, device, dtype if cfg.parallel == "fsdp" else None, cfg.fsdp_offload)
+    _, param_dtype = precision_roles(dtype, cfg.parallel == "fsdp")
+    return dist_utils.wrap(step_model, info, cfg.parallel, device, param_dtype, cfg.fsdp_offload)

@@ -23,6 +23,7 @@ from fitgpt.device import autocast, autocast_dtype, resolve_device
 from fitgpt.errors import UserError
 from fitgpt.hf import check_tokenizer, import_config, import_weights
 from fitgpt.optim import build_optimizer
+from fitgpt.parallel import precision_roles
 from fitgpt.step import grad_scaler
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as dist_utils
@@ -133,7 +134,8 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
         dist_utils.load_full_optimizer_state(optimizer, state["optimizer"])
     _log_start(cfg, info, model, device, dtype, start_step)
     metrics = MetricsWriter(cfg.run_dir, cfg.tensorboard, resume_step=start_step) if info.is_main else None
-    run = LoopState(cfg, info, device, data, model, step_model, optimizer, scaler, sampler, autocast(device, dtype), policy,
+    amp_dtype, _ = precision_roles(dtype, cfg.parallel == "fsdp" and info.enabled)  # FSDP: pure half precision, no autocast
+    run = LoopState(cfg, info, device, data, model, step_model, optimizer, scaler, sampler, autocast(device, amp_dtype), policy,
                     planned, metrics, tied)
     t_start = time.perf_counter()
     try:
