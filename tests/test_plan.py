@@ -252,6 +252,27 @@ def test_plan_prints_the_plan_it_solved_not_the_tables_last_row(capsys):
     assert "plan: none (the fastest that fits" in out and "--activation-checkpointing none" in out
 
 
+def test_plan_predicts_the_policy_the_train_command_names(capsys):
+    """--activation-checkpointing as train takes it: the policy predicted as given (a group of two blocks as its nearest
+    profiled plan), its train command carrying it; one over the budget gets no train command."""
+    flags = ["--batch-size", "2", "--context", "32", "--memory-budget", "1GiB"]
+    profile = BudgetConfig(batch_size=2, context=32, memory_budget="1GiB").workload.profile()
+    n = profile.n_blocks
+    assert main(["plan", *flags, "--activation-checkpointing", "selective+chunked-loss"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["policy"] == "selective+chunked-loss" and result["fits_budget"]
+    assert result["predicted_peak"] == predict(profile, Plan.uniform(n, "selective", "chunked")).peak
+    assert "--activation-checkpointing selective+chunked-loss" in out and "plan: selective+chunked-loss (as given; fits" in out
+    small = predict(profile, Plan.uniform(n, "block")).peak - 1  # the group:2 plan needs more than block's
+    assert main(["plan", *flags[:-1], f"{small}B", "--activation-checkpointing", "group:2"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted as block, its nearest profiled plan; DOES NOT FIT the budget" in out
+    assert "no train command" in out and "train with" not in out
+    assert main(["plan", *flags, "--activation-checkpointing", "blok"]) == 2
+    assert "unknown checkpointing term 'blok'" in capsys.readouterr().err
+
+
 def test_plan_command_errors_name_the_flag(capsys):
     assert main(["plan", "--device", "cpu"]) == 2
     assert "--memory-budget is required" in capsys.readouterr().err

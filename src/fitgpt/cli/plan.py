@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.cli.workload import BudgetConfig, parse_workload
 from fitgpt.config import train_command
 from fitgpt.estimate.hardware import CUDA_CONTEXT
@@ -20,6 +21,15 @@ from fitgpt.units import format_bytes
 @dataclass
 class PlanConfig(BudgetConfig):
     """Profile the model once per option, then solve for the fastest plan within the budget."""
+
+    activation_checkpointing: str = "auto"
+    """As for fitgpt train: auto solves for the fastest plan within the budget; a policy (block, selective,
+    blocks:0,1+chunked-loss, ...) is predicted as given."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.activation_checkpointing != "auto":
+            parse_policy(self.activation_checkpointing)  # a misspelt policy is refused before anything is profiled
 
 
 def _cuda_notes(cfg: PlanConfig) -> list[str]:
@@ -67,6 +77,15 @@ def _solve_on_card(cfg: PlanConfig, profile, budget: int):
         budget -= over + 2 * 2**20  # and a step of the allocator's 2 MiB blocks, so that this converges
 
 
+def _as_given(cfg: PlanConfig, profile, budget: int):
+    """The policy --activation-checkpointing names, predicted and replayed as it is (the profile's nearest plan where
+    it runs blocks together as one region), with the bytes it overflows the card by."""
+    spec = cfg.activation_checkpointing
+    plan, exact = Plan.from_policy(spec, profile.n_blocks)
+    replay = cfg.workload.replay(spec)
+    return plan, predict(profile, plan), replay, budget, _over_card(cfg, replay), exact
+
+
 def _budget_flag(cfg: PlanConfig, budget: int) -> str:
     """The --memory-budget that plans as this one did: as given, or the default (maybe lowered), in whole MiB."""
     return cfg.memory_budget or f"{(cfg.device_budget - (cfg.budget - budget)) // 2**20}MiB"
@@ -77,7 +96,11 @@ def run(args: list[str]) -> int:
     w = cfg.workload
     tcfg = w.train
     profile = w.profile()
-    plan, pred, replay, budget, over = _solve_on_card(cfg, profile, cfg.budget)
+    given = cfg.activation_checkpointing != "auto"
+    if given:
+        plan, pred, replay, budget, over, exact = _as_given(cfg, profile, cfg.budget)
+    else:
+        plan, pred, replay, budget, over = _solve_on_card(cfg, profile, cfg.budget)
     print(f"{w.describe()}; budget {format_bytes(budget)}; profiled in {profile.seconds:.1f}s")
     if w.target.cuda and w.fake:
         print("\n".join("  " + line for line in _cuda_notes(cfg)))
@@ -96,8 +119,10 @@ def run(args: list[str]) -> int:
         print(f"| {row.spec()} | {format_bytes(p.peak)} | {p.step_time * 1e3:.0f} ms | {p.time_ratio:.3f}x | "
               f"{p.flops_ratio:.3f}x | {'yes' if p.peak <= budget else 'no'} |")
     tokens = tcfg.batch_size * tcfg.grad_accum * tcfg.model.context_length * cfg.world_size
-    print(f"\nplan: {plan.spec()} (the fastest that fits: {pred.step_time * 1e3:.0f} ms a step, {pred.time_ratio:.3f}x none's, "
-          f"{tokens / pred.step_time:,.0f} tokens/s predicted)")
+    how = (f"as given{'' if exact else f', predicted as {plan.spec()}, its nearest profiled plan'}; "
+           f"{'fits' if pred.peak <= budget else 'DOES NOT FIT the budget'}") if given else "the fastest that fits"
+    print(f"\nplan: {cfg.activation_checkpointing if given else plan.spec()} ({how}: {pred.step_time * 1e3:.0f} ms a step, "
+          f"{pred.time_ratio:.3f}x none's, {tokens / pred.step_time:,.0f} tokens/s predicted)")
     print(f"predicted peak {format_bytes(pred.peak)} of {format_bytes(budget)} (in the {pred.where}): "
           + ", ".join(f"{k} {format_bytes(v)}" for k, v in pred.breakdown().items()))
     workspaces = w.target.workspace_bytes()
@@ -113,15 +138,16 @@ def run(args: list[str]) -> int:
             verdict = "fits" if not over else f"DOES NOT FIT: lower --memory-budget by {format_bytes(over)} or more"
             print(f"on the card: reserved + CUDA context {format_bytes(total)} of {format_bytes(t.gpu.memory)}: {verdict}")
     print(f"predicted overhead: {pred.time_ratio:.3f}x time, {pred.flops_ratio:.3f}x FLOPs")
-    if over:
-        print(f"no train command: this plan does not fit on the {w.target.gpu.name}")
+    if over or pred.peak > budget:
+        print(f"no train command: this plan does not fit {f'on the {w.target.gpu.name}' if over else 'the budget'}")
     else:
-        planned = dataclasses.replace(tcfg, activation_checkpointing=plan.spec())
+        planned = dataclasses.replace(tcfg, activation_checkpointing=cfg.activation_checkpointing if given else plan.spec())
         print(f"train with: {train_command(planned, cfg.world_size)}"
               f"   (or: --activation-checkpointing auto --memory-budget {_budget_flag(cfg, budget)})")
-    print(json.dumps({"policy": plan.spec(), "budget": budget, "predicted_peak": pred.peak, "where": pred.where,
+    print(json.dumps({"policy": cfg.activation_checkpointing if given else plan.spec(), "budget": budget, "predicted_peak": pred.peak, "where": pred.where,
                       "breakdown": pred.breakdown(), "flops_ratio": pred.flops_ratio, "profile_seconds": profile.seconds,
                       "step_seconds": pred.step_time, "time_ratio": pred.time_ratio, "time_model": profile.time_source,
                       "target": w.target.device, "gpu": cfg.gpu, "fake": w.fake,
-                      "predicted_max_allocated": pred.peak + workspaces, "replay": replay, "fits_card": not over}))
+                      "predicted_max_allocated": pred.peak + workspaces, "replay": replay, "fits_card": not over,
+                      "fits_budget": pred.peak <= budget}))
     return 0
