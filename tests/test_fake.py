@@ -64,6 +64,17 @@ def test_deep_models_profile_shallow_and_deepen_exactly(target, dtype, accum, ti
     assert _fields(deep) == _fields(every)
 
 
+def test_deep_models_deepen_exactly_per_fsdp_rank(tiny_model_config, monkeypatch):
+    """Under FSDP a gather is let go two blocks on, so two blocks at each end differ from the middle: profiled at five
+    and six blocks, deepened from a middle one (Llama, GQA, bf16: the 4-block rule was 0.8% under)."""
+    from fitgpt.estimate import profile as prof
+
+    cfg = tiny_model_config(arch="llama", n_head=4, n_kv_head=2, n_embed=64, vocab_size=256, n_blocks=12)
+    deep = profile_model(cfg, 2, 32, "cpu", dtype=torch.bfloat16, fake=True, fsdp_ranks=2)
+    monkeypatch.setattr(prof, "DEEP", 10**6)  # every block profiled
+    assert _fields(deep) == _fields(profile_model(cfg, 2, 32, "cpu", dtype=torch.bfloat16, fake=True, fsdp_ranks=2))
+
+
 def test_fake_module_keeps_ties_and_allocates_nothing(tiny_model_config):
     mode = fake_mode()
     with torch.device("meta"):

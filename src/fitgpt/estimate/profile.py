@@ -118,9 +118,12 @@ class StepProfile:
     def n_blocks(self) -> int:
         return len(self.blocks)
 
-    def with_blocks(self, n: int) -> StepProfile:
-        """The same profile for a model with ``n`` blocks like its last one (fixed costs scaled to match)."""
-        extra = n - self.n_blocks
+    def with_blocks(self, n: int, ends: int = 1) -> StepProfile:
+        """The same profile for a model of ``n`` blocks (fixed costs scaled to match): blocks added before the last
+        ``ends`` are like the one before those (a middle block), and the last ``ends`` keep their own profiles. Under
+        FSDP the two blocks at each end differ from the middle ones: what a gather leaves is freed two blocks on."""
+        extra, k = n - self.n_blocks, self.n_blocks
+        like = list(range(k - ends)) + [k - ends - 1] * extra + list(range(k - ends, k)) if k > ends else [0] * n
         p = self.block_param_bytes
         opt = int(p * self.optimizer / max(self.params, 1))  # AdamW: two moments per parameter
         return dataclasses.replace(
@@ -129,9 +132,9 @@ class StepProfile:
             optimizer=self.optimizer + extra * opt,
             grads=self.grads + extra * p,
             baseline=self.baseline + extra * (p + opt + (p if self.persistent_grads else 0)),
-            blocks=[self.blocks[min(i, self.n_blocks - 1)] for i in range(n)],
-            block_grads=[self.block_grads[min(i, self.n_blocks - 1)] for i in range(n)],
-            block_flops=[self.block_flops[min(i, self.n_blocks - 1)] for i in range(n)],
+            blocks=[self.blocks[i] for i in like],
+            block_grads=[self.block_grads[i] for i in like],
+            block_flops=[self.block_flops[i] for i in like],
             step_flops=self.step_flops + extra * self.block_flops[-1],
         )
 
@@ -226,10 +229,12 @@ def _deepen(run: _Subject, t0: float) -> StepProfile:
     optimizer state and step) measured on the full-depth model. Tested equal, byte for byte, to
     profiling every block."""
     n = run.cfg.n_blocks
+    # Under FSDP a block's gather is let go two blocks on: two blocks at each end differ from a middle one.
+    shallow, ends = (SHALLOW + 2, 2) if run.mesh is not None else (SHALLOW, 1)
     a, b = (_fake_profile(dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, n_blocks=k), optimizer_step=False), t0)
-            for k in (SHALLOW, SHALLOW + 1))
-    deep = b.with_blocks(n)
-    return dataclasses.replace(deep, **_fixed_costs(run), step_flops=b.step_flops + (n - SHALLOW - 1) * (b.step_flops - a.step_flops),
+            for k in (shallow, shallow + 1))
+    deep = b.with_blocks(n, ends)
+    return dataclasses.replace(deep, **_fixed_costs(run), step_flops=b.step_flops + (n - shallow - 1) * (b.step_flops - a.step_flops),
                                seconds=time.perf_counter() - t0)
 
 
