@@ -144,7 +144,8 @@ def run(args: list[str]) -> int:
         planned = dataclasses.replace(tcfg, activation_checkpointing=cfg.activation_checkpointing if given else plan.spec())
         print(f"train with: {train_command(planned, cfg.world_size)}"
               f"   (or: --activation-checkpointing auto --memory-budget {_budget_flag(cfg, budget)})")
-    print(json.dumps({"policy": cfg.activation_checkpointing if given else plan.spec(), "budget": budget, "predicted_peak": pred.peak, "where": pred.where,
+    print(json.dumps({"policy": cfg.activation_checkpointing if given else plan.spec(), "budget": budget,
+                      "predicted_peak": pred.peak, "where": pred.where,
                       "breakdown": pred.breakdown(), "flops_ratio": pred.flops_ratio, "profile_seconds": profile.seconds,
                       "step_seconds": pred.step_time, "time_ratio": pred.time_ratio, "time_model": profile.time_source,
                       "target": w.target.device, "gpu": cfg.gpu, "fake": w.fake,
