@@ -5,8 +5,9 @@
 #
 # 1. fitgpt bench on CUDA, bf16, small preset: allocator peaks, step times, bench.json + bench.png
 # 2. --activation-checkpointing auto on CUDA: the measured (allocator) peak beside the predicted one
-# 3. With 2 GPUs: DDP and FSDP (NCCL) through torchrun, FSDP resumed on one GPU, and the CPU/gloo
-#    distributed tests re-run for good measure
+# 3. With 2 GPUs: DDP and FSDP (NCCL) through torchrun, FSDP resumed on one GPU, FSDP with
+#    --activation-checkpointing auto (each rank's max_memory_allocated beside the per-rank prediction),
+#    and the CPU/gloo distributed tests re-run for good measure
 # 4. CPU-only predictions for this card (fake tensors, `--target cuda --gpu <card>`) against
 #    max_memory_allocated and max_memory_reserved of real steps: tiny, small, medium, 3b
 #    (benchmarks/plan_check.py cuda; the table goes to OUT_DIR/plan_check_cuda.md for RESULTS.md)
@@ -51,6 +52,10 @@ if [ "$NGPU" -ge 2 ]; then
     --parallel fsdp --activation-checkpointing selective --out-dir "$OUT/fsdp" --no-progress | tail -n 1 > "$OUT/fsdp.json"
   fitgpt train --preset small --batch-size 4 --model.context-length 512 --max-steps 40 --out-dir "$OUT/fsdp" \
     --resume latest --no-progress | tail -n 1 > "$OUT/fsdp_resumed_on_one_gpu.json"
+  # FSDP planned per rank (fake ranks, this card modelled) and each rank's max_memory_allocated at its second step
+  torchrun --nproc-per-node 2 -m fitgpt train --preset small --batch-size 4 --model.context-length 512 --max-steps 5 \
+    --parallel fsdp --precision bf16 --activation-checkpointing auto --memory-budget 4GiB --out-dir "$OUT/fsdp_auto" \
+    --no-progress | tail -n 1 > "$OUT/fsdp_auto.json"
   fitgpt plan --preset small --batch-size 4 --context 512 --world-size 2 --parallel fsdp --device cuda \
     --memory-budget 20GiB | tail -n 1 > "$OUT/plan_fsdp.json"
   python -m pytest -q tests/test_distributed.py
@@ -103,6 +108,12 @@ for name in ("ddp", "fsdp", "fsdp_resumed_on_one_gpu"):
     if f.is_file():
         s = json.loads(f.read_text())
         lines.append(f"{name}: steps {s['steps']} train loss {s['train_loss']:.4f} val loss {s['val_loss']:.4f}")
+f = out / "fsdp_auto.json"
+if f.is_file():
+    plan = json.loads(f.read_text())["memory_plan"]
+    for rank, m in enumerate(plan.get("measured_peaks", [])):
+        lines.append(f"fsdp per rank, {plan['policy']}: rank {rank} max_memory_allocated {m / 2**30:.3f} GiB vs predicted "
+                     f"{plan['predicted_peak'] / 2**30:.3f} GiB ({m / plan['predicted_peak'] - 1:+.2%}; goal 2%)")
 for r in bench["rows"]:
     lines.append(f"time {r['policy']:>20}: measured {r['step_seconds'] / bench['rows'][0]['step_seconds']:.2f}x, "
                  f"predicted {(r.get('predicted_seconds') or 0) / (bench['rows'][0].get('predicted_seconds') or 1):.2f}x")
