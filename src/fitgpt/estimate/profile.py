@@ -198,8 +198,8 @@ def _profile_model(model_cfg, batch_size, context, device, optim_cfg, grad_accum
 
 
 SHALLOW, DEEP = 3, 8
-"""A fake profile of a model of DEEP blocks or more is taken at SHALLOW blocks and one more, and deepened
-(exact: blocks are alike); below that, profiling every block is as quick."""
+"""A fake profile of a model of DEEP blocks or more is taken at SHALLOW + 1 blocks and deepened (exact: middle
+blocks are alike); below that, profiling every block is as quick."""
 
 
 def fake_transformer(cfg: ModelConfig, device: torch.device) -> tuple[Transformer, FakeTensorMode]:
@@ -224,18 +224,19 @@ def _fake_profile(run: _Subject, t0: float) -> StepProfile:
 
 
 def _deepen(run: _Subject, t0: float) -> StepProfile:
-    """The profile of ``run``'s depth from fake profiles at SHALLOW and SHALLOW + 1 blocks (every block like
-    the last one; FLOPs grown by what one block added), with the fixed costs (weights, gradients,
-    optimizer state and step) measured on the full-depth model. Tested equal, byte for byte, to
+    """The profile of ``run``'s depth from a fake profile at SHALLOW + 1 blocks (SHALLOW + 3 under FSDP), its
+    middle blocks repeated (``StepProfile.with_blocks``), with the fixed costs (weights, gradients, optimizer
+    state and step) measured on the full-depth model. Tested equal, byte for byte and FLOP for FLOP, to
     profiling every block."""
     n = run.cfg.n_blocks
     # Under FSDP a block's gather is let go two blocks on: two blocks at each end differ from a middle one.
     shallow, ends = (SHALLOW + 2, 2) if run.mesh is not None else (SHALLOW, 1)
-    a, b = (_fake_profile(dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, n_blocks=k), optimizer_step=False), t0)
-            for k in (shallow, shallow + 1))
+    k = shallow + 1
+    b = _fake_profile(dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, n_blocks=k), optimizer_step=False), t0)
     deep = b.with_blocks(n, ends)
-    return dataclasses.replace(deep, **_fixed_costs(run), step_flops=b.step_flops + (n - shallow - 1) * (b.step_flops - a.step_flops),
-                               seconds=time.perf_counter() - t0)
+    # Each block added runs a middle block's FLOPs; the embedding and head run theirs once whatever the depth.
+    step_flops = b.step_flops + (n - k) * b.block_flops[k - ends - 1]
+    return dataclasses.replace(deep, **_fixed_costs(run), step_flops=step_flops, seconds=time.perf_counter() - t0)
 
 
 def _fixed_costs(run: _Subject) -> dict[str, int | float]:
