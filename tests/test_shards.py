@@ -76,6 +76,18 @@ def test_shards_hold_whole_documents_and_the_split_is_by_document(records, data_
     assert other["train_tokens"] + other["val_tokens"] == one["train_tokens"] + one["val_tokens"]
 
 
+def test_a_resumed_shard_closes_without_a_new_token_cut_back_to_its_checkpoint(tmp_path):
+    """Found by the random-kill test: a preparation killed after its last checkpoint wrote more tokens to a split's open
+    shard, and resumed; that split got no token before the input ended, and closing its shard crashed (no open file)."""
+    dtype = np.dtype(np.uint16)
+    path = tmp_path / "val_000000.bin"
+    path.write_bytes(np.arange(10, dtype=dtype).tobytes())  # 6 tokens committed, 4 written after the checkpoint
+    w = ShardWriter(tmp_path, "val", dtype, shard_tokens=100, open_tokens=6)
+    w.close_shard()
+    assert w.shards == [{"file": "val_000000.bin", "tokens": 6}] and w.open_tokens == 0
+    assert np.fromfile(path, dtype=dtype).tolist() == list(range(6))
+
+
 def test_too_few_documents_hold_out_the_last_tokens(corpus_dir, data_dir, tmp_path):
     meta = prepare(DataConfig(dir=str(tmp_path / "d"), inputs=(str(corpus_dir / "glob.py"),),
                               tokenizer=str(data_dir / "tokenizer.json")), progress=False)

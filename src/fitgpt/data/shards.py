@@ -72,8 +72,9 @@ class ShardWriter:
     def close_shard(self) -> None:
         if not self.open_tokens:
             return
+        f = self._file()  # a resumed shard no token has reached since: opened, so cut back to what was committed
         self.flush()
-        self._f.close()
+        f.close()
         self._f = None
         self.shards.append({"file": self._open_path().name, "tokens": self.open_tokens})
         self.open_tokens = 0
