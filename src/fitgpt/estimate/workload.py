@@ -70,8 +70,9 @@ class Workload:
             return in_own_process(profile_model, *args, **kw)
 
     def replay(self, policy: str) -> dict[str, int] | None:
-        """For a CUDA target planned here (one process): the plan's step replayed through CUDA's caching
-        allocator (modelled), giving max_memory_allocated and max_memory_reserved; None otherwise."""
+        """For a CUDA target planned here (one process, or one rank under FSDP): the plan's step replayed through
+        CUDA's caching allocator (modelled), giving max_memory_allocated and max_memory_reserved; None otherwise
+        (DDP's buckets are not replayed)."""
         if not (self.target.cuda and self.fake and (self.world_size == 1 or self.fsdp_ranks > 1)) or "offload" in policy:
             return None  # offload copies nothing on the CPU the replay runs on
         t = self.train
