@@ -186,6 +186,12 @@ def test_plan_spec_round_trips_through_the_policy_grammar(tiny_model_config):
         apply_activation_checkpointing(model, plan.spec())  # the grammar accepts every plan the solver writes
 
 
+def test_under_fsdp_the_no_fit_message_asks_for_more_ranks_not_for_fsdp(tiny_model_config):
+    profile = profile_model(tiny_model_config(), 2, 32, "cpu", fake=True, fsdp_ranks=2)
+    with pytest.raises(PlanError, match="shard them over more than 2 GPUs \\(--world-size\\)"):
+        solve(profile, profile.params)  # the shards of weights, gradients and AdamW state alone exceed it
+
+
 def test_no_fit_messages_say_by_how_much_and_what_to_change(tiny_profile):
     with pytest.raises(PlanError, match=r"alone take .*--model.n-blocks") as e:
         solve(tiny_profile, tiny_profile.params)

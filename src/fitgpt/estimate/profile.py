@@ -113,6 +113,8 @@ class StepProfile:
     """Seconds of the optimizer step (clipping included), once per step."""
     time_source: str = ""
     """Where the seconds come from: measured on a device, or a roofline estimate ("" for none)."""
+    fsdp_ranks: int = 1
+    """Ranks the step is one of under FSDP (1: not sharded)."""
 
     @property
     def n_blocks(self) -> int:
@@ -352,7 +354,7 @@ def _profile(model: Transformer, run: _Subject, seed: int | None, t0: float) -> 
         step_flops=base.flops, seconds=time.perf_counter() - t0,
         embed_time=base.fwd_embed.seconds + base.bwd_embed.seconds,
         optimizer_time=statistics.median(timelines[o].optimizer.seconds for o in list(_RUNS)[1:]),
-        time_source=getattr(run.cost, "source", ""),
+        time_source=getattr(run.cost, "source", ""), fsdp_ranks=run.mesh.size() if run.mesh is not None else 1,
     )
     log.debug("profiled %d blocks at batch %d x %d in %.1fs", cfg.n_blocks, batch_size, context, profile.seconds)
     return profile

@@ -256,7 +256,8 @@ def _no_fit_message(p: StepProfile, budget: int) -> str:
             f"Parameters ({format_bytes(p.params)}), gradients ({format_bytes(p.grads)}) and AdamW state "
             f"({format_bytes(p.optimizer)}) alone take {format_bytes(fixed)}, {format_bytes(fixed - budget)} over: "
             "no checkpointing can help. Use fewer blocks (--model.n-blocks), a narrower model (--model.n-embed), "
-            "or shard the weights over GPUs (--parallel fsdp)."
+            + (f"or shard them over more than {p.fsdp_ranks} GPUs (--world-size)." if p.fsdp_ranks > 1
+               else "or shard the weights over GPUs (--parallel fsdp).")
         )
         return " ".join(lines)
     plan, pred = min_peak(p)
