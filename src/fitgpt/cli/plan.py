@@ -100,7 +100,8 @@ def run(args: list[str]) -> int:
     if given:
         plan, pred, replay, budget, over, exact = _as_given(cfg, profile, cfg.budget)
     else:
-        plan, pred, replay, budget, over = _solve_on_card(cfg, profile, cfg.budget)
+        (plan, pred, replay, budget, over), exact = _solve_on_card(cfg, profile, cfg.budget), True
+    spec = cfg.activation_checkpointing if given else plan.spec()  # what to train with: as given, or as solved
     print(f"{w.describe()}; budget {format_bytes(budget)}; profiled in {profile.seconds:.1f}s")
     if w.target.cuda and w.fake:
         print("\n".join("  " + line for line in _cuda_notes(cfg)))
@@ -121,7 +122,7 @@ def run(args: list[str]) -> int:
     tokens = tcfg.batch_size * tcfg.grad_accum * tcfg.model.context_length * cfg.world_size
     how = (f"as given{'' if exact else f', predicted as {plan.spec()}, its nearest profiled plan'}; "
            f"{'fits' if pred.peak <= budget else 'DOES NOT FIT the budget'}") if given else "the fastest that fits"
-    print(f"\nplan: {cfg.activation_checkpointing if given else plan.spec()} ({how}: {pred.step_time * 1e3:.0f} ms a step, "
+    print(f"\nplan: {spec} ({how}: {pred.step_time * 1e3:.0f} ms a step, "
           f"{pred.time_ratio:.3f}x none's, {tokens / pred.step_time:,.0f} tokens/s predicted)")
     print(f"predicted peak {format_bytes(pred.peak)} of {format_bytes(budget)} (in the {pred.where}): "
           + ", ".join(f"{k} {format_bytes(v)}" for k, v in pred.breakdown().items()))
@@ -141,11 +142,10 @@ def run(args: list[str]) -> int:
     if over or pred.peak > budget:
         print(f"no train command: this plan does not fit {f'on the {w.target.gpu.name}' if over else 'the budget'}")
     else:
-        planned = dataclasses.replace(tcfg, activation_checkpointing=cfg.activation_checkpointing if given else plan.spec())
+        planned = dataclasses.replace(tcfg, activation_checkpointing=spec)
         print(f"train with: {train_command(planned, cfg.world_size)}"
               f"   (or: --activation-checkpointing auto --memory-budget {_budget_flag(cfg, budget)})")
-    print(json.dumps({"policy": cfg.activation_checkpointing if given else plan.spec(), "budget": budget,
-                      "predicted_peak": pred.peak, "where": pred.where,
+    print(json.dumps({"policy": spec, "budget": budget, "predicted_peak": pred.peak, "where": pred.where,
                       "breakdown": pred.breakdown(), "flops_ratio": pred.flops_ratio, "profile_seconds": profile.seconds,
                       "step_seconds": pred.step_time, "time_ratio": pred.time_ratio, "time_model": profile.time_source,
                       "target": w.target.device, "gpu": cfg.gpu, "fake": w.fake,

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +69,10 @@ def cuda_policies() -> dict[str, str]:
 
 
 def autocast_ops() -> dict[str, tuple[bool, bool]]:
-    """Every op with an autocast kernel registered in this process: ``{name: (on CPU, on CUDA)}``."""
+    """Every ATen op with an autocast kernel registered in this process: ``{name: (on CPU, on CUDA)}``. Other
+    libraries' ops (torchvision's, say) keep their own CPU autocast kernels: PyTorch's lists do not name them."""
     ops = {}
-    for name in torch._C._dispatch_get_all_op_names():
+    for name in (n for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")):
         dump = torch._C._dispatch_dump(name)
         cpu, cuda = "AutocastCPU:" in dump, "AutocastCUDA:" in dump
         if cpu or cuda:
@@ -132,7 +133,7 @@ class _Rules:
         if policy == "promote":
             def promote(*a, **k):
                 widest = torch.get_autocast_dtype("cpu")
-                for t in torch.utils._pytree.tree_leaves((a, k)):
+                for t in tree_leaves((a, k)):
                     if self.eligible(t):
                         widest = torch.promote_types(widest, t.dtype)
                 return cast_all(widest, a, k)
@@ -151,7 +152,7 @@ class _Rules:
             return set_opt_dtype
         if policy == "fp32_append_dtype":
             with_dtype = _append_dtype_overload(op)
-            return lambda *a, **k: (with_dtype(*a, **k, dtype=torch.float32) if first_eligible(a) else below(*a, **k))
+            return lambda *a, **k: below_op(with_dtype, *a, **k, dtype=torch.float32) if first_eligible(a) else below(*a, **k)
         if policy == "banned":
             def banned(*a, **k):
                 raise RuntimeError(f"{name} is unsafe to autocast on CUDA (PyTorch refuses it there); use its "

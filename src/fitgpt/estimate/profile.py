@@ -125,7 +125,8 @@ class StepProfile:
         ``ends`` are like the one before those (a middle block), and the last ``ends`` keep their own profiles. Under
         FSDP the two blocks at each end differ from the middle ones: what a gather leaves is freed two blocks on."""
         extra, k = n - self.n_blocks, self.n_blocks
-        like = list(range(k - ends)) + [k - ends - 1] * extra + list(range(k - ends, k)) if k > ends else [0] * n
+        middle = k - ends - 1 if k > ends else 0
+        like = list(range(k - ends)) + [middle] * extra + list(range(k - ends, k)) if k > ends else [0] * n
         p = self.block_param_bytes
         opt = int(p * self.optimizer / max(self.params, 1))  # AdamW: two moments per parameter
         return dataclasses.replace(
@@ -137,7 +138,8 @@ class StepProfile:
             blocks=[self.blocks[i] for i in like],
             block_grads=[self.block_grads[i] for i in like],
             block_flops=[self.block_flops[i] for i in like],
-            step_flops=self.step_flops + extra * self.block_flops[-1],
+            # Each block added runs a middle block's FLOPs; the embedding and head run theirs once whatever the depth.
+            step_flops=self.step_flops + extra * self.block_flops[middle],
         )
 
 
@@ -172,12 +174,9 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
     (``fitgpt.parallel``) on a fake process group in this process: every gather, reduce-scatter and shard
     is the real one's, in its dtype (tested equal to each rank's measured peak under torchrun).
     """
-    if fsdp_ranks > 1:
-        with fake_ranks(fsdp_ranks) as mesh:
-            return _profile_model(model_cfg, batch_size, context, device, optim_cfg, grad_accum, dtype, seed,
-                                  persistent_grads, fake, target, cost, mesh)
-    return _profile_model(model_cfg, batch_size, context, device, optim_cfg, grad_accum, dtype, seed, persistent_grads,
-                          fake, target, cost, None)
+    with fake_ranks(fsdp_ranks) if fsdp_ranks > 1 else contextlib.nullcontext() as mesh:
+        return _profile_model(model_cfg, batch_size, context, device, optim_cfg, grad_accum, dtype, seed,
+                              persistent_grads, fake, target, cost, mesh)
 
 
 def _profile_model(model_cfg, batch_size, context, device, optim_cfg, grad_accum, dtype, seed, persistent_grads, fake,
@@ -235,10 +234,7 @@ def _deepen(run: _Subject, t0: float) -> StepProfile:
     shallow, ends = (SHALLOW + 2, 2) if run.mesh is not None else (SHALLOW, 1)
     k = shallow + 1
     b = _fake_profile(dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, n_blocks=k), optimizer_step=False), t0)
-    deep = b.with_blocks(n, ends)
-    # Each block added runs a middle block's FLOPs; the embedding and head run theirs once whatever the depth.
-    step_flops = b.step_flops + (n - k) * b.block_flops[k - ends - 1]
-    return dataclasses.replace(deep, **_fixed_costs(run), step_flops=step_flops, seconds=time.perf_counter() - t0)
+    return dataclasses.replace(b.with_blocks(n, ends), **_fixed_costs(run), seconds=time.perf_counter() - t0)
 
 
 def _fixed_costs(run: _Subject) -> dict[str, int | float]:

@@ -181,18 +181,18 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
         raise ValueError(f"the step did not pass through every block as a chain (no {missing[0]}): "
                          "profile_step needs blocks called in order, each on the previous one's output")
     s = mark.segment
+    # A block's forward runs from the previous block's end: what is freed between two blocks (an input the next one
+    # did not keep, once FSDP's hook has cast it) is the next block's doing, and the segments stay contiguous.
+    starts = ["fwd_pre_0"] + [f"fwd_post_{i}" for i in range(n - 1)]
     return StepTimeline(
         fwd_embed=s("start", "fwd_pre_0"),
-        # From the previous block's end: what is freed between two blocks (an input the next one did not keep, once
-        # FSDP's hook has cast it) is the next block's doing, and the segments stay contiguous.
-        fwd_blocks=[s(f"fwd_post_{i - 1}" if i else "fwd_pre_0", f"fwd_post_{i}") for i in range(n)],
+        fwd_blocks=[s(starts[i], f"fwd_post_{i}") for i in range(n)],
         fwd_head=s(f"fwd_post_{n - 1}", "fwd_end"),
         bwd_head=s("fwd_end", f"bwd_out_{n - 1}"),
         bwd_blocks=[s(f"bwd_out_{i}", f"bwd_out_{i - 1}" if i else "bwd_in_0") for i in range(n)],
         bwd_embed=s("bwd_in_0", "bwd_end"),
         optimizer=s("bwd_end", "opt_end"),
-        fwd_transient=[mark.freed_between(f"fwd_post_{i - 1}" if i else "fwd_pre_0", f"fwd_post_{i}", f"fwd_post_{n - 1}", "fwd_end")
-                       for i in range(n)],
+        fwd_transient=[mark.freed_between(starts[i], f"fwd_post_{i}", f"fwd_post_{n - 1}", "fwd_end") for i in range(n)],
         peak=max(p[1] for p in mark.points.values()),
         flops=fc.total,
         baseline=baseline,
