@@ -111,7 +111,7 @@ def fit_check(preset: str, batch: int, context: int, budget: str) -> list[dict]:
     rows = []
     for policy in ("none", "block"):
         n = answers[policy]["batch_size"]
-        got = [measure(w.model, policy, k, context, 1, None, torch.device("cpu"))["max_allocated"]
+        got = [measure(w.train.model, policy, k, context, 1, None, torch.device("cpu"))["max_allocated"]
                for k in (n, n + 1)]
         rows.append({"what": "fit", "preset": preset, "shape": f"batch at context {context}", "dtype": "fp32",
                      "plan": policy, "fit_s": seconds, "budget": budget, "answer": n, "measured_n": got[0],
@@ -140,7 +140,7 @@ def cuda_check() -> dict:
             rows.append({"preset": preset, "shape": f"{b}x{t}", "error": str(e)[:200]})
             continue
         replay = w.replay(plan.spec())
-        m = measure(w.model, plan.spec(), b, t, w.train.grad_accum, w.dtype, torch.device("cuda"))
+        m = measure(w.train.model, plan.spec(), b, t, w.train.grad_accum, w.dtype, torch.device("cuda"))
         predicted = pred.peak + w.target.workspace_bytes()
         rows.append({"preset": preset, "shape": f"{b}x{t}", "plan": plan.spec(), "predicted_allocated": predicted,
                      "replay_allocated": replay["max_allocated"], "replay_reserved": replay["max_reserved"], **m,

@@ -332,7 +332,7 @@ def test_fit_answers_are_confirmed_by_real_steps_at_the_sizes_named(preset, batc
     flags = BudgetConfig(preset=preset, batch_size=batch, context=context, grad_accum=1, memory_budget=budget)
     w, budget = flags.workload, flags.budget
     answers = largest(w, budget)["answers"]
-    cfg = w.model
+    cfg = w.train.model
     for policy, option in (("none", "none"), ("block", "block")):
         b, c = answers[policy]["batch_size"], answers[policy]["context"]
         assert b > batch and c > context  # the budget leaves room beyond the profiled sizes

@@ -29,7 +29,6 @@ from fitgpt.estimate.workload import Workload
 from fitgpt.memory.flops import OpFlops
 from fitgpt.memory.measure import measure_step_memory
 from fitgpt.memory.timeline import measure_train_step
-from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer
 from fitgpt.plan.solver import Plan, PlanError, predict, solve
 from fitgpt.step import grad_scaler, train_step
@@ -92,6 +91,9 @@ def _resolve_specs(w: Workload, policies: tuple[str, ...]
     specs: dict[str, tuple[str, int | None, int | None]] = {}
     skipped: dict[str, str] = {}
     for spec in policies:
+        if "chunked-loss" in spec and not w.model.chunked_head:
+            skipped[spec] = "the chunked loss needs fitgpt's head (lm_head(x, targets)); this model computes its own loss"
+            continue
         if not spec.startswith("auto"):
             specs[spec] = (spec, None, None)
             continue
@@ -146,15 +148,15 @@ def run_bench(w: Workload, policies: tuple[str, ...], out_dir: str | Path, warmu
     """Measure every policy on ``w``'s device (real steps, its model, batch and precision); returns the rows and the
     setup (also written to ``out_dir``/bench.json)."""
     out = writable_dir(Path(out_dir), "--out-dir")  # before anything is measured
-    tcfg, mcfg, device, dtype = w.train, w.model, w.device, w.dtype
-    B, T, accum = tcfg.batch_size, mcfg.context_length, tcfg.grad_accum
+    tcfg, device, dtype = w.train, w.device, w.dtype
+    B, T, accum = tcfg.batch_size, w.context, tcfg.grad_accum
     t_start = time.perf_counter()
     specs, skipped, profile = _resolve_specs(w, policies)
 
     torch.manual_seed(tcfg.seed)
-    model = Transformer(mcfg).to(device)
+    model = w.model.build().to(device)
     optimizer = build_optimizer(model, tcfg.optim, device)
-    batches = token_batches(mcfg.vocab_size, accum, B, T, device, tcfg.seed)
+    batches = token_batches(w.model.vocab_size, accum, B, T, device, tcfg.seed)
     # The trainer's own step: autocast, the fp16 loss scaler, clipping.
     step_kw = {"amp": autocast(device, dtype), "scaler": grad_scaler(device, dtype), "grad_clip": tcfg.optim.grad_clip}
     train_step(model, optimizer, batches, **step_kw)  # the optimizer state exists from here on, as in training

@@ -57,7 +57,7 @@ class BenchConfig(WorkloadConfig):
         """Real steps on --device; the planner's prediction beside them is profiled as `plan` and `auto` profile
         (on fake tensors on a CPU, with the time model calibrated on this device). --seed seeds the model."""
         cfg = dataclasses.replace(self.train_config(), seed=self.seed)
-        return workload_for(cfg, device=self.measured_device())
+        return workload_for(cfg, device=self.measured_device(), source=self._source)
 
 
 def run(args: list[str]) -> int:

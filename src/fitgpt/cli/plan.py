@@ -10,11 +10,10 @@ import torch
 
 from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.cli.workload import BudgetConfig, parse_workload
-from fitgpt.config import train_command
 from fitgpt.estimate.hardware import CUDA_CONTEXT
 from fitgpt.estimate.profile import BLOCK_OPTIONS
 from fitgpt.optim import optimizer_impl
-from fitgpt.plan.solver import Plan, predict, solve
+from fitgpt.plan.solver import Plan, PlanError, predict, solve
 from fitgpt.units import format_bytes
 
 
@@ -69,7 +68,13 @@ def _solve_on_card(cfg: PlanConfig, profile, budget: int):
     --memory-budget the default budget is the card's: lowered until the replayed reserved memory (fragmentation
     included) fits on the card too."""
     while True:
-        plan, pred = solve(profile, budget)
+        try:
+            plan, pred = solve(profile, budget)
+        except PlanError as e:
+            if budget == cfg.budget:
+                raise
+            raise PlanError(f"{e} (The budget was lowered from the card's {format_bytes(cfg.budget)}: the plans that fit "
+                            "it reserve more than the card has, by the allocator's fragmentation, modelled.)") from None
         replay = cfg.workload.replay(plan.spec())
         over = _over_card(cfg, replay)
         if not over or cfg.memory_budget:
@@ -115,11 +120,11 @@ def run(args: list[str]) -> int:
     print(f"  time model: {profile.time_source}")
     print("\n| policy | predicted peak | step time | time vs none | FLOPs vs none | fits |\n|---|---:|---:|---:|---:|---|")
     n = profile.n_blocks
-    for row in [Plan.uniform(n, o) for o in BLOCK_OPTIONS] + [Plan.uniform(n, "block", "chunked")]:
+    for row in [Plan.uniform(n, o) for o in BLOCK_OPTIONS] + [Plan.uniform(n, "block", h) for h in profile.heads if h != "plain"]:
         p = predict(profile, row)  # the table's rows: the plan solved above stays `plan`
         print(f"| {row.spec()} | {format_bytes(p.peak)} | {p.step_time * 1e3:.0f} ms | {p.time_ratio:.3f}x | "
               f"{p.flops_ratio:.3f}x | {'yes' if p.peak <= budget else 'no'} |")
-    tokens = tcfg.batch_size * tcfg.grad_accum * tcfg.model.context_length * cfg.world_size
+    tokens = tcfg.batch_size * tcfg.grad_accum * w.context * cfg.world_size
     how = (f"as given{'' if exact else f', predicted as {plan.spec()}, its nearest profiled plan'}; "
            f"{'fits' if pred.peak <= budget else 'DOES NOT FIT the budget'}") if given else "the fastest that fits"
     print(f"\nplan: {spec} ({how}: {pred.step_time * 1e3:.0f} ms a step, "
@@ -143,8 +148,8 @@ def run(args: list[str]) -> int:
         print(f"no train command: this plan does not fit {f'on the {w.target.gpu.name}' if over else 'the budget'}")
     else:
         planned = dataclasses.replace(tcfg, activation_checkpointing=spec)
-        print(f"train with: {train_command(planned, cfg.world_size)}"
-              f"   (or: --activation-checkpointing auto --memory-budget {_budget_flag(cfg, budget)})")
+        print(w.how_to_train(planned) + ("" if w.source else
+                                         f"   (or: --activation-checkpointing auto --memory-budget {_budget_flag(cfg, budget)})"))
     print(json.dumps({"policy": spec, "budget": budget, "predicted_peak": pred.peak, "where": pred.where,
                       "breakdown": pred.breakdown(), "flops_ratio": pred.flops_ratio, "profile_seconds": profile.seconds,
                       "step_seconds": pred.step_time, "time_ratio": pred.time_ratio, "time_model": profile.time_source,

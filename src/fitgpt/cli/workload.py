@@ -16,6 +16,7 @@ from fitgpt.config import OptimConfig, TrainConfig, load_config, load_config_nam
 from fitgpt.device import resolve_device
 from fitgpt.errors import UserError
 from fitgpt.estimate.hardware import CUDA_CONTEXT, Target, find_gpu
+from fitgpt.estimate.source import read_hf_config
 from fitgpt.estimate.workload import Workload, workload_for
 from fitgpt.model.config import ModelConfig, require_positive_ints
 from fitgpt.units import format_bytes, parse_bytes
@@ -49,6 +50,10 @@ class WorkloadConfig:
     """Processes (GPUs) to plan for: memory is reported per rank, --batch-size is per rank."""
     parallel: Literal["ddp", "fsdp"] = "ddp"
     """With --world-size > 1: ddp (whole model per rank) or fsdp (weights, gradients, optimizer state sharded)."""
+    hf_config: Optional[str] = None
+    """A Hugging Face causal LM to plan instead of a fitgpt model: its config.json, or the local folder holding one.
+    Built from the config alone on the meta device (nothing downloaded, no weights read), attention as the config
+    selects (SDPA by default); --context defaults to its max_position_embeddings. Your own loop trains it."""
     model: ModelConfig = None  # filled from --preset and --config (the CLI reads those two first, as train does)
     """The model, as fitgpt train takes it: the preset's or config file's, changed by --model.* flags."""
     optim: OptimConfig = None  # likewise
@@ -58,8 +63,10 @@ class WorkloadConfig:
         self._base = load_config(self.preset, self.config)
         self.model = self.model or self._base.model
         self.optim = self.optim or self._base.optim
-        if self.context is not None and self.context != self.model.context_length:
-            self.model = dataclasses.replace(self.model, context_length=self.context)
+        self._source = read_hf_config(self.hf_config) if self.hf_config else None
+        context = self.context or (self._source.context_length if self._source else None)
+        if context is not None and context != self.model.context_length:  # the step's context, whatever the model
+            self.model = dataclasses.replace(self.model, context_length=context)
         names = ("batch_size", "context", "grad_accum", "world_size")
         require_positive_ints(self, tuple(n for n in names if getattr(self, n) is not None))
         if self.device is not None and (self.target or self.gpu):
@@ -78,8 +85,10 @@ class WorkloadConfig:
     def workload(self) -> Workload:
         """The one resolved workload these flags name: measured on --device, else planned on fake tensors."""
         if self.device:
-            return workload_for(self.train_config(), device=self.measured_device(), fake=False, world_size=self.world_size)
-        return workload_for(self.train_config(), target=self.plan_target(), fake=True, world_size=self.world_size)
+            return workload_for(self.train_config(), device=self.measured_device(), fake=False, world_size=self.world_size,
+                                source=self._source)
+        return workload_for(self.train_config(), target=self.plan_target(), fake=True, world_size=self.world_size,
+                            source=self._source)
 
     def train_config(self) -> TrainConfig:
         """The training config these flags name (read once, by ``workload``)."""

@@ -130,10 +130,12 @@ class Target:
                              "use --precision fp16 (or auto) or fp32")
         return autocast_dtype(precision, torch.device(self.device))
 
-    def attention_backend(self, dtype: torch.dtype | None, head_dim: int) -> str:
-        """The SDPA backend PyTorch picks on this card (causal, no mask): flash, efficient or math; cpu on CPU."""
+    def attention_backend(self, dtype: torch.dtype | None, head_dim: int | None) -> str:
+        """The SDPA backend PyTorch picks on this card (causal, no mask): flash, efficient or math; cpu on CPU.
+        ``head_dim`` None: not known (a module's), taken as a size both flash and efficient kernels take."""
         if not self.cuda:
             return "cpu-flash"
+        head_dim = 64 if head_dim is None else head_dim
         half = dtype in (torch.float16, torch.bfloat16)
         if half and self.sm >= (8, 0) and head_dim <= 256:  # other head sizes are padded to a multiple of 8
             return "flash"

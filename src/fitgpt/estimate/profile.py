@@ -19,11 +19,13 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
+from fitgpt.activation_checkpoint.apply import find_blocks
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
 from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
 from fitgpt.estimate.hardware import Target, attention_saved_delta
 from fitgpt.estimate.ranks import fake_ranks
+from fitgpt.estimate.source import ModelSource, as_source
 from fitgpt.memory.fake import FakeTensorMode, fake_mode, fake_module
 from fitgpt.memory.flops import OpCost, OpFlops
 from fitgpt.memory.timeline import (
@@ -34,8 +36,7 @@ from fitgpt.memory.timeline import (
     param_bytes,
     profile_step,
 )
-from fitgpt.memory.tracker import round_up
-from fitgpt.model import ModelConfig, Transformer
+from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
 from fitgpt.parallel import fsdp_shard, precision_roles
 from fitgpt.step import optimizer_update
@@ -47,6 +48,8 @@ HEAD_OPTIONS = ("plain", "chunked")
 # One profiled step per option; the head option of each run is read from the same run.
 _RUNS = {"none": ("none", "plain"), "block": ("block+chunked-loss", "chunked"), "selective": ("selective", None),
          "pointwise": ("pointwise", None)}
+# A model whose head cannot chunk its loss (one that is not fitgpt's) has the plain head alone.
+_PLAIN_RUNS = {**_RUNS, "block": ("block", None)}
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,10 @@ class StepProfile:
     """Where the seconds come from: measured on a device, or a roofline estimate ("" for none)."""
     fsdp_ranks: int = 1
     """Ranks the step is one of under FSDP (1: not sharded)."""
+    shared_inputs: int = 0
+    """Bytes made before the first block and read by every block (a Hugging Face model's attention mask and position
+    ids; none in fitgpt's): freed as the head's forward begins (the model body returns), unless a block recomputes,
+    whose checkpoint holds them as its inputs until its backward ends. The heads' bytes are as if they were freed."""
 
     @property
     def n_blocks(self) -> int:
@@ -151,19 +158,23 @@ def _block_option(tl: StepTimeline, base: StepTimeline, i: int, machinery: float
                        transient=t, time=time)
 
 
-def _head_option(tl: StepTimeline, base: StepTimeline) -> HeadOption:
+def _head_option(tl: StepTimeline, base: StepTimeline, held: int = 0) -> HeadOption:
+    """``held``: the shared inputs ``tl``'s recomputing blocks kept past the forward (``StepProfile.shared_inputs``),
+    taken out: a head's bytes are as if they were freed as its forward begins (a model body returning)."""
     extra = tl.fwd_head.flops + tl.bwd_head.flops - base.fwd_head.flops - base.bwd_head.flops
     time = max(tl.fwd_head.seconds + tl.bwd_head.seconds, base.fwd_head.seconds + base.bwd_head.seconds)
     # The head's own bytes: the blocks' transients, freed as the forward ends, are theirs.
-    return HeadOption(saved=tl.fwd_head.delta + sum(tl.fwd_transient), fwd_rise=tl.fwd_head.rise, bwd_rise=tl.bwd_head.rise,
+    return HeadOption(saved=tl.fwd_head.delta + sum(tl.fwd_transient) - held, fwd_rise=tl.fwd_head.rise - held,
+                      bwd_rise=tl.bwd_head.rise,
                       bwd_delta=tl.bwd_head.delta, recompute_flops=extra, time=time)
 
 
-def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None = None, device: str | torch.device = "cpu",
+def profile_model(model: ModelConfig | ModelSource, batch_size: int, context: int | None = None, device: str | torch.device = "cpu",
                   optim_cfg=None, grad_accum: int = 1, dtype: torch.dtype | None = None, seed: int = 0,
                   persistent_grads: bool = False, fake: bool = False, target: Target | None = None,
                   cost: OpCost | None = None, fsdp_ranks: int = 1) -> StepProfile:
-    """Profile one training step per option (four in all) of ``model_cfg`` on ``device``.
+    """Profile one training step per option (four in all) of ``model`` on ``device``: fitgpt's own of a config,
+    or any model a `fitgpt.estimate.source` builds (a Hugging Face config's, a module's).
 
     ``fake``: on fake tensors (shapes, no storage, no arithmetic), so that any size plans in seconds
     with no memory; the same numbers as real tensors (tested byte for byte on CPU).
@@ -175,25 +186,26 @@ def profile_model(model_cfg: ModelConfig, batch_size: int, context: int | None =
     is the real one's, in its dtype (tested equal to each rank's measured peak under torchrun).
     """
     with fake_ranks(fsdp_ranks) if fsdp_ranks > 1 else contextlib.nullcontext() as mesh:
-        return _profile_model(model_cfg, batch_size, context, device, optim_cfg, grad_accum, dtype, seed,
+        return _profile_model(as_source(model), batch_size, context, device, optim_cfg, grad_accum, dtype, seed,
                               persistent_grads, fake, target, cost, mesh)
 
 
-def _profile_model(model_cfg, batch_size, context, device, optim_cfg, grad_accum, dtype, seed, persistent_grads, fake,
+def _profile_model(source, batch_size, context, device, optim_cfg, grad_accum, dtype, seed, persistent_grads, fake,
                    target, cost, mesh) -> StepProfile:
     t0 = time.perf_counter()
     device = torch.device(device)
     target = target or Target(device.type)
     if target.cuda and device.type != "cuda" and not fake:
         raise ValueError("a CUDA target is planned on fake tensors or measured on a CUDA device")
-    context = context or model_cfg.context_length
-    cfg = dataclasses.replace(model_cfg, context_length=max(context, model_cfg.context_length))
-    run = _Subject(cfg, batch_size, context, device, optim_cfg or OptimConfig(), grad_accum, dtype, persistent_grads, target,
+    context = context or source.context_length
+    if context > source.context_length:
+        source = source.at(context=context)
+    run = _Subject(source, batch_size, context, device, optim_cfg or OptimConfig(), grad_accum, dtype, persistent_grads, target,
                simulated=target.cuda and device.type != "cuda", cost=cost, mesh=mesh)
     torch.manual_seed(seed)
     if not fake:
-        return _profile(_sharded(Transformer(cfg).to(device), run), run, seed, t0)
-    if cfg.n_blocks >= DEEP:
+        return _profile(_sharded(source.build().to(device), run), run, seed, t0)
+    if source.n_blocks >= DEEP and source.resizable:
         return _deepen(run, t0)
     return _fake_profile(run, t0)
 
@@ -203,15 +215,15 @@ SHALLOW, DEEP = 3, 8
 blocks are alike); below that, profiling every block is as quick."""
 
 
-def fake_transformer(cfg: ModelConfig, device: torch.device) -> tuple[Transformer, FakeTensorMode]:
+def fake_model(source: ModelSource, device: torch.device) -> tuple[torch.nn.Module, FakeTensorMode]:
     """The model built on the meta device (nothing allocated) with fake parameters on ``device``, and the
     mode every step on it runs under."""
     mode = fake_mode()
     with torch.device("meta"):
-        return fake_module(Transformer(cfg), device, mode), mode
+        return fake_module(source.build(), device, mode), mode
 
 
-def _sharded(model: Transformer, run: _Subject) -> Transformer:
+def _sharded(model: torch.nn.Module, run: _Subject) -> torch.nn.Module:
     """The model as one rank of ``run``'s FSDP holds it (unchanged without FSDP)."""
     if run.mesh is not None:
         fsdp_shard(model, precision_roles(run.dtype, True)[1], mesh=run.mesh)  # as the trainer: pure half precision
@@ -219,7 +231,7 @@ def _sharded(model: Transformer, run: _Subject) -> Transformer:
 
 
 def _fake_profile(run: _Subject, t0: float) -> StepProfile:
-    model, mode = fake_transformer(run.cfg, run.device)
+    model, mode = fake_model(run.source, run.device)
     with mode:
         return _profile(_sharded(model, run), run, None, t0)
 
@@ -229,11 +241,11 @@ def _deepen(run: _Subject, t0: float) -> StepProfile:
     middle blocks repeated (``StepProfile.with_blocks``), with the fixed costs (weights, gradients, optimizer
     state and step) measured on the full-depth model. Tested equal, byte for byte and FLOP for FLOP, to
     profiling every block."""
-    n = run.cfg.n_blocks
+    n = run.source.n_blocks
     # Under FSDP a block's gather is let go two blocks on: two blocks at each end differ from a middle one.
     shallow, ends = (SHALLOW + 2, 2) if run.mesh is not None else (SHALLOW, 1)
     k = shallow + 1
-    b = _fake_profile(dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, n_blocks=k), optimizer_step=False), t0)
+    b = _fake_profile(dataclasses.replace(run, source=run.source.at(n_blocks=k), optimizer_step=False), t0)
     return dataclasses.replace(b.with_blocks(n, ends), **_fixed_costs(run), seconds=time.perf_counter() - t0)
 
 
@@ -241,7 +253,7 @@ def _fixed_costs(run: _Subject) -> dict[str, int | float]:
     """Parameters, gradients, optimizer state and the optimizer step's workspace of the full model, on fake
     tensors: the step's optimizer segment (as ``profile_step`` runs it) with every gradient present."""
     round_to, accumulate = run.target.round_to, run.grad_accum > 1 or run.persistent_grads
-    model, mode = fake_transformer(run.cfg, run.device)
+    model, mode = fake_model(run.source, run.device)
     with mode:
         model = _sharded(model, run)
         optimizer = build_optimizer(model, run.optim, torch.device(run.target.device))
@@ -266,7 +278,7 @@ def _fixed_costs(run: _Subject) -> dict[str, int | float]:
 class _Subject:
     """What one profile is of."""
 
-    cfg: ModelConfig
+    source: ModelSource
     batch_size: int
     context: int
     device: torch.device
@@ -286,11 +298,11 @@ class _Subject:
 
     @property
     def backend(self) -> str:
-        return self.target.attention_backend(self.dtype, self.cfg.head_dim)
+        return self.target.attention_backend(self.dtype, self.source.head_dim)
 
 
-def _profile(model: Transformer, run: _Subject, seed: int | None, t0: float) -> StepProfile:
-    cfg, device, round_to = run.cfg, run.device, run.target.round_to
+def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float) -> StepProfile:
+    device, round_to = run.device, run.target.round_to
     batch_size, context, grad_accum = run.batch_size, run.context, run.grad_accum
     model.train()
     # The optimizer as it is built on the target (fused AdamW on CUDA unless optim.impl says otherwise).
@@ -300,7 +312,7 @@ def _profile(model: Transformer, run: _Subject, seed: int | None, t0: float) -> 
         idx = torch.zeros(batch_size, context + 1, dtype=torch.long, device=device)
     else:
         g = torch.Generator().manual_seed(seed)
-        idx = torch.randint(0, cfg.vocab_size, (batch_size, context + 1), generator=g).to(device)
+        idx = torch.randint(0, run.source.vocab_size, (batch_size, context + 1), generator=g).to(device)
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
     amp = autocast(device, precision_roles(run.dtype, run.mesh is not None)[0])
     # The math backend on CUDA is the math path: run it here as it will run there.
@@ -312,6 +324,7 @@ def _profile(model: Transformer, run: _Subject, seed: int | None, t0: float) -> 
 
     accumulate = grad_accum > 1 or run.persistent_grads
     timelines: dict[str, StepTimeline] = {}
+    runs = _RUNS if run.source.chunked_head else _PLAIN_RUNS
     # A CUDA step's tensors get CUDA autocast's dtypes, not the CPU's we run on.
     rules = cuda_autocast_rules() if run.simulated and run.dtype else contextlib.nullcontext()
     with rules, sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext():
@@ -320,21 +333,24 @@ def _profile(model: Transformer, run: _Subject, seed: int | None, t0: float) -> 
                 p.grad = torch.zeros_like(p)
         # The first run (none) also creates the optimizer state, as any first step does: its forward and
         # backward segments are unaffected, and the optimizer's workspace is read from the later runs.
-        for option, (spec, _) in _RUNS.items():
+        for option, (spec, _) in runs.items():
             apply_activation_checkpointing(model, spec)
             timelines[option] = profile_step(model, x, y, optimizer, loss_fn=loss_fn, zero_grad=not accumulate,
                                              grad_clip=run.optim.grad_clip, round_to=round_to, cost=run.cost)
     base = timelines["none"]
     machinery = getattr(run.cost, "recompute_overhead", {})
-    blocks = [{o: _block_option(timelines[o], base, i, machinery.get(o, 0.0)) for o in BLOCK_OPTIONS} for i in range(cfg.n_blocks)]
+    n = len(base.fwd_blocks)
+    blocks = [{o: _block_option(timelines[o], base, i, machinery.get(o, 0.0)) for o in BLOCK_OPTIONS} for i in range(n)]
     if run.simulated:
-        blocks = _with_cuda_attention(blocks, run)
+        blocks = [_with_cuda_attention(b, run, s.attention) for b, s in zip(blocks, base.fwd_blocks)]
     if run.target.cuda:
-        blocks = [{**b, "offload": _offload_option(b["none"], run)} for b in blocks]
-    heads = {head: _head_option(timelines[o], base) for o, (_, head) in _RUNS.items() if head}
+        blocks = [{**b, "offload": _offload_option(b["none"], out, run)} for b, out in zip(blocks, base.block_out)]
+    # What a recomputing block holds past the forward (run "block") that keeping everything lets go (run "none").
+    shared = max(0, base.inputs_freed_at_forward_end - timelines["block"].inputs_freed_at_forward_end)
+    heads = {head: _head_option(timelines[o], base, shared if o != "none" else 0) for o, (_, head) in runs.items() if head}
     # What a block's backward leaves behind besides freeing its saved bytes: the same under every option.
     block_grads = [max(timelines[o].fwd_blocks[i].delta - timelines[o].fwd_transient[i] + timelines[o].bwd_blocks[i].delta
-                       for o in BLOCK_OPTIONS) for i in range(cfg.n_blocks)]
+                       for o in BLOCK_OPTIONS) for i in range(n)]
     params, opt_bytes = param_bytes(model, round_to), optimizer_state_bytes(optimizer, round_to)
     held_grads = grad_bytes(model, round_to) if accumulate else 0
     profile = StepProfile(
@@ -343,44 +359,47 @@ def _profile(model: Transformer, run: _Subject, seed: int | None, t0: float) -> 
         params=params, optimizer=opt_bytes, grads=params if not accumulate else held_grads, baseline=params + opt_bytes + held_grads,
         embed_saved=base.fwd_embed.delta, embed_fwd_rise=base.fwd_embed.rise,
         embed_bwd_rise=base.bwd_embed.rise, embed_bwd_delta=base.bwd_embed.delta,
-        optimizer_rise=max(timelines[o].optimizer.rise for o in list(_RUNS)[1:]),
+        optimizer_rise=max(timelines[o].optimizer.rise for o in list(runs)[1:]),
         blocks=blocks, block_grads=block_grads, heads=heads,
         block_flops=[f.flops + b.flops for f, b in zip(base.fwd_blocks, base.bwd_blocks)],
-        block_param_bytes=param_bytes(model.attn_blocks[-1], round_to),
+        block_param_bytes=param_bytes(find_blocks(model)[1][-1], round_to),
         step_flops=base.flops, seconds=time.perf_counter() - t0,
         embed_time=base.fwd_embed.seconds + base.bwd_embed.seconds,
-        optimizer_time=statistics.median(timelines[o].optimizer.seconds for o in list(_RUNS)[1:]),
+        optimizer_time=statistics.median(timelines[o].optimizer.seconds for o in list(runs)[1:]),
         time_source=getattr(run.cost, "source", ""), fsdp_ranks=run.mesh.size() if run.mesh is not None else 1,
+        shared_inputs=shared,
     )
-    log.debug("profiled %d blocks at batch %d x %d in %.1fs", cfg.n_blocks, batch_size, context, profile.seconds)
+    log.debug("profiled %d blocks at batch %d x %d in %.1fs", n, batch_size, context, profile.seconds)
     return profile
 
 
-def _with_cuda_attention(blocks: list[dict[str, BlockOption]], run: _Subject) -> list[dict[str, BlockOption]]:
-    """Each block's options with what the CUDA attention kernel saves beyond the CPU one we ran: kept
-    until backward where the block keeps its attention (none, selective), made again in its backward
-    where the block is recomputed (block)."""
-    m = run.cfg
-    delta = attention_saved_delta(run.backend, run.batch_size, m.n_head, run.context, m.head_dim, run.dtype,
-                                  run.target.round_to)
+def _with_cuda_attention(block: dict[str, BlockOption], run: _Subject, calls: tuple) -> dict[str, BlockOption]:
+    """A block's options with what the CUDA attention kernel saves beyond the CPU one we ran, for each attention
+    call its forward made (``calls``: query shape, masked): kept until backward where the block keeps its attention
+    (none, selective), made again in its backward where the block is recomputed (block)."""
+    delta = 0
+    for (b, heads, t, head_dim), masked in calls:
+        backend = run.target.attention_backend(run.dtype, head_dim)
+        # CUDA's flash kernel takes no mask: given one, PyTorch picks the memory-efficient kernel.
+        backend = "efficient" if masked and backend == "flash" else backend
+        delta += attention_saved_delta(backend, b, heads, t, head_dim, run.dtype, run.target.round_to)
     if delta == 0:
-        return blocks
+        return block
 
     def adjust(option: str, o: BlockOption) -> BlockOption:
         if option == "block":
             return dataclasses.replace(o, bwd_rise=o.bwd_rise + delta)
         return dataclasses.replace(o, saved=o.saved + delta, fwd_rise=o.fwd_rise + delta)
 
-    return [{k: adjust(k, o) for k, o in b.items()} for b in blocks]
+    return {k: adjust(k, o) for k, o in block.items()}
 
 
-def _offload_option(none: BlockOption, run: _Subject) -> BlockOption:
+def _offload_option(none: BlockOption, out: int, run: _Subject) -> BlockOption:
     """A block that keeps its activations (none) but sends what autograd saves to pinned host memory
     (``save_on_cpu``), modelled, not profiled (on the CPU we profile on, offload is no copy at all): nothing
     stays on the card but its output until the next block has read it; its backward brings everything back
     first. The copies run on the compute stream (``save_on_cpu`` does not overlap them), out in the forward
     and back in the backward, at the card's host-link bandwidth."""
-    out = round_up(run.batch_size * run.context * run.cfg.n_embed * 4, run.target.round_to)  # (B, T, C) fp32 residual stream
     pcie = run.target.gpu.pcie if run.target.gpu else 32e9
     return dataclasses.replace(none, saved=0, fwd_rise=none.fwd_rise + out, bwd_rise=none.bwd_rise + none.saved,
                                time=none.time + 2 * none.saved / pcie)

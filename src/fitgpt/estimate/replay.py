@@ -10,7 +10,6 @@ real sequence of allocations and frees of the plan's step, in seconds, with no G
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -20,8 +19,9 @@ from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
 from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
 from fitgpt.estimate.hardware import Target
-from fitgpt.estimate.profile import fake_transformer
+from fitgpt.estimate.profile import fake_model
 from fitgpt.estimate.ranks import fake_ranks
+from fitgpt.estimate.source import ModelSource, as_source
 from fitgpt.memory.allocator import CachingAllocatorModel
 from fitgpt.memory.tracker import LiveMemory, storages
 from fitgpt.model import ModelConfig
@@ -30,7 +30,7 @@ from fitgpt.parallel import fsdp_shard, precision_roles
 from fitgpt.step import train_step
 
 
-def simulate_step(model_cfg: ModelConfig, policy: str, batch: int, context: int, grad_accum: int, dtype: torch.dtype | None,
+def simulate_step(model: ModelConfig | ModelSource, policy: str, batch: int, context: int, grad_accum: int, dtype: torch.dtype | None,
                   optim: OptimConfig, target: Target, allocator=None, fsdp_ranks: int = 1) -> dict[str, int]:
     """Peak allocated and reserved bytes of a steady-state step of ``policy`` on ``target`` (one process, or one rank
     of ``fsdp_ranks`` under FSDP, sharded as the trainer shards on fake ranks).
@@ -40,12 +40,13 @@ def simulate_step(model_cfg: ModelConfig, policy: str, batch: int, context: int,
     its token batches included. ``allocator``: the model replayed through (default: CUDA's).
     """
     with fake_ranks(fsdp_ranks) if fsdp_ranks > 1 else contextlib.nullcontext() as mesh:
-        return _replay(model_cfg, policy, batch, context, grad_accum, dtype, optim, target, allocator, mesh)
+        return _replay(as_source(model), policy, batch, context, grad_accum, dtype, optim, target, allocator, mesh)
 
 
-def _replay(model_cfg, policy, batch, context, grad_accum, dtype, optim, target, allocator, mesh) -> dict[str, int]:
-    cfg = dataclasses.replace(model_cfg, context_length=max(context, model_cfg.context_length))
-    model, mode = fake_transformer(cfg, torch.device("cpu"))
+def _replay(source, policy, batch, context, grad_accum, dtype, optim, target, allocator, mesh) -> dict[str, int]:
+    if context > source.context_length:
+        source = source.at(context=context)
+    model, mode = fake_model(source, torch.device("cpu"))
     apply_activation_checkpointing(model, policy)
     if mesh is not None:
         with mode:
@@ -55,7 +56,7 @@ def _replay(model_cfg, policy, batch, context, grad_accum, dtype, optim, target,
         alloc.malloc(id(st), st.nbytes())
     for handle in range(target.workspace_bytes() and 2):
         alloc.malloc(-1 - handle, target.workspace_bytes() // 2)
-    math_only = target.attention_backend(dtype, cfg.head_dim) == "math"
+    math_only = target.attention_backend(dtype, source.head_dim) == "math"
     amp = autocast(torch.device("cpu"), precision_roles(dtype, mesh is not None)[0])  # FSDP: pure half precision
     step_kw = {"amp": amp, "grad_clip": optim.grad_clip, "check": False}
     rules = cuda_autocast_rules() if target.cuda and dtype else contextlib.nullcontext()  # CUDA's casts, on CPU tensors

@@ -18,7 +18,6 @@ their time, and a plan's step time is the sum of its segments. Where the per-op 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import statistics
 import time
@@ -33,8 +32,9 @@ from fitgpt.activation_checkpoint import apply_activation_checkpointing, remove_
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
 from fitgpt.estimate.hardware import GPU, GPUS
+from fitgpt.estimate.source import ModelSource, as_source
 from fitgpt.memory.flops import OpFlops, op_flops
-from fitgpt.model import ModelConfig, Transformer
+from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
 from fitgpt.step import grad_scaler, train_step
 
@@ -202,11 +202,13 @@ def _fit_rates(runs: list[list[list]], walls: list[float]) -> OpRates:
     return rates
 
 
-def _calibration_shape(cfg: ModelConfig, batch: int, context: int) -> tuple[int, int]:
+def _calibration_shape(source: ModelSource, batch: int, context: int) -> tuple[int, int]:
     """(batch, context) of the smaller calibration step: about CALIBRATION_FLOPS, at most half the real step's
     tokens, at least 64 tokens (or the real step's)."""
-    C, V = cfg.n_embed, min(cfg.vocab_size, CALIBRATION_VOCAB)
-    per_token = 6 * (12 * C * C + C * V)  # a block's matmuls and the head's, forward and backward
+    with torch.device("meta"):
+        model = _small(source).build()
+    # The matmuls of a block and the head, forward and backward (2 + 4 FLOPs a weight a token).
+    per_token = 6 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     tokens = max(min(64, batch * context), min(int(CALIBRATION_FLOPS / per_token), batch * context // 2))
     c = min(context, tokens)
     return max(1, tokens // c), c
@@ -216,24 +218,33 @@ RECOMPUTE_SPECS = {"pointwise": "pointwise", "selective": "selective", "block": 
 """Each recompute option of a block, as the policy that applies it to every block."""
 
 
-def calibrate(model_cfg: ModelConfig, batch: int, context: int, device: torch.device, dtype: torch.dtype | None,
+def _small(source: ModelSource, context: int | None = None, vocab: int = CALIBRATION_VOCAB) -> ModelSource:
+    """One block of ``source`` with a small vocabulary: the ops of every block, timed in a fraction of the step
+    (a model that cannot be resized is timed whole)."""
+    if not source.resizable:
+        return source
+    return source.at(n_blocks=1, context=context, vocab_size=min(source.vocab_size, vocab))
+
+
+def calibrate(model: ModelConfig | ModelSource, batch: int, context: int, device: torch.device, dtype: torch.dtype | None,
               optim_cfg: OptimConfig | None = None, seconds: float = CALIBRATION_SECONDS, seed: int = 0) -> OpRates:
     """Per-op costs measured on ``device`` for steps of ``batch`` x ``context``: a one-block model's training
     step (forward, backward, optimizer) at two token counts, each op timed; see the module's docstring. Rounds
     repeat for about ``seconds`` (2 to 25 of them): medians of many short steps, or of a few long ones."""
     t0 = time.perf_counter()
-    b, c = _calibration_shape(model_cfg, batch, context)
-    cfg = dataclasses.replace(model_cfg, n_blocks=1, context_length=c, vocab_size=min(model_cfg.vocab_size, CALIBRATION_VOCAB))
+    model = as_source(model)
+    b, c = _calibration_shape(model, batch, context)
+    small = _small(model, context=c)
     torch.manual_seed(seed)
-    model = Transformer(cfg).to(device).train()
+    net = small.build().to(device).train()
     optim_cfg = optim_cfg or OptimConfig()
-    optimizer = build_optimizer(model, optim_cfg, device)
+    optimizer = build_optimizer(net, optim_cfg, device)
     kw = {"amp": autocast(device, dtype), "scaler": grad_scaler(device, dtype), "grad_clip": optim_cfg.grad_clip}
-    sizes = [token_batches(cfg.vocab_size, 1, rows, c, device, seed) for rows in (b, 2 * b)]
+    sizes = [token_batches(small.vocab_size, 1, rows, c, device, seed) for rows in (b, 2 * b)]
     sync = _sync(device)
 
     def step(batches) -> float:
-        return timed(lambda: train_step(model, optimizer, batches, **kw), device)
+        return timed(lambda: train_step(net, optimizer, batches, **kw), device)
 
     for batches in sizes:  # warm-up: the optimizer state exists from here on, as in training
         step(batches)
@@ -248,7 +259,7 @@ def calibrate(model_cfg: ModelConfig, batch: int, context: int, device: torch.de
             op_runs[i].append(timer.ops)
         walls.append(step(sizes[1]))
     rates = _fit_rates(op_runs, walls)
-    rates.recompute_overhead = _machinery(model_cfg, device, dtype, rates, seed)
+    rates.recompute_overhead = _machinery(model, device, dtype, rates, seed)
     rates.source = (f"measured on {device} (ops of a one-block step at {b * c} and {2 * b * c} tokens, medians of {rounds} "
                     f"interleaved rounds; {time.perf_counter() - t0:.1f}s)")
     log.debug("calibrated op costs: %s; %.1f us overhead per op; recompute machinery per block %s", rates.source,
@@ -281,17 +292,17 @@ def token_batches(vocab_size: int, micro_batches: int, rows: int, context: int, 
 MACHINERY_SECONDS, MACHINERY_TOKENS = 0.5, 16
 
 
-def _machinery(model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype | None, rates: OpRates,
+def _machinery(source: ModelSource, device: torch.device, dtype: torch.dtype | None, rates: OpRates,
                seed: int) -> dict[str, float]:
     """Per recompute option, the seconds a block's forward and backward take beyond what its ops cost: the
     checkpoint machinery (saved-tensor hooks, the op-level policies' dispatch mode), Python whose cost does not
     grow with the tokens. Measured on one block at MACHINERY_TOKENS tokens, where the ops cost next to nothing
     and many interleaved rounds fit in MACHINERY_SECONDS: the wall time each option adds over none, less what
     its extra ops cost by ``rates``."""
-    cfg = dataclasses.replace(model_cfg, n_blocks=1, context_length=MACHINERY_TOKENS, vocab_size=256)
+    small = _small(source, context=MACHINERY_TOKENS, vocab=256)
     torch.manual_seed(seed)
-    model = Transformer(cfg).to(device).train()
-    (x, y), = token_batches(cfg.vocab_size, 1, 1, MACHINERY_TOKENS, device, seed)
+    model = small.build().to(device).train()
+    (x, y), = token_batches(small.vocab_size, 1, 1, MACHINERY_TOKENS, device, seed)
     amp = autocast(device, dtype)
 
     def fwd_bwd() -> None:

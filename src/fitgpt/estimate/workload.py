@@ -15,15 +15,15 @@ from pathlib import Path
 
 import torch
 
-from fitgpt.config import TrainConfig
+from fitgpt.config import TrainConfig, train_command
 from fitgpt.device import autocast_dtype
 from fitgpt.estimate.hardware import Target
 from fitgpt.estimate.profile import StepProfile, profile_model
 from fitgpt.estimate.ranks import RanksBusy, in_own_process
 from fitgpt.estimate.replay import simulate_step
+from fitgpt.estimate.source import ModelSource, OwnModel
 from fitgpt.estimate.timing import calibrate, roofline
 from fitgpt.memory.flops import OpCost
-from fitgpt.model import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,18 @@ class Workload:
     """Each op's seconds on the target: measured on ``device`` when it is the target's kind, else a roofline."""
     world_size: int = 1
     """Processes the step is one rank of (profiles are per rank)."""
+    source: ModelSource | None = None
+    """The model when it is not fitgpt's own (a Hugging Face config's); None: ``train.model``."""
 
     @property
-    def model(self) -> ModelConfig:
-        return self.train.model
+    def model(self) -> ModelSource:
+        """The model profiled: ``source``, or fitgpt's own of ``train.model``."""
+        return self.source or OwnModel(self.train.model)
+
+    @property
+    def context(self) -> int:
+        """Tokens per sequence of the step (``train.model.context_length``, whatever the model)."""
+        return self.train.model.context_length
 
     @property
     def persistent_grads(self) -> bool:
@@ -60,7 +68,7 @@ class Workload:
     def profile(self, batch_size: int | None = None, context: int | None = None) -> StepProfile:
         """The step's profile (or that of another micro-batch or context of it), per rank."""
         t = self.train
-        args = (self.model, batch_size or t.batch_size, context or self.model.context_length, self.device)
+        args = (self.model, batch_size or t.batch_size, context or self.context, self.device)
         kw = {"optim_cfg": t.optim, "grad_accum": t.grad_accum, "dtype": self.dtype, "seed": t.seed,
               "persistent_grads": self.persistent_grads, "fake": self.fake, "target": self.target, "cost": self.cost,
               "fsdp_ranks": self.fsdp_ranks}
@@ -76,7 +84,7 @@ class Workload:
         if not (self.target.cuda and self.fake and (self.world_size == 1 or self.fsdp_ranks > 1)) or "offload" in policy:
             return None  # offload copies nothing on the CPU the replay runs on
         t = self.train
-        return simulate_step(self.model, policy, t.batch_size, self.model.context_length, t.grad_accum, self.dtype, t.optim,
+        return simulate_step(self.model, policy, t.batch_size, self.context, t.grad_accum, self.dtype, t.optim,
                              self.target, fsdp_ranks=self.fsdp_ranks)
 
     def vary(self, cost: OpCost | None = None, **changes) -> Workload:
@@ -85,7 +93,20 @@ class Workload:
         train = dataclasses.replace(self.train, **changes)
         same = _dtype(train.precision, self.target, self.device, self.fake) == self.dtype
         return workload_for(train, target=self.target, device=self.device, fake=self.fake, world_size=self.world_size,
-                            cost=self.cost if same else cost)
+                            cost=self.cost if same else cost, source=self.source)
+
+    def how_to_train(self, train: TrainConfig) -> str:
+        """How to run ``train`` (this workload or a variant of it): the fitgpt train (or torchrun) command for fitgpt's
+        own model; for another, the call that applies its checkpointing in the user's own training loop."""
+        if self.source is None:
+            return f"train with: {train_command(train, self.world_size)}"
+        ranks = f", {train.parallel} over {self.world_size} ranks" if self.world_size > 1 else ""
+        precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")
+        if train.precision != "auto":
+            precision = train.precision
+        return (f"in your training loop: apply_activation_checkpointing(model, {train.activation_checkpointing!r}) "
+                f"(from fitgpt.activation_checkpoint), batch {train.batch_size} x {self.context}, grad accum "
+                f"{train.grad_accum}, precision {precision}{ranks}")
 
     def where(self) -> str:
         """The device planned for, and how: measured on it, or fake tensors with a modelled CUDA."""
@@ -98,24 +119,27 @@ class Workload:
 
     def describe(self, where: str | None = None) -> str:
         """One line: the model, the step's shape, the device (``where``, or how it is estimated) and precision."""
-        t, m = self.train, self.model
+        t = self.train
         accum = f", grad accum {t.grad_accum}" if t.grad_accum > 1 else ""
         ranks = f", per rank of {self.world_size} under {t.parallel}" if self.world_size > 1 else ""
-        source = f"{Path(t.config).name} over preset {t.preset}" if t.config else f"preset {t.preset}"
-        heads = f"{m.n_head} heads" + (f" ({m.n_kv_head} kv)" if m.n_kv_head and m.n_kv_head != m.n_head else "")
-        return (f"{m.arch}, {m.n_blocks} blocks x {m.n_embed} wide, {heads}, vocab {m.vocab_size} ({source}); "
-                f"batch {t.batch_size} x "
-                f"context {m.context_length}{accum}, {where or self.where()}, {self.dtype or 'fp32'}{ranks}")
+        if self.source is not None:
+            origin = getattr(self.source, "path", "") or "a module"
+        else:
+            origin = f"{Path(t.config).name} over preset {t.preset}" if t.config else f"preset {t.preset}"
+        return (f"{self.model.describe()} ({origin}); batch {t.batch_size} x "
+                f"context {self.context}{accum}, {where or self.where()}, {self.dtype or 'fp32'}{ranks}")
 
 
 def workload_for(cfg: TrainConfig, *, target: Target | None = None, device: torch.device | None = None,
-                 fake: bool | None = None, world_size: int = 1, cost: OpCost | None = None) -> Workload:
+                 fake: bool | None = None, world_size: int = 1, cost: OpCost | None = None,
+                 source: ModelSource | None = None) -> Workload:
     """The workload of training ``cfg``.
 
     ``device``: where real steps run (default: the CPU for fake tensors). ``target``: the device planned for
     (default: ``device``'s kind). ``fake``: profile on fake tensors; by default on a CPU, where they give the
     real step's bytes exactly (tested) in a fraction of the time and memory, while an accelerator is measured,
     as the reference. ``cost``: a cost model to reuse (one calibration serves every variant of a precision).
+    ``source``: the model, when it is not fitgpt's own ``cfg.model`` (whose context length stays the step's).
     """
     device = device or torch.device("cpu")
     target = target or Target(device.type)
@@ -128,8 +152,9 @@ def workload_for(cfg: TrainConfig, *, target: Target | None = None, device: torc
         if target.cuda and fake:
             cost = roofline(target.gpu, dtype)
         else:
-            cost = calibrate(cfg.model, cfg.batch_size, cfg.model.context_length, device, dtype, cfg.optim, seed=cfg.seed)
-    return Workload(cfg, target, device, fake, dtype, cost, world_size)
+            cost = calibrate(source or OwnModel(cfg.model), cfg.batch_size, cfg.model.context_length, device, dtype,
+                             cfg.optim, seed=cfg.seed)
+    return Workload(cfg, target, device, fake, dtype, cost, world_size, source)
 
 
 def _dtype(precision: str, target: Target, device: torch.device, fake: bool) -> torch.dtype | None:

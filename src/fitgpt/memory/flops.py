@@ -38,6 +38,7 @@ def _register_cpu_attention() -> None:
 
 
 _register_cpu_attention()
+_CPU_ATTENTION = _aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 def count_flops(fn, *args, **kwargs) -> int:
@@ -71,10 +72,15 @@ class OpFlops(TorchDispatchMode):
         self.total = 0
         self.seconds = 0.0
         self.cost = cost
+        self.attention: list[tuple[tuple[int, ...], bool]] = []
+        """Each CPU attention kernel call: (query shape (B, heads, T, head dim), given a mask). What a CUDA kernel
+        would save instead depends on them (``fitgpt.estimate.hardware.attention_saved_delta``)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func is _CPU_ATTENTION:
+            self.attention.append((tuple(args[0].shape), kwargs.get("attn_mask") is not None))
         flops = op_flops(func, args, kwargs, out)
         self.total += flops
         if self.cost is not None:

@@ -38,6 +38,8 @@ class Segment:
     flops: int
     seconds: float = 0.0
     """Its ops' time by the cost model given to ``profile_step`` (0 without one)."""
+    attention: tuple = ()
+    """Its attention kernel calls, as ``OpFlops.attention`` records them."""
 
     @property
     def rise(self) -> int:
@@ -64,6 +66,11 @@ class StepTimeline:
     fwd_transient: list[int]
     """Per block: bytes its forward allocated that were freed when the forward ended (autocast's cache of
     low-precision weight copies, not saved for backward where the block is recomputed)."""
+    block_out: list[int]
+    """Per block: the bytes of its output (the hidden states the next block reads)."""
+    inputs_freed_at_forward_end: int
+    """Bytes made before the first block that died as the forward ended (a mask or position ids every block read,
+    which no saved tensor held; a checkpointed block holds them as its inputs until its backward)."""
     peak: int
     """Peak live bytes of the whole step above its baseline."""
     flops: int
@@ -99,11 +106,13 @@ class _Marks:
 
     def __init__(self, live: LiveMemory, flops: OpFlops) -> None:
         self.live, self.flops = live, flops
-        self.points: dict[str, tuple[int, int, int, float]] = {}  # name -> (live, peak since last mark, flops, seconds so far)
+        # name -> (live, peak since last mark, flops, seconds so far, attention calls so far)
+        self.points: dict[str, tuple[int, int, int, float, int]] = {}
         self.epochs: dict[str, int] = {}  # name -> the epoch that begins at this mark
 
     def __call__(self, name: str) -> None:
-        self.points[name] = (self.live.current, self.live.peak, self.flops.total, self.flops.seconds)
+        self.points[name] = (self.live.current, self.live.peak, self.flops.total, self.flops.seconds,
+                             len(self.flops.attention))
         self.live.reset_peak()
         self.live.epoch += 1
         self.epochs[name] = self.live.epoch
@@ -115,7 +124,8 @@ class _Marks:
 
     def segment(self, first: str, last: str) -> Segment:
         a, b = self.points[first], self.points[last]
-        return Segment(start=a[0], end=b[0], peak=max(b[1], a[0]), flops=b[2] - a[2], seconds=b[3] - a[3])
+        return Segment(start=a[0], end=b[0], peak=max(b[1], a[0]), flops=b[2] - a[2], seconds=b[3] - a[3],
+                       attention=tuple(self.flops.attention[a[4]:b[4]]))
 
 
 def _hidden(out):
@@ -134,6 +144,7 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
     loss_fn = loss_fn or default_loss(model, idx, targets)
     _, block_list = find_blocks(model, blocks)
     n = len(block_list)
+    outs = [0] * n
     baseline = param_bytes(model, round_to) + grad_bytes(model, round_to) + optimizer_state_bytes(optimizer, round_to)
     handles = []
     with OpFlops(cost) as fc, LiveMemory(round_to) as live:
@@ -152,6 +163,7 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
             def hook(module, args, out):
                 mark(f"fwd_post_{i}")
                 h = _hidden(out)
+                outs[i] = _unique_bytes([h], round_to)
                 if isinstance(h, torch.Tensor) and h.requires_grad:
                     # grad of block i's output complete = block i's backward begins (= block i+1's ends)
                     h.register_hook(lambda g: mark(f"bwd_out_{i}"))
@@ -193,6 +205,8 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
         bwd_embed=s("bwd_in_0", "bwd_end"),
         optimizer=s("bwd_end", "opt_end"),
         fwd_transient=[mark.freed_between(starts[i], f"fwd_post_{i}", f"fwd_post_{n - 1}", "fwd_end") for i in range(n)],
+        block_out=outs,
+        inputs_freed_at_forward_end=mark.freed_between("start", "fwd_pre_0", f"fwd_post_{n - 1}", "fwd_end"),
         peak=max(p[1] for p in mark.points.values()),
         flops=fc.total,
         baseline=baseline,

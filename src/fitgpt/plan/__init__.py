@@ -5,8 +5,10 @@
     largest.py      `fitgpt fit`, first half: the largest batch, context and depth that fit
     fastest.py      `fitgpt fit`, second half, and --auto-config: the fastest whole configuration that fits
     extrapolate.py  a profile at an unprofiled size, fitted exactly through profiled ones
+    module.py       plan_module: any nn.Module planned from a function that builds it
 """
 
+from fitgpt.plan.module import ModulePlan, plan_module
 from fitgpt.plan.solver import Plan, PlanError, Prediction, min_peak, predict, solve, solve_exhaustive
 
-__all__ = ["Plan", "PlanError", "Prediction", "min_peak", "predict", "solve", "solve_exhaustive"]
+__all__ = ["ModulePlan", "Plan", "PlanError", "Prediction", "min_peak", "plan_module", "predict", "solve", "solve_exhaustive"]

@@ -25,7 +25,6 @@ from fitgpt.config import TrainConfig, train_command
 from fitgpt.device import resolve_device
 from fitgpt.estimate.profile import StepProfile
 from fitgpt.estimate.workload import Workload, workload_for
-from fitgpt.model import Transformer
 from fitgpt.plan.extrapolate import extrapolate
 from fitgpt.plan.solver import Plan, PlanError, solve
 from fitgpt.units import format_bytes, parse_bytes
@@ -107,7 +106,7 @@ def _layouts(w: Workload) -> list[Layout]:
 
 def _param_count(w: Workload) -> int:
     with torch.device("meta"):
-        model = Transformer(w.model)
+        model = w.model.build()
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
@@ -141,7 +140,7 @@ def _link_seconds(w: Workload, layout: Layout, accum: int, micro: float, params:
 def fastest(w: Workload, budget: int, top: int = 5) -> dict:
     """Every configuration that fits ``budget`` (see the module's docstring), fastest first, ``top`` of them
     settled on their own profiles."""
-    seqs, T = w.train.batch_size * w.train.grad_accum, w.model.context_length
+    seqs, T = w.train.batch_size * w.train.grad_accum, w.context
     tokens = seqs * T * w.world_size
     params = _param_count(w)
     costs: dict[str, object] = {}
@@ -226,7 +225,9 @@ def format_choices(result: dict, w: Workload) -> str:
     lines.append(f"\n({result['note']}; time models: {models}"
                  + ("; links estimated from bandwidths" if any(c.link_seconds for c in result["choices"]) else "") + ")")
     if result["choices"]:
-        lines.append(f"train the fastest: {train_command(result['choices'][0].config(w.train), w.world_size)}")
+        best = result["choices"][0].config(w.train)
+        lines.append(f"train the fastest: {train_command(best, w.world_size)}" if w.source is None
+                     else f"the fastest, {w.how_to_train(best)}")
     return "\n".join(lines)
 
 

@@ -89,8 +89,7 @@ def _settle(exact, policy: str, budget: int, guess: int, cap: int) -> int:
 
 def largest(w: Workload, budget: int, max_batch: int = 4096, max_context: int = 1 << 17, max_blocks: int = 1024) -> dict:
     """For none, block and auto: the largest batch, context and number of blocks within ``budget``."""
-    mcfg = w.model
-    B, T = w.train.batch_size, mcfg.context_length
+    B, T = w.train.batch_size, w.context
 
     cache: dict[tuple[int, int], StepProfile] = {}
 
@@ -126,7 +125,7 @@ def largest(w: Workload, budget: int, max_batch: int = 4096, max_context: int = 
         }
     return {
         "workload": w.describe(), "budget": budget, "answers": answers,
-        "current": {"batch_size": B, "context": T, "n_blocks": mcfg.n_blocks},
+        "current": {"batch_size": B, "context": T, "n_blocks": w.model.n_blocks},
         "profiles": len(cache), "extrapolated": extrapolated,
         "note": f"batch and context bracketed from profiles at batch {b0}, {2 * b0} and contexts {c0}, {2 * c0}, {3 * c0}, "
                 f"then settled on exact profiles of the sizes named ({len(cache)} profiles in all"

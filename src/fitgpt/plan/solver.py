@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.errors import UserError
-from fitgpt.estimate.profile import HEAD_OPTIONS, StepProfile
+from fitgpt.estimate.profile import StepProfile
 from fitgpt.units import format_bytes
 
 
@@ -108,6 +108,8 @@ def predict(profile: StepProfile, plan: Plan) -> Prediction:
         raise ValueError(f"the plan has {len(plan.blocks)} block options, the model {p.n_blocks} blocks")
     head = p.heads[plan.head]
     events: list[tuple[int, str, int, int, int]] = []  # (total, where, activations, grads, temporaries)
+    holder = _first_recompute(plan.blocks)
+    shared = p.shared_inputs if holder is not None else 0  # held from the forward's end to the holder's backward
 
     def event(where: str, level: int, rise: int, activations: int) -> None:
         events.append((level + rise, where, activations, level - activations, rise))
@@ -118,17 +120,18 @@ def predict(profile: StepProfile, plan: Plan) -> Prediction:
     for i, o in enumerate(plan.blocks):
         event(f"block {i} forward", level, p.blocks[i][o].fwd_rise, level)
         level += p.blocks[i][o].saved + p.blocks[i][o].transient
-    event("head forward", level, head.fwd_rise, level)
-    level += head.saved - sum(p.blocks[i][o].transient for i, o in enumerate(plan.blocks))  # autocast's cache let go
+    event("head forward", level, head.fwd_rise + shared, level)
+    level += head.saved - sum(p.blocks[i][o].transient for i, o in enumerate(plan.blocks)) + shared  # autocast's cache let go
     end_of_forward = level
     event("head backward", level, head.bwd_rise, level)
     level += head.bwd_delta
-    saved_prefix = p.embed_saved + sum(p.blocks[i][o].saved for i, o in enumerate(plan.blocks))
+    saved_prefix = p.embed_saved + sum(p.blocks[i][o].saved for i, o in enumerate(plan.blocks)) + shared
     for i in reversed(range(p.n_blocks)):
         o = plan.blocks[i]
         event(f"block {i} backward", level, p.blocks[i][o].bwd_rise, saved_prefix)
-        saved_prefix -= p.blocks[i][o].saved
-        level += p.block_grads[i] - p.blocks[i][o].saved
+        released = shared if i == holder else 0
+        saved_prefix -= p.blocks[i][o].saved + released
+        level += p.block_grads[i] - p.blocks[i][o].saved - released
     event("embed backward", level, p.embed_bwd_rise, p.embed_saved)
     level += p.embed_bwd_delta
     event("optimizer step", level, p.optimizer_rise, 0)
@@ -140,6 +143,15 @@ def predict(profile: StepProfile, plan: Plan) -> Prediction:
         recompute_flops=_cost(p, plan)[1], step_flops=p.step_flops, step_time=step_time(p, plan),
         none_time=step_time(p, Plan.uniform(p.n_blocks, "none")),
     )
+
+
+_HOLD_INPUTS = ("pointwise", "selective", "block")
+"""Options that run their block under a checkpoint, which keeps the block's inputs until its backward."""
+
+
+def _first_recompute(blocks: tuple[str, ...]) -> int | None:
+    """The first block whose checkpoint holds the shared inputs (the last to let them go), or None."""
+    return next((i for i, o in enumerate(blocks) if o in _HOLD_INPUTS), None)
 
 
 def step_time(profile: StepProfile, plan: Plan) -> float:
@@ -181,21 +193,26 @@ def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[float,
            c_head + grads_all + p.embed_bwd_delta + p.optimizer_rise) > room:
         return None
     # state: (bytes saved for backward, bytes held in the forward, cost, options), the latter also holding
-    # autocast's transient copies; pruned to the states no other beats on all three.
+    # autocast's transient copies; pruned to the states no other beats on all three. A state whose options recompute
+    # a block also holds the shared inputs through the head's backward and the backward of every block from there on.
     states: list[tuple[int, int, tuple, tuple[str, ...]]] = [(p.embed_saved, p.embed_saved, (0.0, 0, 0), ())]
     for i in range(p.n_blocks):
-        nxt: dict[tuple[int, int], tuple[tuple, tuple[str, ...]]] = {}
+        nxt: dict[tuple[int, int, bool], tuple[tuple, tuple[str, ...]]] = {}
         for s, u, cost, opts in states:
             for o, b in p.blocks[i].items():
-                if u + b.fwd_rise > room or c_head - p.embed_saved + grads_after[i] + s + b.saved + b.bwd_rise > room:
+                held = p.shared_inputs if _first_recompute(opts + (o,)) is not None else 0
+                if u + b.fwd_rise > room or c_head - p.embed_saved + grads_after[i] + s + held + b.saved + b.bwd_rise > room:
                     continue
-                key = (s + b.saved, u + b.saved + b.transient)
+                key = (s + b.saved, u + b.saved + b.transient, bool(held))
                 c2 = (cost[0] + b.time, cost[1] + b.recompute_flops, cost[2] + (o != "none"))
                 if key not in nxt or c2 < nxt[key][0]:
                     nxt[key] = (c2, opts + (o,))
-        states = _pareto(nxt)
-    done = [(cost, opts) for s, u, cost, opts in states
-            if u + head.fwd_rise <= room and s + head.saved + head.bwd_rise <= room]
+        states = [st for flag in (False, True) for st in _pareto({k[:2]: v for k, v in nxt.items() if k[2] == flag})]
+    def fits_head(s: int, u: int, opts: tuple[str, ...]) -> bool:
+        held = p.shared_inputs if _first_recompute(opts) is not None else 0
+        return u + head.fwd_rise + held <= room and s + head.saved + held + head.bwd_rise <= room
+
+    done = [(cost, opts) for s, u, cost, opts in states if fits_head(s, u, opts)]
     if not done:
         return None
     cost, opts = min(done)
@@ -205,7 +222,7 @@ def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[float,
 def _cheapest(profile: StepProfile, budget: int) -> Plan | None:
     room = budget - profile.baseline
     found = []
-    for head in HEAD_OPTIONS:
+    for head in profile.heads:
         r = _solve_head(profile, head, room) if room >= 0 else None
         if r is not None:
             found.append((r[0], Plan(r[1], head)))
@@ -224,7 +241,7 @@ def solve_exhaustive(profile: StepProfile, budget: int) -> tuple[Plan, Predictio
     """Try every plan (options^N x 2): the reference the dynamic programme is tested against."""
     best = None
     for opts in itertools.product(list(profile.blocks[0]), repeat=profile.n_blocks):
-        for head in HEAD_OPTIONS:
+        for head in profile.heads:
             plan = Plan(opts, head)
             pred = predict(profile, plan)
             if pred.peak <= budget and (best is None or _cost(profile, plan) < best[0]):
@@ -234,7 +251,7 @@ def solve_exhaustive(profile: StepProfile, budget: int) -> tuple[Plan, Predictio
 
 def min_peak(profile: StepProfile) -> tuple[Plan, Prediction]:
     """The plan with the lowest predicted peak (the most aggressive one that exists)."""
-    candidates = [Plan.uniform(profile.n_blocks, o, h) for o in profile.blocks[0] for h in HEAD_OPTIONS]
+    candidates = [Plan.uniform(profile.n_blocks, o, h) for o in profile.blocks[0] for h in profile.heads]
     # The best uniform plan bounds it from above; a mixed plan can be lower (block recompute has the
     # larger backward workspace). Bisect on the budget, each probe an exact solve; hi always fits.
     hi, lo = min(predict(profile, c).peak for c in candidates), profile.baseline
@@ -274,7 +291,7 @@ def _no_fit_message(p: StepProfile, budget: int) -> str:
     if p.batch_size > 1:
         b = max(1, int(p.batch_size * scale))
         knobs.append(f"a smaller batch (about --batch-size {b}, with --grad-accum to keep the tokens per step)")
-    knobs.append(f"a shorter context (about --model.context-length {max(1, int(p.context * scale))})")
-    knobs.append("fewer blocks (--model.n-blocks)")
+    knobs.append(f"a shorter context (about --context {max(1, int(p.context * scale))})")
+    knobs.append("fewer blocks (--model.n-blocks; a Hugging Face config's num_hidden_layers)")
     lines.append("To fit, try " + "; or ".join(knobs) + ".")
     return " ".join(lines)

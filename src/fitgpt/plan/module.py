@@ -1,0 +1,84 @@
+"""Plan any ``nn.Module``: ``plan_module(build_model, (batch, context), vocab_size=...)``.
+
+The module is built on the meta device (nothing allocated) and profiled on fake tensors exactly as fitgpt's own
+models are (`fitgpt.estimate.source.ModuleModel`): each per-block option ``apply_activation_checkpointing`` gives
+it, the fastest plan within a budget, its predicted peak, and on a CUDA card the step replayed through CUDA's
+caching allocator (``max_memory_allocated`` and ``max_memory_reserved``). Its forward takes (idx, targets), both
+(B, T) token ids, targets shifted by one, and gives a loss, (logits, loss) or an object with ``.loss``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from fitgpt.activation_checkpoint.apply import find_blocks
+from fitgpt.config import OptimConfig, load_config
+from fitgpt.estimate.hardware import CUDA_CONTEXT, Target, find_gpu
+from fitgpt.estimate.profile import BLOCK_OPTIONS, StepProfile
+from fitgpt.estimate.source import ModuleModel
+from fitgpt.estimate.workload import workload_for
+from fitgpt.plan.solver import Plan, Prediction, min_peak, predict, solve
+from fitgpt.units import parse_bytes
+
+
+@dataclass
+class ModulePlan:
+    policy: str
+    """What to pass to ``apply_activation_checkpointing(model, policy)``."""
+    prediction: Prediction
+    """The plan's predicted peak (bytes of the step's tensors), where it falls, and its time."""
+    budget: int | None
+    """Bytes for the step's tensors the plan was solved within (None: the lowest peak was asked for)."""
+    uniform: dict[str, int]
+    """Each option on every block, its predicted peak."""
+    replay: dict[str, int] | None
+    """On a CUDA card: ``max_allocated`` and ``max_reserved`` of the plan's step through CUDA's caching allocator."""
+    profile: StepProfile
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.prediction.peak <= self.budget
+
+
+def plan_module(build_model: Callable[[], nn.Module], batch: tuple[int, int], *, vocab_size: int,
+                budget: int | str | None = None, gpu: str | None = None, precision: str = "auto", grad_accum: int = 1,
+                optim: OptimConfig | None = None) -> ModulePlan:
+    """Plan one training step of the module ``build_model()`` makes, on this CPU or on the CUDA card ``gpu`` (a name
+    as ``fitgpt plan --gpu`` takes it), at ``batch`` = (sequences, tokens per sequence), ``grad_accum`` micro-batches
+    a step, in ``precision`` (autocast), with AdamW as ``optim`` says.
+
+    ``budget``: the memory a step may take (bytes, or "6GiB"); default: the card's memory less the CUDA context, or
+    none on a CPU (the lowest-peak plan). The blocks are the model's longest ``nn.ModuleList`` of one type (as
+    ``apply_activation_checkpointing`` finds them). On a CPU the time of each op is measured on this machine (real
+    steps of the module at a small batch); on a card it is a roofline estimate.
+    """
+    b, t = batch
+    target = Target("cuda", find_gpu(gpu)) if gpu else Target("cpu")
+    with torch.device("meta"):
+        n_blocks = len(find_blocks(build_model())[1])
+    source = ModuleModel(build_model, vocab_size, t, n_blocks)
+    base = load_config("tiny")
+    cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, context_length=t, vocab_size=vocab_size),
+                              batch_size=b, grad_accum=grad_accum, precision=precision, optim=optim or base.optim)
+    w = workload_for(cfg, target=target, fake=True, source=source)
+    profile = w.profile()
+    room = _room(budget, target)
+    plan, pred = solve(profile, room) if room is not None else min_peak(profile)
+    return ModulePlan(policy=plan.spec(), prediction=pred, budget=room,
+                      uniform={o: predict(profile, Plan.uniform(n_blocks, o)).peak for o in BLOCK_OPTIONS},
+                      replay=w.replay(plan.spec()), profile=profile)
+
+
+def _room(budget: int | str | None, target: Target) -> int | None:
+    """Bytes for the step's tensors: the budget (or the card's memory less the CUDA context) less cuBLAS workspaces."""
+    if budget is None and target.gpu is None:
+        return None
+    device_bytes = parse_bytes(budget) if isinstance(budget, str) else budget
+    if device_bytes is None:
+        device_bytes = target.gpu.memory - CUDA_CONTEXT
+    return target.tensor_budget(device_bytes)
