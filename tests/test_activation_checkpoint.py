@@ -25,7 +25,7 @@ from fitgpt.model import Transformer
 # Policies whose op order equals `none`: gradients must be bitwise equal.
 BITWISE = ["none", "block", "group:2", "group:3", "every:2", "blocks:0,3", "sqrt", "selective", "selective:1,2",
            "blocks:0+selective:1,2", "offload", "block+offload", "offload:0,1", "pointwise", "pointwise:0,3",
-           "blocks:0+selective:1+pointwise:2,3", "pointwise+offload"]
+           "blocks:0+selective:1+pointwise:2,3", "pointwise+offload", "torchtitan", "blocks:0+torchtitan:1,2"]
 # Chunked loss sums per-chunk losses, then divides: a different summation order than one mean over
 # all tokens, so equality holds to float32 rounding (relative 1e-6), not bitwise.
 CHUNKED = ["chunked-loss:16", "every:2+chunked-loss:16", "block+chunked-loss", "selective+chunked-loss:7",
@@ -169,6 +169,20 @@ def test_pointwise_keeps_every_matmul_output_and_recomputes_no_matmul(counted):
     assert sum(pw.block_bytes) < 0.65 * sum(none.block_bytes)
     # Not one matmul or attention is run twice: the step's FLOPs are none's, exactly.
     assert counted["pointwise"][1] == counted["none"][1]
+
+
+def test_torchtitan_keeps_attention_and_every_second_mm(tiny_model_config):
+    """torchtitan's rule on a Llama block, whose seven projections are one mm each (no biases): the 1st, 3rd, 5th and
+    7th outputs (q, v, gate, down) are kept with the attention's; k, o and up run again in the backward, and no
+    other matmul or attention does."""
+    cfg = tiny_model_config(**LLAMA)
+    model = Transformer(cfg)
+    idx, targets = _batch(cfg)
+    none = measure_step_flops(model, idx, targets)
+    apply_activation_checkpointing(model, "torchtitan")
+    again = measure_step_flops(model, idx, targets) - none
+    C, kv, F, T = cfg.n_embed, cfg.kv_heads * cfg.head_dim, cfg.mlp_hidden, 2 * cfg.context_length
+    assert again == cfg.n_blocks * 2 * T * (C * kv + C * C + C * F)
 
 
 def test_chunked_loss_removes_the_b_t_vocab_term(counted):
@@ -324,7 +338,8 @@ def test_policy_errors_that_need_the_depth(tiny_model_config):
         apply_activation_checkpointing(model, "every:2+selective:2")
 
 
-GRAMMAR = st.sampled_from(["block", "group", "every", "blocks", "sqrt", "selective", "pointwise", "offload", "chunked-loss", "none",
+GRAMMAR = st.sampled_from(["block", "group", "every", "blocks", "sqrt", "selective", "pointwise", "torchtitan", "offload",
+                           "chunked-loss", "none",
                            ":", ",", "+", "0", "3", "-1", "x", " "])
 
 
@@ -346,7 +361,8 @@ def test_policy_parser_fuzz(text):
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from(["block", "group:2", "every:3", "blocks:0,2", "sqrt", "selective", "selective:1",
-                                 "pointwise", "pointwise:4", "offload", "offload:3", "chunked-loss", "chunked-loss:5", "none"]),
+                                 "pointwise", "pointwise:4", "torchtitan:2", "offload", "offload:3", "chunked-loss", "chunked-loss:5",
+                                 "none"]),
                 min_size=1, max_size=3))
 def test_policy_combinations_fuzz(terms):
     spec = "+".join(terms)

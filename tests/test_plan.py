@@ -279,6 +279,22 @@ def test_plan_predicts_the_policy_the_train_command_names(capsys):
     assert "unknown checkpointing term 'blok'" in capsys.readouterr().err
 
 
+def test_torchtitan_rule_is_profiled_when_named_and_predicted_exactly(tiny_model_config, capsys):
+    """torchtitan's op-level rule, for a torchtitan user to compare like with like: profiled only when a policy names
+    it (auto's four steps stay four), then predicted as exactly as the others, alone and mixed."""
+    cfg = tiny_model_config(arch="llama", n_kv_head=2)
+    assert "torchtitan" not in profile_model(cfg, B, T, fake=True).blocks[0]
+    profile = profile_model(cfg, B, T, fake=True, extra_options=("torchtitan",))
+    measured = Measured(cfg)
+    for plan in [Plan.uniform(4, "torchtitan"), Plan(("torchtitan", "none", "block", "torchtitan"), "chunked")]:
+        assert predict(profile, plan).peak == measured.peak(plan)
+    args = ["plan", "--preset", "llama-tiny", "--batch-size", "2", "--context", "32", "--memory-budget", "1GiB",
+            "--activation-checkpointing", "torchtitan+chunked-loss"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "plan: torchtitan+chunked-loss (as given; fits" in out and "--activation-checkpointing torchtitan+chunked-loss" in out
+
+
 def test_plan_command_errors_name_the_flag(capsys):
     assert main(["plan", "--device", "cpu"]) == 2
     assert "--memory-budget is required" in capsys.readouterr().err
@@ -301,6 +317,29 @@ def test_bench_command_writes_table_json_and_png(tmp_path, capsys):
     assert rows["auto:50%"]["peak_bytes"] <= rows["auto:50%"]["budget_bytes"]
     assert (out / "bench.json").is_file() and (out / "bench.png").stat().st_size > 0
     assert "| `block` |" in text
+
+
+def test_bench_and_fit_take_the_policy_train_takes(tmp_path, capsys):
+    """--activation-checkpointing on bench measures that policy beside none (torchtitan's rule profiled for the
+    prediction beside it, not a nearest plan); on fit it is a column of the largest sizes and the policy of every
+    fastest configuration, and the train command carries it."""
+    args = ["bench", "--device", "cpu", "--preset", "llama-tiny", "--batch-size", "2", "--context", "32", "--repeats", "1",
+            "--warmup", "0", "--out-dir", str(tmp_path / "b"), "--activation-checkpointing", "torchtitan"]
+    assert main(args) == 0
+    rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]}
+    assert set(rows) == {"none", "torchtitan"} and rows["torchtitan"]["predicted_exact"]
+    assert rows["torchtitan"]["flops"] > rows["none"]["flops"]
+    assert main([*args, "--policies", "none", "block"]) == 2
+    assert "give one of the two" in capsys.readouterr().err
+    args = ["fit", "--batch-size", "2", "--context", "32", "--memory-budget", "60MiB", "--precision", "fp32", "--top", "2",
+            "--activation-checkpointing", "selective"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["policies"] == ["none", "block", "auto", "selective"]
+    assert result["answers"]["selective"]["batch_size"] >= result["answers"]["none"]["batch_size"]
+    assert result["fastest"] and all(c["policy"] == "selective" for c in result["fastest"])
+    assert "--activation-checkpointing selective" in out and "| selective vs none |" in out
 
 
 def test_fit_command(capsys):

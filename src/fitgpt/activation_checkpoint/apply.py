@@ -24,10 +24,11 @@ from fitgpt.activation_checkpoint.policy import (
     RECOMPUTE_BLOCK,
     RECOMPUTE_NONE,
     RECOMPUTE_SELECTIVE,
+    RECOMPUTE_TORCHTITAN,
     Policy,
     parse_policy,
 )
-from fitgpt.activation_checkpoint.selective import pointwise_context_fn, selective_context_fn
+from fitgpt.activation_checkpoint.selective import pointwise_context_fn, selective_context_fn, torchtitan_context_fn
 from fitgpt.device import loss_logits
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,8 @@ class _GroupState:
 class ActivationCheckpointWrapper(_Wrapper):
     """One position of the block list under a checkpointing region.
 
-    recompute: none (keep everything), block (the whole block again in backward), selective or pointwise (a
-    save list chooses which ops run again). offload: send what autograd saves to host memory.
+    recompute: none (keep everything), block (the whole block again in backward), selective, pointwise or torchtitan
+    (a save list chooses which ops run again). offload: send what autograd saves to host memory.
     group: shared with the other wrappers of a multi-block region; ``members`` are the blocks the
     first wrapper runs (its own and the followers'), held as plain references, not submodules.
     """
@@ -124,6 +125,8 @@ class ActivationCheckpointWrapper(_Wrapper):
     def _context_fn(self, args: tuple):
         if self.recompute == RECOMPUTE_SELECTIVE:
             return selective_context_fn
+        if self.recompute == RECOMPUTE_TORCHTITAN:
+            return torchtitan_context_fn
         width = next(a.shape[-1] for a in args if isinstance(a, torch.Tensor))  # the residual stream's
         return functools.partial(pointwise_context_fn, width, self._dropout)
 

@@ -11,6 +11,7 @@ Grammar: terms joined by ``+``.
     selective[:i,j]      op-level: keep attention and widening matmul outputs, recompute the rest
     pointwise[:i,j]      op-level: keep every matmul and attention output, recompute only the
                          pointwise ops (norms, GELU, dropout, residual adds): no matmul is run twice
+    torchtitan[:i,j]     op-level, torchtitan's rule: keep attention outputs and every second mm, recompute the rest
     offload[:i,j]        the blocks' saved tensors (or, under block recompute, their boundary) go to host memory
     chunked-loss[:ROWS]  head + cross-entropy in chunks of ROWS tokens, never holding all logits
 
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from fitgpt.errors import UserError
 
 RECOMPUTE_NONE, RECOMPUTE_BLOCK, RECOMPUTE_SELECTIVE, RECOMPUTE_POINTWISE = "none", "block", "selective", "pointwise"
-OP_LEVEL = (RECOMPUTE_SELECTIVE, RECOMPUTE_POINTWISE)
+RECOMPUTE_TORCHTITAN = "torchtitan"
+OP_LEVEL = (RECOMPUTE_SELECTIVE, RECOMPUTE_POINTWISE, RECOMPUTE_TORCHTITAN)
 """Recompute options chosen op by op (a save list), each block its own region."""
 DEFAULT_LOSS_CHUNK_ROWS = 1024
 
@@ -72,18 +74,27 @@ class Policy:
     block: Selector | None = None
     selective: Selector | None = None
     pointwise: Selector | None = None
+    torchtitan: Selector | None = None
     offload: Selector | None = None
     loss_chunk_rows: int | None = None
 
     @property
     def is_none(self) -> bool:
-        return all(x is None for x in (self.block, self.selective, self.pointwise, self.offload, self.loss_chunk_rows))
+        return all(x is None for x in (self.block, self.selective, self.pointwise, self.torchtitan, self.offload,
+                                       self.loss_chunk_rows))
+
+    @property
+    def recompute_options(self) -> tuple[str, ...]:
+        """The recompute options the policy names (block for any whole-block selector)."""
+        named = ((self.block, RECOMPUTE_BLOCK), (self.selective, RECOMPUTE_SELECTIVE), (self.pointwise, RECOMPUTE_POINTWISE),
+                 (self.torchtitan, RECOMPUTE_TORCHTITAN))
+        return tuple(option for sel, option in named if sel is not None)
 
     def regions(self, n_blocks: int) -> list[Region]:
         """One region per block (or per group), in order, covering all n_blocks blocks."""
         recompute = [RECOMPUTE_NONE] * n_blocks
         for sel, option in ((self.block, RECOMPUTE_BLOCK), (self.selective, RECOMPUTE_SELECTIVE),
-                            (self.pointwise, RECOMPUTE_POINTWISE)):
+                            (self.pointwise, RECOMPUTE_POINTWISE), (self.torchtitan, RECOMPUTE_TORCHTITAN)):
             if sel is not None:
                 for i in sel.block_ids(n_blocks):
                     if recompute[i] != RECOMPUTE_NONE:
@@ -109,7 +120,7 @@ class Policy:
             return "none: no block is checkpointed"
         parts = []
         regions = self.regions(n_blocks)
-        for option in (RECOMPUTE_BLOCK, RECOMPUTE_SELECTIVE, RECOMPUTE_POINTWISE):
+        for option in (RECOMPUTE_BLOCK, *OP_LEVEL):
             hit = [r for r in regions if r.recompute == option]
             if hit:
                 spans = [f"{r.start}" if r.stop - r.start == 1 else f"{r.start}-{r.stop - 1}" for r in hit]
@@ -174,16 +185,17 @@ def parse_policy(spec: str | Policy) -> Policy:
             put("block", Selector("blocks", ids=_ids(arg, term)), term)
         elif head == "sqrt" and not arg:
             put("block", Selector("sqrt"), term)
-        elif head in ("selective", "pointwise", "offload"):
+        elif head in ("selective", "pointwise", "torchtitan", "offload"):
             put(head, Selector("blocks", ids=_ids(arg, term)) if arg else Selector("all"), term)
         elif head == "chunked-loss":
             put("loss_chunk_rows", _int(arg, term, 1) if arg else DEFAULT_LOSS_CHUNK_ROWS, term)
         else:
             raise UserError(
                 f"unknown checkpointing term {term!r} in {spec!r}; expected none, block, group:K, every:K, "
-                "blocks:i,j, sqrt, selective[:i,j], pointwise[:i,j], offload[:i,j] or chunked-loss[:ROWS], joined by '+'"
+                "blocks:i,j, sqrt, selective[:i,j], pointwise[:i,j], torchtitan[:i,j], offload[:i,j] or chunked-loss[:ROWS], "
+                "joined by '+'"
             )
-    _check_disjoint(spec, {name: fields[name] for name in ("block", "selective", "pointwise") if name in fields})
+    _check_disjoint(spec, {name: fields[name] for name in ("block", *OP_LEVEL) if name in fields})
     return Policy(spec=spec, **fields)  # type: ignore[arg-type]
 
 

@@ -11,6 +11,8 @@ out of 24 C^2 in the block's forward matmuls: under 1.10x the FLOPs of a GPT-2-s
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -81,5 +83,36 @@ def pointwise_context_fn(width: int, dropout: bool):
         if op in MATMUL_OPS and (dropout or _contracted(op, args) <= width):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+TORCHTITAN_SAVED = _ops(
+    "mm",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_fused_attention_overrideable",
+    # Not on torchtitan's list, which is CUDA's: the CPU's kernel stands for the CUDA one a planned step would run.
+    "_scaled_dot_product_flash_attention_for_cpu",
+) | frozenset(
+    op.default for op in [getattr(getattr(torch.ops, "_c10d_functional", None), "reduce_scatter_tensor", None)] if op is not None
+)
+
+
+def torchtitan_context_fn():
+    """torchtitan's op-level selective rule (``ac_mode="selective"``, ``selective_ac_option="op"``), for comparing like
+    with like: keep the output of every attention kernel and of every second ``mm`` (the 1st, 3rd, ... of the region,
+    counted apart in the forward and in the recompute), recompute everything else. ``addmm`` (a linear layer with a
+    bias) is not on its list: never kept. One count per region call, as torchtitan makes one per layer."""
+    counts: Counter = Counter()
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op is _aten.mm.default:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in TORCHTITAN_SAVED else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from fitgpt.activation_checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
+from fitgpt.activation_checkpoint import apply_activation_checkpointing, parse_policy, remove_activation_checkpointing
 from fitgpt.bench.report import plot_bench
 from fitgpt.device import autocast
 from fitgpt.errors import UserError
@@ -86,7 +86,8 @@ def _resolve_specs(w: Workload, policies: tuple[str, ...]
     """Each policy's concrete spec (auto:... solved on the planner's profile), with budget and predicted peak for auto.
     The profile is the planner's own (``w``: on fake tensors on CPU, as ``plan`` and ``auto`` take it, with the time
     model calibrated on this device): its predicted step times stand beside the measured ones."""
-    profile = w.profile()
+    named = {o for spec in policies if not spec.startswith("auto") for o in parse_policy(spec).recompute_options}
+    profile = w.profile(extra_options=tuple(named))  # torchtitan's rule is profiled when a policy names it
     log.info("profiled in %.1fs (time model: %s)", profile.seconds, profile.time_source)
     specs: dict[str, tuple[str, int | None, int | None]] = {}
     skipped: dict[str, str] = {}

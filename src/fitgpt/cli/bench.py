@@ -33,6 +33,8 @@ class BenchConfig(WorkloadConfig):
     out_dir: str = "bench"
     """Where bench.json and bench.png go."""
     seed: int = 0
+    activation_checkpointing: Optional[str] = None
+    """As for fitgpt train: measure this policy beside none (short for --policies none POLICY)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -44,6 +46,10 @@ class BenchConfig(WorkloadConfig):
         if self.world_size != 1:
             raise UserError("fitgpt bench measures one process; for per-rank memory under DDP or FSDP use "
                              "fitgpt plan --world-size N --parallel ddp|fsdp")
+        if self.activation_checkpointing is not None:
+            if self.policies != DEFAULT_POLICIES:
+                raise UserError("--activation-checkpointing POLICY is --policies none POLICY: give one of the two")
+            self.policies = ("none", self.activation_checkpointing)
         if not self.policies:
             raise UserError("--policies: give at least one policy")
         for spec in self.policies:

@@ -100,8 +100,9 @@ def run(args: list[str]) -> int:
     cfg = parse_workload(PlanConfig, args, "fitgpt plan")
     w = cfg.workload
     tcfg = w.train
-    profile = w.profile()
     given = cfg.activation_checkpointing != "auto"
+    named = parse_policy(cfg.activation_checkpointing).recompute_options if given else ()
+    profile = w.profile(extra_options=named)  # torchtitan's rule is profiled when the policy names it
     if given:
         plan, pred, replay, budget, over, exact = _as_given(cfg, profile, cfg.budget)
     else:

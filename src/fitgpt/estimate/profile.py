@@ -44,10 +44,12 @@ from fitgpt.step import optimizer_update
 log = logging.getLogger(__name__)
 
 BLOCK_OPTIONS = ("none", "pointwise", "selective", "block")
+EXTRA_OPTIONS = ("torchtitan",)
+"""Profiled when asked for (a policy that names one): torchtitan's rule, for comparing like with like."""
 HEAD_OPTIONS = ("plain", "chunked")
 # One profiled step per option; the head option of each run is read from the same run.
 _RUNS = {"none": ("none", "plain"), "block": ("block+chunked-loss", "chunked"), "selective": ("selective", None),
-         "pointwise": ("pointwise", None)}
+         "pointwise": ("pointwise", None), "torchtitan": ("torchtitan", None)}
 # A model whose head cannot chunk its loss (one that is not fitgpt's) has the plain head alone.
 _PLAIN_RUNS = {**_RUNS, "block": ("block", None)}
 
@@ -172,7 +174,7 @@ def _head_option(tl: StepTimeline, base: StepTimeline, held: int = 0) -> HeadOpt
 def profile_model(model: ModelConfig | ModelSource, batch_size: int, context: int | None = None, device: str | torch.device = "cpu",
                   optim_cfg=None, grad_accum: int = 1, dtype: torch.dtype | None = None, seed: int = 0,
                   persistent_grads: bool = False, fake: bool = False, target: Target | None = None,
-                  cost: OpCost | None = None, fsdp_ranks: int = 1) -> StepProfile:
+                  cost: OpCost | None = None, fsdp_ranks: int = 1, extra_options: tuple[str, ...] = ()) -> StepProfile:
     """Profile one training step per option (four in all) of ``model`` on ``device``: fitgpt's own of a config,
     or any model a `fitgpt.estimate.source` builds (a Hugging Face config's, a module's).
 
@@ -184,14 +186,15 @@ def profile_model(model: ModelConfig | ModelSource, batch_size: int, context: in
     ``fsdp_ranks``: above 1, the step of one rank of that many under FSDP2, sharded as the trainer shards
     (``fitgpt.parallel``) on a fake process group in this process: every gather, reduce-scatter and shard
     is the real one's, in its dtype (tested equal to each rank's measured peak under torchrun).
+    ``extra_options``: options of EXTRA_OPTIONS to profile besides BLOCK_OPTIONS (one more step each).
     """
     with fake_ranks(fsdp_ranks) if fsdp_ranks > 1 else contextlib.nullcontext() as mesh:
         return _profile_model(as_source(model), batch_size, context, device, optim_cfg, grad_accum, dtype, seed,
-                              persistent_grads, fake, target, cost, mesh)
+                              persistent_grads, fake, target, cost, mesh, extra_options)
 
 
 def _profile_model(source, batch_size, context, device, optim_cfg, grad_accum, dtype, seed, persistent_grads, fake,
-                   target, cost, mesh) -> StepProfile:
+                   target, cost, mesh, extra_options) -> StepProfile:
     t0 = time.perf_counter()
     device = torch.device(device)
     target = target or Target(device.type)
@@ -201,7 +204,8 @@ def _profile_model(source, batch_size, context, device, optim_cfg, grad_accum, d
     if context > source.context_length:
         source = source.at(context=context)
     run = _Subject(source, batch_size, context, device, optim_cfg or OptimConfig(), grad_accum, dtype, persistent_grads, target,
-               simulated=target.cuda and device.type != "cuda", cost=cost, mesh=mesh)
+               simulated=target.cuda and device.type != "cuda", cost=cost, mesh=mesh,
+               options=BLOCK_OPTIONS + tuple(o for o in EXTRA_OPTIONS if o in extra_options))
     torch.manual_seed(seed)
     if not fake:
         return _profile(_sharded(source.build().to(device), run), run, seed, t0)
@@ -295,6 +299,8 @@ class _Subject:
     """Each op's seconds, for the segments' times."""
     mesh: object = None
     """The fake ranks' DeviceMesh when the step is one rank's under FSDP (None: one process, or DDP)."""
+    options: tuple[str, ...] = BLOCK_OPTIONS
+    """The block options profiled, one step each."""
 
     @property
     def backend(self) -> str:
@@ -324,7 +330,7 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
 
     accumulate = grad_accum > 1 or run.persistent_grads
     timelines: dict[str, StepTimeline] = {}
-    runs = _RUNS if run.source.chunked_head else _PLAIN_RUNS
+    runs = {o: r for o, r in (_RUNS if run.source.chunked_head else _PLAIN_RUNS).items() if o in run.options}
     # A CUDA step's tensors get CUDA autocast's dtypes, not the CPU's we run on.
     rules = cuda_autocast_rules() if run.simulated and run.dtype else contextlib.nullcontext()
     with rules, sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext():
@@ -340,7 +346,7 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
     base = timelines["none"]
     machinery = getattr(run.cost, "recompute_overhead", {})
     n = len(base.fwd_blocks)
-    blocks = [{o: _block_option(timelines[o], base, i, machinery.get(o, 0.0)) for o in BLOCK_OPTIONS} for i in range(n)]
+    blocks = [{o: _block_option(timelines[o], base, i, machinery.get(o, 0.0)) for o in run.options} for i in range(n)]
     if run.simulated:
         blocks = [_with_cuda_attention(b, run, s.attention) for b, s in zip(blocks, base.fwd_blocks)]
     if run.target.cuda:
@@ -350,7 +356,7 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
     heads = {head: _head_option(timelines[o], base, shared if o != "none" else 0) for o, (_, head) in runs.items() if head}
     # What a block's backward leaves behind besides freeing its saved bytes: the same under every option.
     block_grads = [max(timelines[o].fwd_blocks[i].delta - timelines[o].fwd_transient[i] + timelines[o].bwd_blocks[i].delta
-                       for o in BLOCK_OPTIONS) for i in range(n)]
+                       for o in run.options) for i in range(n)]
     params, opt_bytes = param_bytes(model, round_to), optimizer_state_bytes(optimizer, round_to)
     held_grads = grad_bytes(model, round_to) if accumulate else 0
     profile = StepProfile(

@@ -214,7 +214,7 @@ def _calibration_shape(source: ModelSource, batch: int, context: int) -> tuple[i
     return max(1, tokens // c), c
 
 
-RECOMPUTE_SPECS = {"pointwise": "pointwise", "selective": "selective", "block": "block"}
+RECOMPUTE_SPECS = {"pointwise": "pointwise", "selective": "selective", "block": "block", "torchtitan": "torchtitan"}
 """Each recompute option of a block, as the policy that applies it to every block."""
 
 

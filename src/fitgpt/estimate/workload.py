@@ -65,13 +65,15 @@ class Workload:
         """Ranks the step is sharded over under FSDP (1: not sharded)."""
         return self.world_size if self.world_size > 1 and self.train.parallel == "fsdp" else 1
 
-    def profile(self, batch_size: int | None = None, context: int | None = None) -> StepProfile:
-        """The step's profile (or that of another micro-batch or context of it), per rank."""
+    def profile(self, batch_size: int | None = None, context: int | None = None,
+                extra_options: tuple[str, ...] = ()) -> StepProfile:
+        """The step's profile (or that of another micro-batch or context of it), per rank; ``extra_options``: as
+        ``profile_model`` takes them (torchtitan's rule, where a policy names it)."""
         t = self.train
         args = (self.model, batch_size or t.batch_size, context or self.context, self.device)
         kw = {"optim_cfg": t.optim, "grad_accum": t.grad_accum, "dtype": self.dtype, "seed": t.seed,
               "persistent_grads": self.persistent_grads, "fake": self.fake, "target": self.target, "cost": self.cost,
-              "fsdp_ranks": self.fsdp_ranks}
+              "fsdp_ranks": self.fsdp_ranks, "extra_options": extra_options}
         try:
             return profile_model(*args, **kw)
         except RanksBusy:  # under torchrun: the fake ranks get a process of their own

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
+from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.config import TrainConfig, train_command
 from fitgpt.device import resolve_device
 from fitgpt.estimate.profile import StepProfile
 from fitgpt.estimate.workload import Workload, workload_for
 from fitgpt.plan.extrapolate import extrapolate
-from fitgpt.plan.solver import Plan, PlanError, solve
+from fitgpt.plan.solver import Plan, PlanError, Prediction, predict, solve
 from fitgpt.units import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,12 @@ class Choice:
     """Tokens per step, all ranks."""
     settled: bool
     """Its bytes from a profile of its own micro-batch (not fitted between two)."""
+    given: str = ""
+    """The policy as the user gave it, where one was (``plan`` is its nearest profiled plan)."""
+
+    @property
+    def policy(self) -> str:
+        return self.given or self.plan.spec()
 
     @property
     def step_seconds(self) -> float:
@@ -79,7 +86,7 @@ class Choice:
     def config(self, base: TrainConfig) -> TrainConfig:
         """``base`` with this choice written into it: what trains it."""
         return dataclasses.replace(base, batch_size=self.micro_batch, grad_accum=self.grad_accum, precision=self.precision,
-                                   activation_checkpointing=self.plan.spec(), parallel=self.layout.trains_as,
+                                   activation_checkpointing=self.policy, parallel=self.layout.trains_as,
                                    fsdp_offload=self.layout.offload)
 
 
@@ -137,9 +144,11 @@ def _link_seconds(w: Workload, layout: Layout, accum: int, micro: float, params:
     return seconds
 
 
-def fastest(w: Workload, budget: int, top: int = 5) -> dict:
+def fastest(w: Workload, budget: int, top: int = 5, policy: str = "auto") -> dict:
     """Every configuration that fits ``budget`` (see the module's docstring), fastest first, ``top`` of them
-    settled on their own profiles."""
+    settled on their own profiles. ``policy``: auto solves each configuration's plan; another is kept as given."""
+    given = None if policy == "auto" else policy
+    named = parse_policy(given).recompute_options if given else ()
     seqs, T = w.train.batch_size * w.train.grad_accum, w.context
     tokens = seqs * T * w.world_size
     params = _param_count(w)
@@ -155,18 +164,18 @@ def fastest(w: Workload, budget: int, top: int = 5) -> dict:
     def exact(precision: str, layout: Layout, micro: int, accum: int) -> StepProfile:
         nonlocal profiles
         profiles += 1
-        p = workload(precision, layout, micro, min(accum, 2)).profile()
+        p = workload(precision, layout, micro, min(accum, 2)).profile(extra_options=named)
         return _offloaded(p, params, w.world_size) if layout.offload else p
 
     def choose(p: StepProfile, precision: str, layout: Layout, micro: int, accum: int, settled: bool) -> Choice | None:
         p = dataclasses.replace(p, grad_accum=accum)
         try:
-            plan, pred = solve(p, budget)
+            plan, pred = solve(p, budget) if given is None else _as_given(p, given, budget)
         except PlanError:
             return None
         micro_s = (pred.step_time - p.optimizer_time) / accum
         link = _link_seconds(w, layout, accum, micro_s, params, 2 if precision in ("bf16", "fp16") else 4)
-        return Choice(micro, accum, precision, layout, plan, pred.peak, pred.step_time, link, tokens, settled)
+        return Choice(micro, accum, precision, layout, plan, pred.peak, pred.step_time, link, tokens, settled, given or "")
 
     found: list[Choice] = []
     layouts = _layouts(w)
@@ -194,6 +203,15 @@ def fastest(w: Workload, budget: int, top: int = 5) -> dict:
                     f"each settled on a profile of its own micro-batch ({profiles} profiles in all)"}
 
 
+def _as_given(p: StepProfile, policy: str, budget: int) -> tuple[Plan, Prediction]:
+    """The policy as given (its nearest profiled plan) and its prediction; PlanError if it does not fit."""
+    plan, _ = Plan.from_policy(policy, p.n_blocks)
+    pred = predict(p, plan)
+    if pred.peak > budget:
+        raise PlanError(f"{policy} does not fit")
+    return plan, pred
+
+
 def _family(seqs: int, precision: str, layout: Layout, exact, choose) -> list[Choice]:
     """Every micro-batch of one precision and layout: micro-batches below the whole step accumulate (gradients
     held between micro-batches), fitted through exact profiles at the two largest of them; the whole step at once
@@ -219,7 +237,7 @@ def format_choices(result: dict, w: Workload) -> str:
              "", "| # | micro-batch x accum | precision | parallel | checkpointing | predicted peak | step (ms) | tokens/s | "
              "of which links (ms) |", "|---:|---|---|---|---|---:|---:|---:|---:|"]
     for i, c in enumerate(result["choices"], 1):
-        lines.append(f"| {i} | {c.micro_batch} x {c.grad_accum} | {c.precision} | {c.layout.name} | `{c.plan.spec()}` | "
+        lines.append(f"| {i} | {c.micro_batch} x {c.grad_accum} | {c.precision} | {c.layout.name} | `{c.policy}` | "
                      f"{format_bytes(c.peak)} | {c.step_seconds * 1e3:.0f} | {c.tokens_per_s:,.0f} | {c.link_seconds * 1e3:.0f} |")
     models = "; ".join(f"{p}: {source}" for p, source in result["time_models"].items())
     lines.append(f"\n({result['note']}; time models: {models}"

@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import math
 
-from fitgpt.activation_checkpoint.policy import DEFAULT_LOSS_CHUNK_ROWS
+from fitgpt.activation_checkpoint.policy import DEFAULT_LOSS_CHUNK_ROWS, parse_policy
+from fitgpt.errors import UserError
 from fitgpt.estimate.profile import StepProfile
 from fitgpt.estimate.workload import Workload
 from fitgpt.plan.extrapolate import extrapolate
@@ -34,8 +35,17 @@ def _fits(profile: StepProfile, policy: str, budget: int) -> bool:
             return True
         except PlanError:
             return False
-    option = "none" if policy == "none" else "block"
-    return predict(profile, Plan.uniform(profile.n_blocks, option)).peak <= budget
+    return _peak(profile, policy) <= budget
+
+
+def _peak(profile: StepProfile, policy: str) -> float:
+    """The predicted peak of a policy as given (its nearest profiled plan); infinite where the policy names blocks
+    the model at this depth does not have."""
+    try:
+        plan, _ = Plan.from_policy(policy, profile.n_blocks)
+    except UserError:
+        return math.inf
+    return predict(profile, plan).peak
 
 
 def _largest(at, policy: str, budget: int, lo: int, cap: int) -> int:
@@ -61,8 +71,7 @@ def _excess(profile: StepProfile, policy: str, budget: int) -> int:
     """Bytes by which the policy's peak exceeds ``budget`` (<= 0: it fits); for auto, the lowest plan's."""
     if policy == "auto":
         return min_peak(profile)[1].peak - budget
-    option = "none" if policy == "none" else "block"
-    return predict(profile, Plan.uniform(profile.n_blocks, option)).peak - budget
+    return _peak(profile, policy) - budget
 
 
 def _settle(exact, policy: str, budget: int, guess: int, cap: int) -> int:
@@ -87,15 +96,19 @@ def _settle(exact, policy: str, budget: int, guess: int, cap: int) -> int:
     return fits_at
 
 
-def largest(w: Workload, budget: int, max_batch: int = 4096, max_context: int = 1 << 17, max_blocks: int = 1024) -> dict:
-    """For none, block and auto: the largest batch, context and number of blocks within ``budget``."""
+def largest(w: Workload, budget: int, max_batch: int = 4096, max_context: int = 1 << 17, max_blocks: int = 1024,
+            given: str | None = None) -> dict:
+    """For none, block and auto (and the policy ``given``, as given, if another): the largest batch, context and
+    number of blocks within ``budget``."""
     B, T = w.train.batch_size, w.context
+    policies = POLICIES + ((given,) if given and given not in POLICIES else ())
+    named = parse_policy(given).recompute_options if given and given != "auto" else ()
 
     cache: dict[tuple[int, int], StepProfile] = {}
 
     def prof(batch: int, context: int) -> StepProfile:
         if (batch, context) not in cache:
-            cache[batch, context] = w.profile(batch, context)
+            cache[batch, context] = w.profile(batch, context, extra_options=named)
         return cache[batch, context]
 
     # The chunked loss holds one chunk of logits at a time: its bytes are affine in the tokens only
@@ -115,7 +128,7 @@ def largest(w: Workload, budget: int, max_batch: int = 4096, max_context: int = 
             return guess
         return _settle(exact, policy, budget, guess, cap)
 
-    for policy in POLICIES:
+    for policy in policies:
         guess_b = _largest(lambda b: extrapolate(by_batch, b, "batch_size"), policy, budget, 1, max_batch)
         guess_c = _largest(lambda c: extrapolate(by_context, c, "context"), policy, budget, 1, max_context)
         answers[policy] = {
@@ -124,7 +137,7 @@ def largest(w: Workload, budget: int, max_batch: int = 4096, max_context: int = 
             "n_blocks": _largest(here.with_blocks, policy, budget, 1, max_blocks),
         }
     return {
-        "workload": w.describe(), "budget": budget, "answers": answers,
+        "workload": w.describe(), "budget": budget, "answers": answers, "policies": list(policies),
         "current": {"batch_size": B, "context": T, "n_blocks": w.model.n_blocks},
         "profiles": len(cache), "extrapolated": extrapolated,
         "note": f"batch and context bracketed from profiles at batch {b0}, {2 * b0} and contexts {c0}, {2 * c0}, {3 * c0}, "

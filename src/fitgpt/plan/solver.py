@@ -1,6 +1,7 @@
 """Predict the peak and step time of any plan from a profile, and find the fastest plan under a memory budget.
 
-A plan gives every block an option (none, pointwise, selective, block; on CUDA also offload) and the head one
+A plan gives every block an option (none, pointwise, selective, block; torchtitan where profiled; on CUDA also
+offload) and the head one
 (plain, chunked).
 ``predict`` walks the step as the profile cut it: the level of live bytes moves by each segment's
 measured delta, and each segment adds its measured rise on top.
@@ -41,7 +42,8 @@ class Plan:
         n = len(self.blocks)
         terms = []
         for option, whole, some in (("block", "block", "blocks:"), ("selective", "selective", "selective:"),
-                                    ("pointwise", "pointwise", "pointwise:"), ("offload", "offload", "offload:")):
+                                    ("pointwise", "pointwise", "pointwise:"), ("torchtitan", "torchtitan", "torchtitan:"),
+                                    ("offload", "offload", "offload:")):
             ids = [i for i, o in enumerate(self.blocks) if o == option]
             if len(ids) == n:
                 terms.append(whole)
@@ -145,7 +147,7 @@ def predict(profile: StepProfile, plan: Plan) -> Prediction:
     )
 
 
-_HOLD_INPUTS = ("pointwise", "selective", "block")
+_HOLD_INPUTS = ("pointwise", "selective", "torchtitan", "block")
 """Options that run their block under a checkpoint, which keeps the block's inputs until its backward."""
 
 
