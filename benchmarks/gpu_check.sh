@@ -9,7 +9,8 @@
 #    --activation-checkpointing auto (each rank's max_memory_allocated beside the per-rank prediction),
 #    and the CPU/gloo distributed tests re-run for good measure
 # 4. CPU-only predictions for this card (fake tensors, `--target cuda --gpu <card>`) against
-#    max_memory_allocated and max_memory_reserved of real steps: tiny, small, medium, 3b
+#    max_memory_allocated and max_memory_reserved of real steps: tiny, small, medium, 3b, and two Hugging Face
+#    models planned from their config.json alone (Qwen2.5 0.5B, Pythia 1B; random weights)
 #    (benchmarks/plan_check.py cuda; the table goes to OUT_DIR/plan_check_cuda.md for RESULTS.md)
 # 5. The time model on the card: bench's predicted step-time ratios (calibrated on the GPU) beside the
 #    measured ones are in step 1's table; here the roofline estimate made from the CPU for this card

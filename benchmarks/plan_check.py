@@ -5,7 +5,8 @@
 
 cpu: planning time (fake tensors vs the real-step profiler), fake-vs-real profile equality, and the
 measured peak of a real training step against the fake prediction, for tiny, small and medium at
-CPU-sized shapes. cuda: for tiny, small, medium and 3b, the plan made on fake CPU tensors for this
+CPU-sized shapes. cuda: for tiny, small, medium, 3b and two Hugging Face models from their configs
+(benchmarks/hf_configs: Qwen2.5 0.5B, Pythia 1B, random weights), the plan made on fake CPU tensors for this
 card (`--target cuda --gpu <card>`) against torch.cuda.max_memory_allocated / max_memory_reserved of
 real steps of that plan. Each run prints a Markdown table and writes the numbers as JSON.
 """
@@ -28,8 +29,8 @@ from fitgpt.config import load_config
 from fitgpt.device import autocast
 from fitgpt.estimate.hardware import GPUS
 from fitgpt.estimate.profile import profile_model
+from fitgpt.estimate.source import as_source
 from fitgpt.memory.timeline import measure_train_step
-from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer
 from fitgpt.plan.largest import largest
 from fitgpt.plan.solver import min_peak, solve
@@ -44,11 +45,14 @@ def _cli_seconds(args: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def measure(model_cfg, policy: str, batch: int, context: int, accum: int, dtype, device: torch.device) -> dict:
+def measure(model, policy: str, batch: int, context: int, accum: int, dtype, device: torch.device) -> dict:
     """A steady-state step of ``policy`` as the replay models it: weights, a first step (optimizer state),
-    then a measured step of min(accum, 2) micro-batches. CUDA: the allocator's peaks; CPU: live tensors."""
-    cfg = dataclasses.replace(model_cfg, context_length=max(context, model_cfg.context_length))  # as the profile builds it
-    model = Transformer(cfg).to(device)
+    then a measured step of min(accum, 2) micro-batches. CUDA: the allocator's peaks; CPU: live tensors.
+    ``model``: a ModelConfig, or any model source (a Hugging Face config's)."""
+    source = as_source(model)
+    if context > source.context_length:  # as the profile builds it
+        source = source.at(context=context)
+    model = source.build().to(device)
     apply_activation_checkpointing(model, policy)
     optimizer = build_optimizer(model, load_config("tiny").optim, device)
     kw = {"amp": autocast(device, dtype), "scaler": grad_scaler(device, dtype), "grad_clip": 1.0}
@@ -130,9 +134,13 @@ def cuda_check() -> dict:
     card = _card()
     total = torch.cuda.get_device_properties(0).total_memory
     rows = []
-    for preset, b, t in (("tiny", 16, 128), ("small", 8, 1024), ("medium", 4, 1024), ("3b", 4, 512)):
+    hf = Path(__file__).parent / "hf_configs"
+    for preset, b, t in (("tiny", 16, 128), ("small", 8, 1024), ("medium", 4, 1024), ("3b", 4, 512),
+                         (hf / "qwen2.5-0.5b.json", 2, 2048), (hf / "pythia-1b.json", 4, 2048)):
         target = {"gpu": card} if card else {"target": "cuda", "memory_budget": f"{total // 2**20}MiB"}
-        flags = BudgetConfig(preset=preset, batch_size=b, context=t, **target)
+        model = {"hf_config": str(preset)} if isinstance(preset, Path) else {"preset": preset}
+        flags = BudgetConfig(batch_size=b, context=t, **model, **target)
+        preset = preset.stem if isinstance(preset, Path) else preset
         w = flags.workload
         try:
             plan, pred = solve(w.profile(), flags.budget)
@@ -140,7 +148,7 @@ def cuda_check() -> dict:
             rows.append({"preset": preset, "shape": f"{b}x{t}", "error": str(e)[:200]})
             continue
         replay = w.replay(plan.spec())
-        m = measure(w.train.model, plan.spec(), b, t, w.train.grad_accum, w.dtype, torch.device("cuda"))
+        m = measure(w.model, plan.spec(), b, t, w.train.grad_accum, w.dtype, torch.device("cuda"))
         predicted = pred.peak + w.target.workspace_bytes()
         rows.append({"preset": preset, "shape": f"{b}x{t}", "plan": plan.spec(), "predicted_allocated": predicted,
                      "replay_allocated": replay["max_allocated"], "replay_reserved": replay["max_reserved"], **m,

@@ -197,7 +197,7 @@ def test_no_fit_messages_say_by_how_much_and_what_to_change(tiny_profile):
         solve(tiny_profile, tiny_profile.params)
     assert "no checkpointing can help" in str(e.value)
     lowest = min(predict(tiny_profile, p).peak for p in uniform_plans(4))
-    with pytest.raises(PlanError, match=r"over .*--batch-size \d+.*--model.context-length \d+") as e:
+    with pytest.raises(PlanError, match=r"over .*--batch-size \d+.*--context \d+") as e:
         solve(tiny_profile, lowest - 1024)
     assert "most aggressive plan" in str(e.value)
 
@@ -319,10 +319,9 @@ def test_bench_command_writes_table_json_and_png(tmp_path, capsys):
     assert "| `block` |" in text
 
 
-def test_bench_and_fit_take_the_policy_train_takes(tmp_path, capsys):
+def test_bench_takes_the_policy_train_takes(tmp_path, capsys):
     """--activation-checkpointing on bench measures that policy beside none (torchtitan's rule profiled for the
-    prediction beside it, not a nearest plan); on fit it is a column of the largest sizes and the policy of every
-    fastest configuration, and the train command carries it."""
+    prediction beside it, not a nearest plan)."""
     args = ["bench", "--device", "cpu", "--preset", "llama-tiny", "--batch-size", "2", "--context", "32", "--repeats", "1",
             "--warmup", "0", "--out-dir", str(tmp_path / "b"), "--activation-checkpointing", "torchtitan"]
     assert main(args) == 0
@@ -331,25 +330,24 @@ def test_bench_and_fit_take_the_policy_train_takes(tmp_path, capsys):
     assert rows["torchtitan"]["flops"] > rows["none"]["flops"]
     assert main([*args, "--policies", "none", "block"]) == 2
     assert "give one of the two" in capsys.readouterr().err
-    args = ["fit", "--batch-size", "2", "--context", "32", "--memory-budget", "60MiB", "--precision", "fp32", "--top", "2",
+
+
+def test_fit_command(capsys):
+    """The largest sizes under none, block, auto and the policy --activation-checkpointing names (as train takes it),
+    which every fastest configuration then keeps, its train command carrying it."""
+    args = ["fit", "--batch-size", "4", "--context", "32", "--memory-budget", "60MiB", "--precision", "fp32", "--top", "1",
             "--activation-checkpointing", "selective"]
     assert main(args) == 0
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
-    assert result["policies"] == ["none", "block", "auto", "selective"]
-    assert result["answers"]["selective"]["batch_size"] >= result["answers"]["none"]["batch_size"]
-    assert result["fastest"] and all(c["policy"] == "selective" for c in result["fastest"])
-    assert "--activation-checkpointing selective" in out and "| selective vs none |" in out
-
-
-def test_fit_command(capsys):
-    args = ["fit", "--batch-size", "4", "--context", "32", "--memory-budget", "60MiB", "--precision", "fp32", "--top", "1"]
-    assert main(args) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     a = result["answers"]
+    assert result["policies"] == ["none", "block", "auto", "selective"] and "| selective vs none |" in out
     for key in ("batch_size", "context", "n_blocks"):
         assert a["auto"][key] >= a["block"][key] >= a["none"][key] >= 1, key
+        assert a["auto"][key] >= a["selective"][key] >= a["none"][key], key
     assert a["block"]["batch_size"] > a["none"]["batch_size"]
+    assert result["fastest"] and all(c["policy"] == "selective" for c in result["fastest"])
+    assert "train the fastest: fitgpt train" in out and "--activation-checkpointing selective" in out
 
 
 def test_train_config_budget_errors():
