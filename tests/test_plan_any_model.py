@@ -4,6 +4,7 @@ byte for byte, for every option on every block and for mixed plans."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -176,3 +177,15 @@ def test_hf_config_errors_are_one_line(tmp_path, capsys, content, message):
     assert main(["plan", "--hf-config", str(path), "--memory-budget", "1GiB"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_deep_hf_model_is_profiled_shallow_and_deepened_exactly(monkeypatch):
+    """Eight blocks or more: profiled at four and deepened, as fitgpt's own (every field equal to profiling all)."""
+    import fitgpt.estimate.profile as profile_module
+
+    source = hf("qwen2", "sdpa", num_key_value_heads=2).at(n_blocks=profile_module.DEEP)
+    deep = profile_model(source, B, T, "cpu", fake=True, dtype=torch.bfloat16)
+    monkeypatch.setattr(profile_module, "DEEP", 100)
+    every = profile_model(source, B, T, "cpu", fake=True, dtype=torch.bfloat16)
+    fields = [f.name for f in dataclasses.fields(deep) if f.name != "seconds"]
+    assert [getattr(deep, f) for f in fields] == [getattr(every, f) for f in fields]

@@ -104,8 +104,9 @@ class HFModel:
         c = copy.deepcopy(self.config)
         if n_blocks is not None:
             c.num_hidden_layers = n_blocks
-            if getattr(c, "layer_types", None):
-                c.layer_types = c.layer_types[:n_blocks]
+            types = getattr(c, "layer_types", None)
+            if types:  # one kind of layer (resizable) at any depth; mixed kinds only cut short
+                c.layer_types = [types[0]] * n_blocks if len(set(types)) == 1 else types[:n_blocks]
         if context is not None:
             c.max_position_embeddings = context
         if vocab_size is not None:
