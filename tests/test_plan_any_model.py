@@ -169,6 +169,7 @@ def test_plan_command_takes_a_hugging_face_config(tmp_path, capsys):
     (None, "cannot read a config.json there"),
     ('{"model_type": "no-such-model"}', "model_type 'no-such-model' is not one transformers"),
     ('{"model_type": "vit"}', "has no causal LM"),
+    (json.dumps({"model_type": "qwen2", **SMALL, "attn_implementation": "flash_attention_2"}), "cannot build this model here"),
 ])
 def test_hf_config_errors_are_one_line(tmp_path, capsys, content, message):
     path = tmp_path / "config.json"

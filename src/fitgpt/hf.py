@@ -40,7 +40,7 @@ def transformers_module():
     try:
         import transformers
     except ImportError:
-        raise UserError("Hugging Face export and import need transformers: pip install 'fitgpt[hf]'") from None
+        raise UserError("Hugging Face models (export, --init-from, --hf-config) need transformers: pip install 'fitgpt[hf]'") from None
     return transformers
 
 

@@ -1,9 +1,11 @@
-"""Profile a model config once per option: per-block bytes and FLOPs the planner composes into any plan.
+"""Profile a model once per option: per-block bytes and FLOPs the planner composes into any plan.
 
 Four profiled steps cover every plan: all blocks ``none`` with the plain head, all blocks ``block``
-with the chunked loss, all blocks ``selective``, all blocks ``pointwise``. A block's segments do not
+with the chunked loss (the plain head for a model whose head is not fitgpt's), all blocks ``selective``,
+all blocks ``pointwise``; torchtitan's rule is a fifth where a policy names it. A block's segments do not
 depend on what the other blocks do (a block's output is held by its successor whatever the option),
-so block i under option o is read from the run where every block had option o.
+so block i under option o is read from the run where every block had option o. The one exception, the
+inputs every block reads (a Hugging Face model's mask), is measured apart (``StepProfile.shared_inputs``).
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ def profile_model(model: ModelConfig | ModelSource, batch_size: int, context: in
                   optim_cfg=None, grad_accum: int = 1, dtype: torch.dtype | None = None, seed: int = 0,
                   persistent_grads: bool = False, fake: bool = False, target: Target | None = None,
                   cost: OpCost | None = None, fsdp_ranks: int = 1, extra_options: tuple[str, ...] = ()) -> StepProfile:
-    """Profile one training step per option (four in all) of ``model`` on ``device``: fitgpt's own of a config,
+    """Profile one training step per option (four, and one per extra option) of ``model`` on ``device``: fitgpt's own of a config,
     or any model a `fitgpt.estimate.source` builds (a Hugging Face config's, a module's).
 
     ``fake``: on fake tensors (shapes, no storage, no arithmetic), so that any size plans in seconds

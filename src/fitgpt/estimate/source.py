@@ -97,7 +97,12 @@ class HFModel:
         from fitgpt.hf import transformers_module
 
         # fp32 weights whatever dtype the config was saved in, as fitgpt trains: --precision is autocast over them.
-        model = transformers_module().AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
+        try:
+            model = transformers_module().AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
+        except (ImportError, ValueError) as e:  # an attention implementation this machine lacks, a config it refuses
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"--hf-config {self.path or 'the config'}: transformers cannot build this model here ({first}); "
+                            "for another attention set attn_implementation to sdpa or eager") from None
         return CausalLM(model, hf=True)
 
     def at(self, n_blocks=None, context=None, vocab_size=None) -> HFModel:
