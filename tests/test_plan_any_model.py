@@ -180,6 +180,12 @@ def test_hf_config_errors_are_one_line(tmp_path, capsys, content, message):
     assert message in err and "Traceback" not in err
 
 
+def test_model_flags_do_not_shape_a_hugging_face_model(tmp_path, capsys):
+    hf("qwen2", "sdpa").config.save_pretrained(tmp_path)
+    assert main(["plan", "--hf-config", str(tmp_path), "--model.n-blocks", "8", "--memory-budget", "1GiB"]) == 2
+    assert "--model.* flags shape fitgpt's own model" in capsys.readouterr().err
+
+
 def test_a_deep_hf_model_is_profiled_shallow_and_deepened_exactly(monkeypatch):
     """Eight blocks or more: profiled at four and deepened, as fitgpt's own (every field equal to profiling all)."""
     import fitgpt.estimate.profile as profile_module

@@ -63,6 +63,9 @@ class WorkloadConfig:
         self._base = load_config(self.preset, self.config)
         self.model = self.model or self._base.model
         self.optim = self.optim or self._base.optim
+        if self.hf_config and self.model != dataclasses.replace(self._base.model, context_length=self.model.context_length):
+            raise UserError("--model.* flags shape fitgpt's own model; a --hf-config model is shaped by its config.json: "
+                            "edit that (or drop --hf-config)")
         self._source = read_hf_config(self.hf_config) if self.hf_config else None
         context = self.context or (self._source.context_length if self._source else None)
         if context is not None and context != self.model.context_length:  # the step's context, whatever the model
