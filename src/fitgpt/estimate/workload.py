@@ -63,7 +63,7 @@ class Workload:
     @property
     def fsdp_ranks(self) -> int:
         """Ranks the step is sharded over under FSDP (1: not sharded)."""
-        return self.world_size if self.world_size > 1 and self.train.parallel == "fsdp" else 1
+        return _fsdp_ranks(self.train, self.world_size)
 
     def profile(self, batch_size: int | None = None, context: int | None = None,
                 extra_options: tuple[str, ...] = ()) -> StepProfile:
@@ -145,7 +145,7 @@ def workload_for(cfg: TrainConfig, *, target: Target | None = None, device: torc
     """
     device = device or torch.device("cpu")
     target = target or Target(device.type)
-    sharded = world_size > 1 and cfg.parallel == "fsdp"
+    sharded = _fsdp_ranks(cfg, world_size) > 1
     fake = device.type == "cpu" or sharded if fake is None else fake
     if fake and device.type != "cpu":  # one rank of N, profiled in this process: fake CPU tensors, the device modelled
         device = torch.device("cpu")
@@ -157,6 +157,11 @@ def workload_for(cfg: TrainConfig, *, target: Target | None = None, device: torc
             cost = calibrate(source or OwnModel(cfg.model), cfg.batch_size, cfg.model.context_length, device, dtype,
                              cfg.optim, seed=cfg.seed)
     return Workload(cfg, target, device, fake, dtype, cost, world_size, source)
+
+
+def _fsdp_ranks(cfg: TrainConfig, world_size: int) -> int:
+    """Ranks a step of ``cfg`` is sharded over: all of them under FSDP with more than one, else 1."""
+    return world_size if world_size > 1 and cfg.parallel == "fsdp" else 1
 
 
 def _dtype(precision: str, target: Target, device: torch.device, fake: bool) -> torch.dtype | None:
