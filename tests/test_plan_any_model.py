@@ -196,3 +196,13 @@ def test_a_deep_hf_model_is_profiled_shallow_and_deepened_exactly(monkeypatch):
     every = profile_model(source, B, T, "cpu", fake=True, dtype=torch.bfloat16)
     fields = [f.name for f in dataclasses.fields(deep) if f.name != "seconds"]
     assert [getattr(deep, f) for f in fields] == [getattr(every, f) for f in fields]
+
+
+def test_a_hf_model_per_fsdp_rank_on_fake_tensors_equals_real_ones():
+    """One rank of two under FSDP2 (sharded as the trainer shards, on fake ranks): the fake profile of a Hugging Face
+    model equals the profile of the same step on real tensors, field by field, in bf16 (pure bf16 under FSDP)."""
+    source = hf("qwen2", "eager", num_key_value_heads=2)
+    real, fake = (profile_model(source, B, T, "cpu", fake=f, dtype=torch.bfloat16, fsdp_ranks=2) for f in (False, True))
+    fields = [f.name for f in dataclasses.fields(real) if f.name != "seconds"]
+    assert [getattr(fake, f) for f in fields] == [getattr(real, f) for f in fields]
+    assert real.fsdp_ranks == 2 and real.shared_inputs > 0
