@@ -26,6 +26,8 @@ from fitgpt.model.adapter import CausalLM
 
 
 class ModelSource(Protocol):
+    """A model the planner can build; its size, as far as the profile needs it."""
+
     n_blocks: int
     context_length: int
     vocab_size: int
@@ -36,11 +38,17 @@ class ModelSource(Protocol):
     chunked_head: bool
     """The head computes logits and loss in one call (``lm_head(x, targets)``), so the chunked loss applies."""
 
-    def build(self) -> nn.Module: ...
+    def build(self) -> nn.Module:
+        """The model, on the default device (the planner builds it under ``torch.device("meta")``)."""
+        ...
 
-    def at(self, n_blocks: int | None = None, context: int | None = None, vocab_size: int | None = None) -> ModelSource: ...
+    def at(self, n_blocks: int | None = None, context: int | None = None, vocab_size: int | None = None) -> ModelSource:
+        """The same model with those changed (what a source cannot change it leaves)."""
+        ...
 
-    def describe(self) -> str: ...
+    def describe(self) -> str:
+        """One line for the plan's headline: the architecture and its shape."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,8 @@ def plan_module(build_model: Callable[[], nn.Module], batch: tuple[int, int], *,
     ``budget``: the memory a step may take (bytes, or "6GiB"); default: the card's memory less the CUDA context, or
     none on a CPU (the lowest-peak plan). The blocks are the model's longest ``nn.ModuleList`` of one type (as
     ``apply_activation_checkpointing`` finds them). On a CPU the time of each op is measured on this machine (real
-    steps of the module at a small batch); on a card it is a roofline estimate.
+    steps of the module at a small batch); on a card it is a roofline estimate. Nothing fitting the budget raises
+    ``PlanError``, saying by how much and what to change.
     """
     b, t = batch
     target = Target("cuda", find_gpu(gpu)) if gpu else Target("cpu")
