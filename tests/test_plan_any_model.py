@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
 from fitgpt.cli import main
+from fitgpt.cli.workload import BudgetConfig
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
 from fitgpt.estimate.hardware import Target, find_gpu
@@ -206,3 +207,14 @@ def test_a_hf_model_per_fsdp_rank_on_fake_tensors_equals_real_ones():
     fields = [f.name for f in dataclasses.fields(real) if f.name != "seconds"]
     assert [getattr(fake, f) for f in fields] == [getattr(real, f) for f in fields]
     assert real.fsdp_ranks == 2 and real.shared_inputs > 0
+
+
+def test_the_line_for_your_own_loop_names_how_fsdp_shards(tmp_path):
+    """What a Hugging Face model's plan tells its user to run: the policy, and under FSDP the sharding and mixed
+    precision the plan was made for (as fitgpt.parallel shards), not a fitgpt train command it cannot run."""
+    hf("qwen2", "sdpa").config.save_pretrained(tmp_path)
+    w = BudgetConfig(hf_config=str(tmp_path), world_size=4, parallel="fsdp", gpu="h100-80gb", precision="bf16").workload
+    line = w.how_to_train(dataclasses.replace(w.train, activation_checkpointing="block"))
+    assert line.startswith("in your training loop: apply_activation_checkpointing(model, 'block')")
+    assert "FSDP2 over 4 ranks" in line and "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), no autocast" in line
+    assert "fitgpt train" not in line

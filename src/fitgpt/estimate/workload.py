@@ -102,10 +102,14 @@ class Workload:
         own model; for another, the call that applies its checkpointing in the user's own training loop."""
         if self.source is None:
             return f"train with: {train_command(train, self.world_size)}"
-        ranks = f", {train.parallel} over {self.world_size} ranks" if self.world_size > 1 else ""
         precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")
         if train.precision != "auto":
             precision = train.precision
+        ranks = f", DDP over {self.world_size} ranks" if self.world_size > 1 else ""
+        if _fsdp_ranks(train, self.world_size) > 1:  # as fitgpt.parallel.fsdp_shard shards it
+            ranks = (f", FSDP2 over {self.world_size} ranks: fully_shard each block, then the model"
+                     + (f", MixedPrecisionPolicy(param_dtype={precision}, reduce_dtype=fp32), no autocast"
+                        if precision != "fp32" else ""))
         return (f"in your training loop: apply_activation_checkpointing(model, {train.activation_checkpointing!r}) "
                 f"(from fitgpt.activation_checkpoint), batch {train.batch_size} x {self.context}, grad accum "
                 f"{train.grad_accum}, precision {precision}{ranks}")
