@@ -275,6 +275,10 @@ def test_plan_predicts_the_policy_the_train_command_names(capsys):
     out = capsys.readouterr().out
     assert "predicted as block, its nearest profiled plan; DOES NOT FIT the budget" in out
     assert "no train command" in out and "train with" not in out
+    # offload is profiled for CUDA only (on a CPU it moves nothing): its nearest plan is none (before: a KeyError)
+    assert main(["plan", *flags, "--activation-checkpointing", "offload"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: offload (as given, predicted as none, its nearest profiled plan; fits" in out
     assert main(["plan", *flags, "--activation-checkpointing", "blok"]) == 2
     assert "unknown checkpointing term 'blok'" in capsys.readouterr().err
 

@@ -185,6 +185,11 @@ def test_model_flags_do_not_shape_a_hugging_face_model(tmp_path, capsys):
     hf("qwen2", "sdpa").config.save_pretrained(tmp_path)
     assert main(["plan", "--hf-config", str(tmp_path), "--model.n-blocks", "8", "--memory-budget", "1GiB"]) == 2
     assert "--model.* flags shape fitgpt's own model" in capsys.readouterr().err
+    # nor does the chunked loss apply to it (before: a KeyError from the profile's heads)
+    for command in ("plan", "fit"):
+        args = [command, "--hf-config", str(tmp_path), "--memory-budget", "1GiB", "--activation-checkpointing", "block+chunked-loss"]
+        assert main(args) == 2
+        assert "drop '+chunked-loss'" in capsys.readouterr().err
 
 
 def test_a_deep_hf_model_is_profiled_shallow_and_deepened_exactly(monkeypatch):

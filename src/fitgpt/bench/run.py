@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from fitgpt.activation_checkpoint import apply_activation_checkpointing, parse_policy, remove_activation_checkpointing
+from fitgpt.activation_checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
 from fitgpt.bench.report import plot_bench
 from fitgpt.device import autocast
 from fitgpt.errors import UserError
-from fitgpt.estimate.profile import StepProfile
+from fitgpt.estimate.profile import StepProfile, named_options
 from fitgpt.estimate.timing import timed, token_batches
 from fitgpt.estimate.workload import Workload
 from fitgpt.memory.flops import OpFlops
@@ -86,8 +86,7 @@ def _resolve_specs(w: Workload, policies: tuple[str, ...]
     """Each policy's concrete spec (auto:... solved on the planner's profile), with budget and predicted peak for auto.
     The profile is the planner's own (``w``: on fake tensors on CPU, as ``plan`` and ``auto`` take it, with the time
     model calibrated on this device): its predicted step times stand beside the measured ones."""
-    named = {o for spec in policies if not spec.startswith("auto") for o in parse_policy(spec).recompute_options}
-    profile = w.profile(extra_options=tuple(named))  # torchtitan's rule is profiled when a policy names it
+    profile = w.profile(extra_options=named_options(*policies))  # torchtitan's rule is profiled when a policy names it
     log.info("profiled in %.1fs (time model: %s)", profile.seconds, profile.time_source)
     specs: dict[str, tuple[str, int | None, int | None]] = {}
     skipped: dict[str, str] = {}
@@ -137,14 +136,6 @@ def _time(model, optimizer, batches, specs: dict, step_kw: dict, warmup: int, re
     return times
 
 
-def _profiled_plan(spec: str, profile: StepProfile) -> tuple[Plan, bool]:
-    """The plan the profile can predict nearest to ``spec``: an option the profile lacks (offload, profiled only for
-    CUDA, where it moves bytes; on a CPU it does nothing) counts as none, and the prediction as not exact."""
-    plan, exact = Plan.from_policy(spec, profile.n_blocks)
-    options = tuple(o if o in profile.blocks[0] else "none" for o in plan.blocks)
-    return Plan(options, plan.head), exact and options == plan.blocks
-
-
 def run_bench(w: Workload, policies: tuple[str, ...], out_dir: str | Path, warmup: int = 2, repeats: int = 25) -> dict:
     """Measure every policy on ``w``'s device (real steps, its model, batch and precision); returns the rows and the
     setup (also written to ``out_dir``/bench.json)."""
@@ -168,7 +159,7 @@ def run_bench(w: Workload, policies: tuple[str, ...], out_dir: str | Path, warmu
     for name, (spec, budget, predicted) in specs.items():
         med = statistics.median(times[name])
         m = measured[name]
-        plan, exact = _profiled_plan(spec, profile)
+        plan, exact = Plan.profiled(spec, profile)
         rows.append(BenchRow(policy=name, spec=spec, peak_bytes=m["peak_bytes"], activation_bytes=m["activation_bytes"],
                              flops=m["flops"], step_seconds=med, tokens_per_s=B * T * accum / med, times=times[name],
                              budget_bytes=budget, predicted_peak_bytes=predicted,

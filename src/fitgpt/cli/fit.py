@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.cli.workload import BudgetConfig, parse_workload
 from fitgpt.errors import UserError
 from fitgpt.plan.fastest import fastest, format_choices
@@ -29,7 +28,7 @@ class FitConfig(BudgetConfig):
         if self.top < 1:
             raise UserError("--top must be at least 1")
         if self.activation_checkpointing != "auto":
-            parse_policy(self.activation_checkpointing)  # a misspelt policy is refused before anything is profiled
+            self.check_policy(self.activation_checkpointing)
 
 
 def run(args: list[str]) -> int:

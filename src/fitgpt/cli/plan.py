@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.cli.workload import BudgetConfig, parse_workload
 from fitgpt.estimate.hardware import CUDA_CONTEXT
-from fitgpt.estimate.profile import BLOCK_OPTIONS
+from fitgpt.estimate.profile import BLOCK_OPTIONS, named_options
 from fitgpt.optim import optimizer_impl
 from fitgpt.plan.solver import Plan, PlanError, predict, solve
 from fitgpt.units import format_bytes
@@ -28,7 +27,7 @@ class PlanConfig(BudgetConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.activation_checkpointing != "auto":
-            parse_policy(self.activation_checkpointing)  # a misspelt policy is refused before anything is profiled
+            self.check_policy(self.activation_checkpointing)
 
 
 def _cuda_notes(cfg: PlanConfig) -> list[str]:
@@ -86,7 +85,7 @@ def _as_given(cfg: PlanConfig, profile, budget: int):
     """The policy --activation-checkpointing names, predicted and replayed as it is (the profile's nearest plan where
     it runs blocks together as one region), with the bytes it overflows the card by."""
     spec = cfg.activation_checkpointing
-    plan, exact = Plan.from_policy(spec, profile.n_blocks)
+    plan, exact = Plan.profiled(spec, profile)
     replay = cfg.workload.replay(spec)
     return plan, predict(profile, plan), replay, budget, _over_card(cfg, replay), exact
 
@@ -101,8 +100,7 @@ def run(args: list[str]) -> int:
     w = cfg.workload
     tcfg = w.train
     given = cfg.activation_checkpointing != "auto"
-    named = parse_policy(cfg.activation_checkpointing).recompute_options if given else ()
-    profile = w.profile(extra_options=named)  # torchtitan's rule is profiled when the policy names it
+    profile = w.profile(extra_options=named_options(cfg.activation_checkpointing))  # torchtitan's rule, where named
     if given:
         plan, pred, replay, budget, over, exact = _as_given(cfg, profile, cfg.budget)
     else:

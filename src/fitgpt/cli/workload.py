@@ -12,6 +12,7 @@ from typing import Literal, Optional, TypeVar
 import torch
 import tyro
 
+from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.config import OptimConfig, TrainConfig, load_config, load_config_named_in
 from fitgpt.device import resolve_device
 from fitgpt.errors import UserError
@@ -92,6 +93,13 @@ class WorkloadConfig:
                                 source=self._source)
         return workload_for(self.train_config(), target=self.plan_target(), fake=True, world_size=self.world_size,
                             source=self._source)
+
+    def check_policy(self, spec: str) -> None:
+        """A policy plan or fit is given, refused before anything is profiled: misspelt, or a chunked loss for a model
+        whose head computes its own loss."""
+        if parse_policy(spec).loss_chunk_rows and self.hf_config:
+            raise UserError(f"--activation-checkpointing {spec}: the chunked loss needs fitgpt's head (lm_head(x, targets)); "
+                            "a --hf-config model computes its own loss: drop '+chunked-loss'")
 
     def train_config(self) -> TrainConfig:
         """The training config these flags name (read once, by ``workload``)."""

@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.activation_checkpoint.apply import find_blocks
+from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
 from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
@@ -48,6 +49,12 @@ log = logging.getLogger(__name__)
 BLOCK_OPTIONS = ("none", "pointwise", "selective", "block")
 EXTRA_OPTIONS = ("torchtitan",)
 """Profiled when asked for (a policy that names one): torchtitan's rule, for comparing like with like."""
+
+
+def named_options(*policies: str) -> tuple[str, ...]:
+    """The EXTRA_OPTIONS the policies name, for ``profile_model(extra_options=...)`` (auto and auto:... name none)."""
+    named = {o for spec in policies if not spec.startswith("auto") for o in parse_policy(spec).recompute_options}
+    return tuple(o for o in EXTRA_OPTIONS if o in named)
 HEAD_OPTIONS = ("plain", "chunked")
 # One profiled step per option; the head option of each run is read from the same run.
 _RUNS = {"none": ("none", "plain"), "block": ("block+chunked-loss", "chunked"), "selective": ("selective", None),

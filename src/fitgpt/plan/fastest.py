@@ -21,10 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.config import TrainConfig, train_command
 from fitgpt.device import resolve_device
-from fitgpt.estimate.profile import StepProfile
+from fitgpt.estimate.profile import StepProfile, named_options
 from fitgpt.estimate.workload import Workload, workload_for
 from fitgpt.plan.extrapolate import extrapolate
 from fitgpt.plan.solver import Plan, PlanError, Prediction, predict, solve
@@ -148,7 +147,7 @@ def fastest(w: Workload, budget: int, top: int = 5, policy: str = "auto") -> dic
     """Every configuration that fits ``budget`` (see the module's docstring), fastest first, ``top`` of them
     settled on their own profiles. ``policy``: auto solves each configuration's plan; another is kept as given."""
     given = None if policy == "auto" else policy
-    named = parse_policy(given).recompute_options if given else ()
+    named = named_options(policy)
     seqs, T = w.train.batch_size * w.train.grad_accum, w.context
     tokens = seqs * T * w.world_size
     params = _param_count(w)
@@ -205,7 +204,7 @@ def fastest(w: Workload, budget: int, top: int = 5, policy: str = "auto") -> dic
 
 def _as_given(p: StepProfile, policy: str, budget: int) -> tuple[Plan, Prediction]:
     """The policy as given (its nearest profiled plan) and its prediction; PlanError if it does not fit."""
-    plan, _ = Plan.from_policy(policy, p.n_blocks)
+    plan, _ = Plan.profiled(policy, p)
     pred = predict(p, plan)
     if pred.peak > budget:
         raise PlanError(f"{policy} does not fit")

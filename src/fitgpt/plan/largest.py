@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 import math
 
-from fitgpt.activation_checkpoint.policy import DEFAULT_LOSS_CHUNK_ROWS, parse_policy
+from fitgpt.activation_checkpoint.policy import DEFAULT_LOSS_CHUNK_ROWS
 from fitgpt.errors import UserError
-from fitgpt.estimate.profile import StepProfile
+from fitgpt.estimate.profile import StepProfile, named_options
 from fitgpt.estimate.workload import Workload
 from fitgpt.plan.extrapolate import extrapolate
 from fitgpt.plan.solver import Plan, PlanError, min_peak, predict, solve
@@ -42,7 +42,7 @@ def _peak(profile: StepProfile, policy: str) -> float:
     """The predicted peak of a policy as given (its nearest profiled plan); infinite where the policy names blocks
     the model at this depth does not have."""
     try:
-        plan, _ = Plan.from_policy(policy, profile.n_blocks)
+        plan, _ = Plan.profiled(policy, profile)
     except UserError:
         return math.inf
     return predict(profile, plan).peak
@@ -102,7 +102,7 @@ def largest(w: Workload, budget: int, max_batch: int = 4096, max_context: int = 
     number of blocks within ``budget``."""
     B, T = w.train.batch_size, w.context
     policies = POLICIES + ((given,) if given and given not in POLICIES else ())
-    named = parse_policy(given).recompute_options if given and given != "auto" else ()
+    named = named_options(given) if given else ()
 
     cache: dict[tuple[int, int], StepProfile] = {}
 

@@ -68,6 +68,17 @@ class Plan:
         exact = all(r.stop - r.start == 1 and not (r.offload and r.recompute != "none") for r in regions)
         return cls(tuple(options), "chunked" if policy.loss_chunk_rows else "plain"), exact
 
+    @classmethod
+    def profiled(cls, spec: str, profile: StepProfile) -> tuple[Plan, bool]:
+        """The plan ``profile`` can predict nearest to the policy ``spec``, and whether it is that policy exactly: an
+        option the profile lacks (offload, profiled only for CUDA, where it moves bytes; on a CPU it does nothing;
+        torchtitan's rule where no policy named it) counts as none, a head it lacks (the chunked loss of a model whose
+        head is not fitgpt's) as the plain one."""
+        plan, exact = cls.from_policy(spec, profile.n_blocks)
+        options = tuple(o if o in profile.blocks[0] else "none" for o in plan.blocks)
+        head = plan.head if plan.head in profile.heads else "plain"
+        return cls(options, head), exact and (options, head) == (plan.blocks, plan.head)
+
 
 @dataclass(frozen=True)
 class Prediction:
