@@ -206,26 +206,26 @@ def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[float,
            c_head + grads_all + p.embed_bwd_delta + p.optimizer_rise) > room:
         return None
     # state: (bytes saved for backward, bytes held in the forward, cost, options), the latter also holding
-    # autocast's transient copies; pruned to the states no other beats on all three. A state whose options recompute
-    # a block also holds the shared inputs through the head's backward and the backward of every block from there on.
-    states: list[tuple[int, int, tuple, tuple[str, ...]]] = [(p.embed_saved, p.embed_saved, (0.0, 0, 0), ())]
+    # autocast's transient copies; pruned to the states no other beats on all three. Kept apart by the shared inputs
+    # they hold (0, or all of them once an option recomputes a block: through the head's backward and the backward
+    # of every block from there on).
+    states: dict[int, list[tuple[int, int, tuple, tuple[str, ...]]]] = {0: [(p.embed_saved, p.embed_saved, (0.0, 0, 0), ())]}
     for i in range(p.n_blocks):
-        nxt: dict[tuple[int, int, bool], tuple[tuple, tuple[str, ...]]] = {}
-        for s, u, cost, opts in states:
-            for o, b in p.blocks[i].items():
-                held = p.shared_inputs if _first_recompute(opts + (o,)) is not None else 0
-                if u + b.fwd_rise > room or c_head - p.embed_saved + grads_after[i] + s + held + b.saved + b.bwd_rise > room:
-                    continue
-                key = (s + b.saved, u + b.saved + b.transient, bool(held))
-                c2 = (cost[0] + b.time, cost[1] + b.recompute_flops, cost[2] + (o != "none"))
-                if key not in nxt or c2 < nxt[key][0]:
-                    nxt[key] = (c2, opts + (o,))
-        states = [st for flag in (False, True) for st in _pareto({k[:2]: v for k, v in nxt.items() if k[2] == flag})]
-    def fits_head(s: int, u: int, opts: tuple[str, ...]) -> bool:
-        held = p.shared_inputs if _first_recompute(opts) is not None else 0
-        return u + head.fwd_rise + held <= room and s + head.saved + held + head.bwd_rise <= room
-
-    done = [(cost, opts) for s, u, cost, opts in states if fits_head(s, u, opts)]
+        nxt: dict[int, dict[tuple[int, int], tuple[tuple, tuple[str, ...]]]] = {}
+        for held_before, group in states.items():
+            for s, u, cost, opts in group:
+                for o, b in p.blocks[i].items():
+                    held = p.shared_inputs if o in _HOLD_INPUTS else held_before
+                    if u + b.fwd_rise > room or c_head - p.embed_saved + grads_after[i] + s + held + b.saved + b.bwd_rise > room:
+                        continue
+                    key, c2 = (s + b.saved, u + b.saved + b.transient), (cost[0] + b.time, cost[1] + b.recompute_flops,
+                                                                         cost[2] + (o != "none"))
+                    reached = nxt.setdefault(held, {})
+                    if key not in reached or c2 < reached[key][0]:
+                        reached[key] = (c2, opts + (o,))
+        states = {held: _pareto(reached) for held, reached in nxt.items()}
+    done = [(cost, opts) for held, group in states.items() for s, u, cost, opts in group
+            if u + head.fwd_rise + held <= room and s + head.saved + held + head.bwd_rise <= room]
     if not done:
         return None
     cost, opts = min(done)
