@@ -168,7 +168,7 @@ class ModuleModel:
     vocab_size: int
     context_length: int
     n_blocks: int = 0
-    head_dim: int | None = None
+    head_dim: ClassVar[None] = None  # not known: the profile reads each attention call it makes
     resizable: ClassVar[bool] = False
     chunked_head: ClassVar[bool] = False
 
