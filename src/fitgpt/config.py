@@ -43,6 +43,13 @@ class OptimConfig:
     """AdamW's implementation: fused (one kernel a step), foreach (multi-tensor ops, torchtitan's default), for-loop
     (a parameter at a time); auto: fused on CUDA, PyTorch's default elsewhere (the for-loop on CPU). Training and
     planning build the same one: their temporaries differ."""
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The dtype AdamW keeps its two moments in: fp32 (8 bytes a parameter) or bf16 (4; updated in fp32 and rounded
+    to nearest, a parameter at a time, on any device)."""
+    in_backward: bool = False
+    """Step each parameter inside the backward, as soon as its gradient is complete, and free that gradient at once:
+    gradients never all exist together (saves 4 bytes a parameter at the peak). Needs --optim.grad-clip 0 and
+    --grad-accum 1, one process, no fp16."""
 
     def __post_init__(self) -> None:
         require_finite(self, "optim.")
@@ -56,6 +63,11 @@ class OptimConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise UserError(f"optim.{name} must be in [0, 1) (set --optim.{name})")
+        if self.state_dtype == "bf16" and self.impl in ("fused", "foreach"):
+            raise UserError(f"--optim.state-dtype bf16 steps a parameter at a time: drop --optim.impl {self.impl}")
+        if self.in_backward and self.grad_clip > 0:
+            raise UserError("--optim.in-backward steps each parameter before the global gradient norm exists, so it "
+                            "cannot clip by it: add --optim.grad-clip 0")
 
 
 @dataclass
@@ -136,6 +148,8 @@ class TrainConfig:
             raise UserError("max_bad_steps must not be negative (set --max-bad-steps)")
         if self.fsdp_offload and self.parallel != "fsdp":
             raise UserError("--fsdp-offload is FSDP's: add --parallel fsdp (and launch with torchrun)")
+        if self.optim.in_backward:
+            self._check_in_backward()
         if self.auto_config and not self.memory_budget:
             raise UserError("--auto-config chooses for a budget: add --memory-budget, e.g. --memory-budget 6GiB")
         if self.activation_checkpointing == "auto":
@@ -152,6 +166,19 @@ class TrainConfig:
                                  "or drop --memory-budget (fitgpt plan predicts the peak of any fixed policy)")
         if self.memory_budget:
             parse_bytes(self.memory_budget)
+
+    def _check_in_backward(self) -> None:
+        """What a step taken inside the backward cannot do: each refusal names the flag to change."""
+        why = "--optim.in-backward steps each parameter as its gradient is ready"
+        if self.grad_accum > 1:
+            raise UserError(f"{why}, so gradients cannot accumulate over micro-batches: use --grad-accum 1 (a larger "
+                            "--batch-size for the same tokens per step, with activation checkpointing if it must fit)")
+        if self.precision == "fp16":
+            raise UserError(f"{why}, before fp16's loss scaler could find an overflow and skip: use --precision bf16")
+        if self.max_bad_steps:
+            raise UserError(f"{why}: a step is applied before it is known to be bad and cannot be skipped; "
+                            "use --max-bad-steps 0 (the run stops at the first, leaving the last checkpoint as it was)")
+
     @property
     def policy(self):
         """The parsed activation checkpointing policy (``auto`` has none until it is planned)."""
@@ -165,6 +192,9 @@ class TrainConfig:
 
 
 # ---- loading from dicts and files ----------------------------------------------------------------
+
+IN_BACKWARD_ONE_PROCESS = ("--optim.in-backward steps each parameter during the backward, before DDP or FSDP could "
+                           "reduce its gradient across processes: train in one process (no torchrun, --world-size 1)")
 
 PRESETS = ("tiny", "small", "medium", "3b", "llama-tiny", "llama-1b")
 

@@ -54,6 +54,11 @@ def optimizer_update(model: nn.Module, optimizer: torch.optim.Optimizer, loss: t
     sync); otherwise it is read on the host (free on CPU). ``check=False`` always steps and reads
     nothing (the profiler, whose tensors may be fake and hold no values); the memory is the same.
     """
+    if getattr(optimizer, "steps_in_backward", False):
+        # Stepped already, a parameter at a time during the backward (``fitgpt.optim.in_backward``): nothing left to
+        # decide. The config refuses what needs the whole gradient first (clipping, fp16's scaler, skipping).
+        norm = optimizer.take_grad_norm()
+        return norm, torch.isfinite(loss) & torch.isfinite(norm)
     if scaler is not None:
         scaler.unscale_(optimizer)
     # The norm is computed even without clipping: it is logged, and a non-finite one means skipping the step.

@@ -11,7 +11,7 @@ import torch
 from fitgpt.cli.workload import BudgetConfig, parse_workload
 from fitgpt.estimate.hardware import CUDA_CONTEXT
 from fitgpt.estimate.profile import BLOCK_OPTIONS, named_options
-from fitgpt.optim import optimizer_impl
+from fitgpt.optim import describe_optimizer
 from fitgpt.plan.solver import Plan, PlanError, predict, solve
 from fitgpt.units import format_bytes
 
@@ -48,7 +48,7 @@ def _cuda_notes(cfg: PlanConfig) -> list[str]:
         "for the step's tensors",
         f"modelled: attention backend {backend} "
         + ("(run here as the math path)" if backend == "math" else "(its saved tensors from PyTorch's meta kernels)")
-        + f"; allocator blocks of 512 bytes; AdamW {optimizer_impl(w.train.optim, torch.device('cuda'))}"
+        + f"; allocator blocks of 512 bytes; {describe_optimizer(w.train.optim, torch.device('cuda'))}"
         + ("; autocast casts by CUDA's rules (this PyTorch's lists)" if w.dtype else "")
         + ". Measured: nothing on a GPU (fake tensors on this CPU)",
     ]

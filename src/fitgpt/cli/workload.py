@@ -13,7 +13,7 @@ import torch
 import tyro
 
 from fitgpt.activation_checkpoint.policy import parse_policy
-from fitgpt.config import OptimConfig, TrainConfig, load_config, load_config_named_in
+from fitgpt.config import IN_BACKWARD_ONE_PROCESS, OptimConfig, TrainConfig, load_config, load_config_named_in
 from fitgpt.device import resolve_device
 from fitgpt.errors import UserError
 from fitgpt.estimate.hardware import CUDA_CONTEXT, Target, find_gpu
@@ -73,6 +73,8 @@ class WorkloadConfig:
             self.model = dataclasses.replace(self.model, context_length=context)
         names = ("batch_size", "context", "grad_accum", "world_size")
         require_positive_ints(self, tuple(n for n in names if getattr(self, n) is not None))
+        if self.optim.in_backward and (self.world_size or 1) > 1:
+            raise UserError(IN_BACKWARD_ONE_PROCESS)
         if self.device is not None and (self.target or self.gpu):
             raise UserError("--device measures on this machine and --target/--gpu plan for another; give one of them")
         if self.gpu_memory is not None and self.gpu is None:

@@ -39,6 +39,7 @@ from fitgpt.memory.timeline import (
     param_bytes,
     profile_step,
 )
+from fitgpt.memory.tracker import round_up, storages
 from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
 from fitgpt.parallel import fsdp_shard, precision_roles
@@ -270,6 +271,7 @@ def _fixed_costs(run: _Subject) -> dict[str, int | float]:
     with mode:
         model = _sharded(model, run)
         optimizer = build_optimizer(model, run.optim, torch.device(run.target.device))
+        _create_state(model, optimizer)
         rises, times = [], []
         for _ in range(2):  # the first step creates the optimizer state, the second is the steady one
             for p in model.parameters():
@@ -283,8 +285,27 @@ def _fixed_costs(run: _Subject) -> dict[str, int | float]:
             times.append(clock.seconds)
         params, opt = param_bytes(model, round_to), optimizer_state_bytes(optimizer, round_to)
         held = grad_bytes(model, round_to) if accumulate else 0
-    return {"params": params, "optimizer": opt, "grads": held if accumulate else params, "baseline": params + opt + held,
+        grads = held if accumulate else _grads_at_once(model, run.optim, round_to)
+    return {"params": params, "optimizer": opt, "grads": grads, "baseline": params + opt + held,
             "optimizer_rise": rises[-1], "optimizer_time": times[-1]}
+
+
+def _create_state(model: torch.nn.Module, optimizer) -> None:
+    """An optimizer that steps inside the backward makes its state there, a parameter at a time, in the first step
+    only: make it all now (a step on zero gradients; no byte depends on the values), so that every profiled step is a
+    steady one. Others make theirs in the first profiled step's optimizer segment, as a first step does."""
+    if getattr(optimizer, "steps_in_backward", False):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+
+
+def _grads_at_once(model: torch.nn.Module, optim: OptimConfig, round_to: int) -> int:
+    """The most gradient bytes a step holds at once, as the no-fit message counts them: every parameter's, or with the
+    step in the backward about one parameter's (the largest)."""
+    if not optim.in_backward:
+        return param_bytes(model, round_to)
+    return max(sum(round_up(st.nbytes(), round_to) for st in storages(p)) for p in model.parameters())
 
 
 @dataclass(frozen=True)
@@ -321,7 +342,11 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
     batch_size, context, grad_accum = run.batch_size, run.context, run.grad_accum
     model.train()
     # The optimizer as it is built on the target (fused AdamW on CUDA unless optim.impl says otherwise).
-    optimizer = build_optimizer(model, run.optim, torch.device(run.target.device)) if run.optimizer_step else None
+    # An optimizer that steps inside the backward is part of the blocks' segments: shallow profiles run it too.
+    stepping = run.optimizer_step or run.optim.in_backward
+    optimizer = build_optimizer(model, run.optim, torch.device(run.target.device)) if stepping else None
+    if optimizer is not None:
+        _create_state(model, optimizer)
     # (B, T + 1) token ids; their values matter to no byte count, so fake runs take zeros.
     if seed is None:
         idx = torch.zeros(batch_size, context + 1, dtype=torch.long, device=device)
@@ -371,7 +396,8 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
     profile = StepProfile(
         batch_size=batch_size, context=context, grad_accum=grad_accum, persistent_grads=accumulate,
         device=run.target.device if run.simulated else str(device),
-        params=params, optimizer=opt_bytes, grads=params if not accumulate else held_grads, baseline=params + opt_bytes + held_grads,
+        params=params, optimizer=opt_bytes, grads=held_grads if accumulate else _grads_at_once(model, run.optim, round_to),
+        baseline=params + opt_bytes + held_grads,
         embed_saved=base.fwd_embed.delta, embed_fwd_rise=base.fwd_embed.rise,
         embed_bwd_rise=base.bwd_embed.rise, embed_bwd_delta=base.bwd_embed.delta,
         optimizer_rise=max(timelines[o].optimizer.rise for o in list(runs)[1:]),

@@ -99,7 +99,9 @@ def _precisions(w: Workload) -> list[str]:
     if w.train.precision != "auto":
         return [w.train.precision]
     if t.cuda:
-        return ["bf16" if t.sm >= (8, 0) else "fp16", "fp32"]
+        half = "bf16" if t.sm >= (8, 0) else "fp16"
+        # A step inside the backward cannot wait for fp16's loss scaler (the config refuses it).
+        return ["fp32"] if half == "fp16" and w.train.optim.in_backward else [half, "fp32"]
     return ["fp32", "bf16"]
 
 
@@ -181,7 +183,7 @@ def fastest(w: Workload, budget: int, top: int = 5, policy: str = "auto") -> dic
     for offload in (False, True):  # offload only where nothing fits without it (its copies cost time)
         for precision in _precisions(w):
             for layout in (x for x in layouts if x.offload == offload):
-                found += _family(seqs, precision, layout, exact, choose)
+                found += _family(seqs, precision, layout, exact, choose, accumulate=not w.train.optim.in_backward)
         if found:
             break
     found.sort(key=lambda c: -c.tokens_per_s)
@@ -211,15 +213,15 @@ def _as_given(p: StepProfile, policy: str, budget: int) -> tuple[Plan, Predictio
     return plan, pred
 
 
-def _family(seqs: int, precision: str, layout: Layout, exact, choose) -> list[Choice]:
+def _family(seqs: int, precision: str, layout: Layout, exact, choose, accumulate: bool = True) -> list[Choice]:
     """Every micro-batch of one precision and layout: micro-batches below the whole step accumulate (gradients
     held between micro-batches), fitted through exact profiles at the two largest of them; the whole step at once
-    is profiled as it is."""
+    is profiled as it is. ``accumulate=False``: the whole step only (an optimizer that steps in the backward)."""
     out = []
     micro = _divisors(seqs)
     whole = choose(exact(precision, layout, seqs, 1), precision, layout, seqs, 1, True)
     out += [whole] if whole else []
-    accumulating = micro[:-1]
+    accumulating = micro[:-1] if accumulate else []
     if not accumulating:
         return out
     points = [(m, exact(precision, layout, m, seqs // m)) for m in accumulating[-2:]]

@@ -277,6 +277,17 @@ def min_peak(profile: StepProfile) -> tuple[Plan, Prediction]:
     return solve(profile, hi)
 
 
+def _optimizer_advice(p: StepProfile) -> str:
+    """The optimizer settings that would shrink the fixed costs and are not in use (read from the bytes they hold)."""
+    knobs = []
+    if p.grads >= p.params and not p.persistent_grads:
+        knobs.append(f"--optim.in-backward --optim.grad-clip 0 (each gradient freed as it is applied: about "
+                     f"{format_bytes(p.grads)} less)")
+    if p.optimizer > 1.5 * p.params:  # fp32 moments: 8 bytes a 4-byte parameter
+        knobs.append(f"--optim.state-dtype bf16 (moments in bf16: {format_bytes(p.optimizer // 2)} less)")
+    return f"Keep less per parameter with {' and '.join(knobs)}. " if knobs else ""
+
+
 def _no_fit_message(p: StepProfile, budget: int) -> str:
     # Fixed costs first: what no checkpointing policy can touch.
     fixed = p.params + p.grads + p.optimizer
@@ -285,7 +296,8 @@ def _no_fit_message(p: StepProfile, budget: int) -> str:
         lines.append(
             f"Parameters ({format_bytes(p.params)}), gradients ({format_bytes(p.grads)}) and AdamW state "
             f"({format_bytes(p.optimizer)}) alone take {format_bytes(fixed)}, {format_bytes(fixed - budget)} over: "
-            "no checkpointing can help. Use fewer blocks (--model.n-blocks), a narrower model (--model.n-embed), "
+            "no checkpointing can help. " + _optimizer_advice(p)
+            + "Use fewer blocks (--model.n-blocks), a narrower model (--model.n-embed), "
             + (f"or shard them over more than {p.fsdp_ranks} GPUs (--world-size)." if p.fsdp_ranks > 1
                else "or shard the weights over GPUs (--parallel fsdp).")
         )

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from fitgpt.activation_checkpoint import Policy, remove_activation_checkpointing
-from fitgpt.config import TrainConfig
+from fitgpt.config import IN_BACKWARD_ONE_PROCESS, TrainConfig
 from fitgpt.data.loader import BatchSampler, TokenData
 from fitgpt.data.tokenizer import TOKENIZER_FILE
 from fitgpt.device import autocast, autocast_dtype, resolve_device
@@ -102,6 +102,11 @@ def _check_launch(cfg: TrainConfig, info: dist_utils.DistInfo) -> None:
                          "--nproc-per-node N (N >= 2), or use --parallel ddp (the default) to train in one process")
     if info.enabled and cfg.parallel == "fsdp" and cfg.compile:
         raise UserError("--compile with --parallel fsdp is not supported yet; drop --compile or use --parallel ddp")
+    if cfg.optim.in_backward and info.enabled:
+        raise UserError(IN_BACKWARD_ONE_PROCESS)
+    if cfg.optim.in_backward and autocast_dtype(cfg.precision, resolve_device(cfg.device)) == torch.float16:
+        raise UserError("--optim.in-backward steps before fp16's loss scaler could skip an overflow, and --precision "
+                        "auto is fp16 on this device: use --precision fp32")
 
 
 def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None) -> dict:

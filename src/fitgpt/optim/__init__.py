@@ -1,4 +1,5 @@
-"""AdamW with weight decay on matrices only, and the warmup + cosine learning-rate schedule."""
+"""AdamW with weight decay on matrices only (PyTorch's, or with bf16 moments: ``adamw_bf16``), stepped after the
+backward or inside it (``in_backward``), and the warmup + cosine learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 import torch.nn as nn
 
 from fitgpt.config import OptimConfig
+from fitgpt.optim.adamw_bf16 import AdamWBf16
+from fitgpt.optim.in_backward import InBackward
 
 
 def _groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -23,16 +26,33 @@ def optimizer_params(model: nn.Module) -> list[nn.Parameter]:
 
 def optimizer_impl(cfg: OptimConfig, device: torch.device) -> str:
     """The AdamW implementation that steps on ``device``: ``cfg.impl``, auto resolved (fused on CUDA)."""
+    if cfg.state_dtype == "bf16":
+        return "for-loop"  # AdamWBf16 steps a parameter at a time
     return cfg.impl if cfg.impl != "auto" else ("fused" if device.type == "cuda" else "for-loop")
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over ``model`` as it steps on ``device`` (its implementation: ``cfg.impl``)."""
+def describe_optimizer(cfg: OptimConfig, device: torch.device) -> str:
+    """E.g. 'AdamW fused' or 'AdamW for-loop, bf16 moments, stepped in the backward'."""
+    parts = [f"AdamW {optimizer_impl(cfg, device)}"]
+    parts += ["bf16 moments"] if cfg.state_dtype == "bf16" else []
+    parts += ["stepped in the backward"] if cfg.in_backward else []
+    return ", ".join(parts)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer | InBackward:
+    """AdamW over ``model`` as it steps on ``device`` (its implementation: ``cfg.impl``; its moments' dtype:
+    ``cfg.state_dtype``); with ``cfg.in_backward``, one per parameter, stepped by hooks during the backward."""
     decay, no_decay = _groups(model)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     impl = optimizer_impl(cfg, device)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=impl == "fused",
-                             foreach=impl == "foreach")
+
+    def make(groups: list[dict]) -> torch.optim.Optimizer:
+        if cfg.state_dtype == "bf16":
+            return AdamWBf16(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=impl == "fused",
+                                 foreach=impl == "foreach")
+
+    return InBackward(groups, make) if cfg.in_backward else make(groups)
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

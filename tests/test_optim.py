@@ -1,0 +1,156 @@
+"""The optimizer's memory settings: the step inside the backward, bf16 moments. Each is exact where it claims to be,
+refused where it cannot be, and planned to the byte."""
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_plan import Measured
+
+from fitgpt.cli import main
+from fitgpt.config import OptimConfig, load_config
+from fitgpt.errors import UserError
+from fitgpt.estimate.profile import profile_model
+from fitgpt.model import ModelConfig, Transformer
+from fitgpt.optim import build_optimizer
+from fitgpt.optim.adamw_bf16 import AdamWBf16
+from fitgpt.plan import Plan, predict
+from fitgpt.step import train_step
+from fitgpt.train.trainer import train
+
+CPU = torch.device("cpu")
+
+
+def _steps(model, opt, n=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in range(n):
+        idx = torch.randint(0, model.lm_head.out_features, (4, 17), generator=g)
+        for group in opt.param_groups:
+            group["lr"] = 1e-3 * (s + 1)  # the schedule reaches every per-parameter optimizer
+        out.append(train_step(model, opt, [(idx[:, :-1], idx[:, 1:])]))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["none", "block"])
+def test_the_step_in_the_backward_gives_bitwise_the_weights_of_the_step_after_it(tiny_model_config, policy):
+    """CPU fp32, no clipping: the same weights, bit for bit, and the same optimizer state dict (so checkpoints are
+    interchangeable); each gradient is gone once its parameter has stepped. Recomputing blocks fire the same hooks."""
+    from fitgpt.activation_checkpoint import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    after = Transformer(tiny_model_config())
+    inside = copy.deepcopy(after)
+    for m in (after, inside):
+        apply_activation_checkpointing(m, policy)
+    opt_after = build_optimizer(after, OptimConfig(grad_clip=0), CPU)
+    opt_inside = build_optimizer(inside, OptimConfig(grad_clip=0, in_backward=True), CPU)
+    ra, ri = _steps(after, opt_after), _steps(inside, opt_inside)
+    for a, b in zip(after.state_dict().values(), inside.state_dict().values()):
+        assert torch.equal(a, b)
+    assert [float(r.loss) for r in ra] == [float(r.loss) for r in ri]
+    assert [float(r.grad_norm) for r in ra] == pytest.approx([float(r.grad_norm) for r in ri], rel=1e-6)
+    assert all(p.grad is None for p in inside.parameters())
+    sa, si = opt_after.state_dict(), opt_inside.state_dict()
+    assert sa["param_groups"] == si["param_groups"] and sa["state"].keys() == si["state"].keys()
+    assert all(torch.equal(sa["state"][i][k], si["state"][i][k]) for i in sa["state"] for k in sa["state"][i])
+
+
+def test_adamw_bf16_keeps_bf16_moments_and_its_first_step_is_pytorchs(tiny_model_config):
+    """The update is computed in fp32 from the moments before they are rounded: a first step gives PyTorch's AdamW
+    weights bit for bit, with the moments PyTorch's rounded to bf16."""
+    torch.manual_seed(0)
+    ref = Transformer(tiny_model_config())
+    low = copy.deepcopy(ref)
+    opt_ref = build_optimizer(ref, OptimConfig(grad_clip=0), CPU)
+    opt_low = build_optimizer(low, OptimConfig(grad_clip=0, state_dtype="bf16"), CPU)
+    assert isinstance(opt_low, AdamWBf16)
+    _steps(ref, opt_ref, n=1), _steps(low, opt_low, n=1)
+    for a, b in zip(ref.state_dict().values(), low.state_dict().values()):
+        assert torch.equal(a, b)
+    for p_ref, p_low in zip(ref.parameters(), low.parameters()):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert opt_low.state[p_low][k].dtype == torch.bfloat16
+            assert torch.equal(opt_low.state[p_low][k], opt_ref.state[p_ref][k].to(torch.bfloat16))
+    # An fp32-moment state (a checkpoint of a plain run) loads into it, rounded.
+    opt_low.load_state_dict(opt_ref.state_dict())
+    assert all(s["exp_avg"].dtype == torch.bfloat16 for s in opt_low.state.values())
+
+
+OPTIMS = {
+    "adamw": OptimConfig(grad_clip=0),
+    "in-backward": OptimConfig(grad_clip=0, in_backward=True),
+    "bf16": OptimConfig(grad_clip=0, state_dtype="bf16"),
+    "bf16+in-backward": OptimConfig(grad_clip=0, state_dtype="bf16", in_backward=True),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMS)
+def test_each_optimizer_setting_is_planned_to_the_byte(tiny_model_config, name):
+    """The plan profiles the optimizer the trainer builds: a real step's peak is the predicted one under none and
+    block, on a model deep enough to be profiled shallow and deepened (the step inside the backward runs in the
+    shallow profile's blocks)."""
+    cfg = tiny_model_config(n_blocks=6)
+    profile = profile_model(cfg, 2, 16, "cpu", OPTIMS[name], fake=True)
+    measured = Measured(cfg, batch=2, context=16, optim=OPTIMS[name])
+    for option in ("none", "block"):
+        plan = Plan.uniform(cfg.n_blocks, option)
+        assert measured.peak(plan) == predict(profile, plan).peak, (name, option)
+
+
+def test_bytes_per_parameter_at_the_peak():
+    """A model whose parameters dominate (batch 1 x 16): the peak per parameter falls from 16 by the gradients (4)
+    and the moments' halving (4), measured on real steps, and each is the predicted peak."""
+    cfg = ModelConfig(vocab_size=512, context_length=16, n_embed=256, n_head=4, n_blocks=4, dropout=0.0)
+    held = {}
+    for name, optim in OPTIMS.items():
+        m = Measured(cfg, batch=1, context=16, optim=optim)
+        n = sum(p.numel() for p in m.model.parameters())
+        plan = Plan.uniform(cfg.n_blocks, "none")
+        pred = predict(profile_model(cfg, 1, 16, "cpu", optim, fake=True), plan)
+        assert m.peak(plan) == pred.peak, name
+        held[name] = (pred.params + pred.grads + pred.optimizer) / n
+    assert held["adamw"] == pytest.approx(16, abs=0.01)
+    assert held["in-backward"] < 12.2 and held["bf16"] == pytest.approx(12, abs=0.01)
+    assert held["bf16+in-backward"] < 8.2
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    ({"optim": {"in_backward": True}}, "--optim.grad-clip 0"),
+    ({"optim": {"in_backward": True, "grad_clip": 0}, "grad_accum": 2}, "--grad-accum 1"),
+    ({"optim": {"in_backward": True, "grad_clip": 0}, "precision": "fp16"}, "--precision bf16"),
+    ({"optim": {"in_backward": True, "grad_clip": 0}, "max_bad_steps": 2}, "--max-bad-steps 0"),
+    ({"optim": {"state_dtype": "bf16", "impl": "fused"}}, "drop --optim.impl fused"),
+])
+def test_what_a_step_in_the_backward_cannot_do_is_refused_naming_the_flag(overrides, flag):
+    with pytest.raises(UserError, match=flag.replace("+", r"\+")):
+        load_config("tiny", overrides=overrides)
+
+
+def test_the_commands_refuse_in_one_line(capsys):
+    assert main(["plan", "--preset", "tiny", "--optim.in-backward"]) == 2
+    assert "--optim.grad-clip 0" in capsys.readouterr().err
+    assert main(["plan", "--preset", "tiny", "--optim.in-backward", "--optim.grad-clip", "0", "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "one process" in err and len(err.strip().splitlines()) == 1
+
+
+def test_training_inside_the_backward_resumes_from_and_into_a_plain_run(make_cfg, tmp_path):
+    """The trainer with the step inside the backward trains the weights the plain step trains, bit for bit (no
+    dropout, no clipping), and each run's checkpoint resumes under the other setting."""
+    model = {"context_length": 32, "n_embed": 32, "n_head": 4, "n_blocks": 2, "dropout": 0.0}
+    kw = {"max_steps": 4, "checkpoint_interval": 2, "model": model}
+    runs = {}
+    for name, optim in (("plain", {"grad_clip": 0}), ("inside", {"grad_clip": 0, "in_backward": True})):
+        train(make_cfg(tmp_path / name, optim=optim, **kw))
+        runs[name] = load_file(str(tmp_path / name / "checkpoints" / "step_00000004" / "model.safetensors"))
+    for k in runs["plain"]:
+        assert torch.equal(runs["plain"][k], runs["inside"][k]), k
+    # Steps 3-4 again from step 2 of the other setting's run.
+    for name, optim in (("plain", {"grad_clip": 0, "in_backward": True}), ("inside", {"grad_clip": 0})):
+        cfg = make_cfg(tmp_path / name, optim=optim, resume=str(tmp_path / name / "checkpoints" / "step_00000002"), **kw)
+        train(cfg)
+        again = load_file(str(tmp_path / name / "checkpoints" / "step_00000004" / "model.safetensors"))
+        for k in runs["plain"]:
+            assert torch.equal(runs["plain"][k], again[k]), (name, k)
