@@ -1,5 +1,5 @@
-"""The optimizer's memory settings: the step inside the backward, bf16 moments. Each is exact where it claims to be,
-refused where it cannot be, and planned to the byte."""
+"""The optimizer's memory settings: the step inside the backward, bf16 moments, torchao's 8-bit and 4-bit AdamW. Each
+is exact where it claims to be, refused where it cannot be, and planned to the byte."""
 
 import copy
 
@@ -83,17 +83,23 @@ OPTIMS = {
     "in-backward": OptimConfig(grad_clip=0, in_backward=True),
     "bf16": OptimConfig(grad_clip=0, state_dtype="bf16"),
     "bf16+in-backward": OptimConfig(grad_clip=0, state_dtype="bf16", in_backward=True),
+    "8bit+in-backward": OptimConfig(grad_clip=0, name="adamw8bit", in_backward=True),
+}
+LOW_BIT = {
+    "8bit": OptimConfig(name="adamw8bit"),  # clipping on: the step after the backward
+    "4bit+in-backward": OptimConfig(grad_clip=0, name="adamw4bit", in_backward=True),
 }
 
 
-@pytest.mark.parametrize("name", OPTIMS)
+@pytest.mark.parametrize("name", ["in-backward", "bf16+in-backward", *LOW_BIT])  # the rest: bytes per parameter
 def test_each_optimizer_setting_is_planned_to_the_byte(tiny_model_config, name):
     """The plan profiles the optimizer the trainer builds: a real step's peak is the predicted one under none and
     block, on a model deep enough to be profiled shallow and deepened (the step inside the backward runs in the
-    shallow profile's blocks)."""
-    cfg = tiny_model_config(n_blocks=6)
-    profile = profile_model(cfg, 2, 16, "cpu", OPTIMS[name], fake=True)
-    measured = Measured(cfg, batch=2, context=16, optim=OPTIMS[name])
+    shallow profile's blocks). 64 wide, so that torchao quantizes the matrices' moments (4096 values and more)."""
+    cfg = tiny_model_config(n_blocks=6, n_embed=64)
+    optim = {**OPTIMS, **LOW_BIT}[name]
+    profile = profile_model(cfg, 2, 16, "cpu", optim, fake=True)
+    measured = Measured(cfg, batch=2, context=16, optim=optim)
     for option in ("none", "block"):
         plan = Plan.uniform(cfg.n_blocks, option)
         assert measured.peak(plan) == predict(profile, plan).peak, (name, option)
@@ -114,6 +120,18 @@ def test_bytes_per_parameter_at_the_peak():
     assert held["adamw"] == pytest.approx(16, abs=0.01)
     assert held["in-backward"] < 12.2 and held["bf16"] == pytest.approx(12, abs=0.01)
     assert held["bf16+in-backward"] < 8.2
+    assert held["8bit+in-backward"] < 6.3  # 1 byte a moment, a 4-byte scale per 256, the largest gradient
+
+
+def test_low_bit_optimizers_say_where_they_run(monkeypatch):
+    from fitgpt.optim.lowbit import low_bit_adamw
+
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(64, 64))]}]
+    with pytest.raises(UserError, match="runs on CUDA and the CPU .*not mps: use --optim.name adamw"):
+        low_bit_adamw("adamw8bit", groups, 1e-3, (0.9, 0.95), torch.device("mps"))
+    monkeypatch.setitem(__import__("sys").modules, "torchao.optim", None)
+    with pytest.raises(UserError, match=r"needs torchao: pip install 'fitgpt\[lowbit\]'"):
+        low_bit_adamw("adamw4bit", groups, 1e-3, (0.9, 0.95), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("overrides, flag", [
@@ -122,6 +140,8 @@ def test_bytes_per_parameter_at_the_peak():
     ({"optim": {"in_backward": True, "grad_clip": 0}, "precision": "fp16"}, "--precision bf16"),
     ({"optim": {"in_backward": True, "grad_clip": 0}, "max_bad_steps": 2}, "--max-bad-steps 0"),
     ({"optim": {"state_dtype": "bf16", "impl": "fused"}}, "drop --optim.impl fused"),
+    ({"optim": {"state_dtype": "bf16", "name": "adamw8bit"}}, "quantizes its own moments"),
+    ({"optim": {"impl": "foreach", "name": "adamw4bit"}}, "drop --optim.impl"),
 ])
 def test_what_a_step_in_the_backward_cannot_do_is_refused_naming_the_flag(overrides, flag):
     with pytest.raises(UserError, match=flag.replace("+", r"\+")):
@@ -154,3 +174,22 @@ def test_training_inside_the_backward_resumes_from_and_into_a_plain_run(make_cfg
         again = load_file(str(tmp_path / name / "checkpoints" / "step_00000004" / "model.safetensors"))
         for k in runs["plain"]:
             assert torch.equal(runs["plain"][k], again[k]), (name, k)
+
+
+def test_training_with_8bit_adamw_checkpoints_plain_moments_and_resumes_under_any_setting(make_cfg, tmp_path):
+    """The trainer's schedule reaches torchao's tensor learning rates (a float there would stop its step); the
+    checkpoint holds the moments as plain fp32 tensors that load with weights_only, into AdamW or 8-bit AdamW again
+    (quantized a second time: close, not bitwise)."""
+    model = {"context_length": 32, "n_embed": 64, "n_head": 4, "n_blocks": 2, "dropout": 0.0}
+    kw = {"max_steps": 4, "checkpoint_interval": 2, "model": model}
+    summary = train(make_cfg(tmp_path / "low", optim={"name": "adamw8bit"}, **kw))
+    assert summary["steps"] == 4
+    state = torch.load(tmp_path / "low" / "checkpoints" / "step_00000002" / "state.pt", weights_only=True)
+    moments = [s["exp_avg"] for s in state["optimizer"]["state"].values()]
+    assert all(type(m) is torch.Tensor and m.dtype == torch.float32 for m in moments)
+    first = load_file(str(tmp_path / "low" / "checkpoints" / "step_00000004" / "model.safetensors"))
+    for optim in ({"name": "adamw8bit"}, {}):
+        train(make_cfg(tmp_path / "low", optim=optim, resume=str(tmp_path / "low" / "checkpoints" / "step_00000002"), **kw))
+        again = load_file(str(tmp_path / "low" / "checkpoints" / "step_00000004" / "model.safetensors"))
+        for k in first:
+            torch.testing.assert_close(again[k], first[k], rtol=0, atol=2e-3)

@@ -43,6 +43,9 @@ class OptimConfig:
     """AdamW's implementation: fused (one kernel a step), foreach (multi-tensor ops, torchtitan's default), for-loop
     (a parameter at a time); auto: fused on CUDA, PyTorch's default elsewhere (the for-loop on CPU). Training and
     planning build the same one: their temporaries differ."""
+    name: Literal["adamw", "adamw8bit", "adamw4bit"] = "adamw"
+    """adamw (PyTorch's), or torchao's AdamW with 8-bit or 4-bit block-quantized moments (about 2 or 1 bytes a
+    parameter; needs the [lowbit] extra; CUDA, compiled, or the CPU, eager)."""
     state_dtype: Literal["fp32", "bf16"] = "fp32"
     """The dtype AdamW keeps its two moments in: fp32 (8 bytes a parameter) or bf16 (4; updated in fp32 and rounded
     to nearest, a parameter at a time, on any device)."""
@@ -63,6 +66,11 @@ class OptimConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise UserError(f"optim.{name} must be in [0, 1) (set --optim.{name})")
+        if self.name != "adamw" and self.state_dtype != "fp32":
+            raise UserError(f"--optim.state-dtype is for --optim.name adamw; {self.name} quantizes its own moments: "
+                            "drop one of them")
+        if self.name != "adamw" and self.impl != "auto":
+            raise UserError(f"--optim.impl chooses PyTorch's AdamW kernel; {self.name} is torchao's: drop --optim.impl")
         if self.state_dtype == "bf16" and self.impl in ("fused", "foreach"):
             raise UserError(f"--optim.state-dtype bf16 steps a parameter at a time: drop --optim.impl {self.impl}")
         if self.in_backward and self.grad_clip > 0:

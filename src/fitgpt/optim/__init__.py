@@ -11,6 +11,7 @@ import torch.nn as nn
 from fitgpt.config import OptimConfig
 from fitgpt.optim.adamw_bf16 import AdamWBf16
 from fitgpt.optim.in_backward import InBackward
+from fitgpt.optim.lowbit import low_bit_adamw
 
 
 def _groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -26,6 +27,8 @@ def optimizer_params(model: nn.Module) -> list[nn.Parameter]:
 
 def optimizer_impl(cfg: OptimConfig, device: torch.device) -> str:
     """The AdamW implementation that steps on ``device``: ``cfg.impl``, auto resolved (fused on CUDA)."""
+    if cfg.name != "adamw":
+        return "torchao"
     if cfg.state_dtype == "bf16":
         return "for-loop"  # AdamWBf16 steps a parameter at a time
     return cfg.impl if cfg.impl != "auto" else ("fused" if device.type == "cuda" else "for-loop")
@@ -33,7 +36,7 @@ def optimizer_impl(cfg: OptimConfig, device: torch.device) -> str:
 
 def describe_optimizer(cfg: OptimConfig, device: torch.device) -> str:
     """E.g. 'AdamW fused' or 'AdamW for-loop, bf16 moments, stepped in the backward'."""
-    parts = [f"AdamW {optimizer_impl(cfg, device)}"]
+    parts = [f"AdamW {optimizer_impl(cfg, device)}" if cfg.name == "adamw" else f"{cfg.name} (torchao)"]
     parts += ["bf16 moments"] if cfg.state_dtype == "bf16" else []
     parts += ["stepped in the backward"] if cfg.in_backward else []
     return ", ".join(parts)
@@ -47,12 +50,23 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     impl = optimizer_impl(cfg, device)
 
     def make(groups: list[dict]) -> torch.optim.Optimizer:
+        if cfg.name != "adamw":
+            return low_bit_adamw(cfg.name, groups, cfg.lr, (cfg.beta1, cfg.beta2), device)
         if cfg.state_dtype == "bf16":
             return AdamWBf16(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=impl == "fused",
                                  foreach=impl == "foreach")
 
     return InBackward(groups, make) if cfg.in_backward else make(groups)
+
+
+def set_lr(optimizer: torch.optim.Optimizer | InBackward, lr: float) -> None:
+    """Set every parameter group's learning rate (torchao's optimizers keep it as a tensor, changed in place)."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -21,7 +21,7 @@ from fitgpt.config import TrainConfig, to_dict
 from fitgpt.data.loader import BatchSampler, TokenData
 from fitgpt.device import peak_memory
 from fitgpt.memory.timeline import PeakProbe
-from fitgpt.optim import lr_at
+from fitgpt.optim import lr_at, set_lr
 from fitgpt.step import StepResult, train_step
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as dist_utils
@@ -108,8 +108,7 @@ def run_loop(run: LoopState, start_step: int) -> Progress:
     with StopFlag() as stop:
         while p.step < cfg.max_steps:
             lr = lr_at(p.step, cfg.optim, cfg.max_steps)
-            for group in run.optimizer.param_groups:
-                group["lr"] = lr
+            set_lr(run.optimizer, lr)
             pending.append((p.step, lr, _step(run, p.step, probe=run.planned is not None and p.step == probe_step)))
             p.step += 1
             bar.update(1)

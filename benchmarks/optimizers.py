@@ -1,0 +1,81 @@
+"""The optimizer's memory settings on this CPU: bytes per parameter at the peak (planned vs measured) and the tiny
+preset's first run under each (val loss vs AdamW fp32's, the same steps).
+
+    python benchmarks/optimizers.py bytes     # a few minutes
+    python benchmarks/optimizers.py quality   # the README's first run once per setting (about 1 min each)
+
+Each prints a Markdown table for benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from fitgpt.activation_checkpoint import apply_activation_checkpointing
+from fitgpt.config import OptimConfig, load_config
+from fitgpt.estimate.profile import profile_model
+from fitgpt.memory.timeline import measure_train_step
+from fitgpt.model import ModelConfig, Transformer
+from fitgpt.optim import build_optimizer
+from fitgpt.plan import Plan, predict
+from fitgpt.train.trainer import train
+
+SETTINGS = {
+    "AdamW fp32": {},
+    "in-backward": {"in_backward": True, "grad_clip": 0.0},
+    "bf16 moments": {"state_dtype": "bf16"},
+    "bf16 moments + in-backward": {"state_dtype": "bf16", "in_backward": True, "grad_clip": 0.0},
+    "8-bit AdamW": {"name": "adamw8bit"},
+    "8-bit AdamW + in-backward": {"name": "adamw8bit", "in_backward": True, "grad_clip": 0.0},
+    "4-bit AdamW + in-backward": {"name": "adamw4bit", "in_backward": True, "grad_clip": 0.0},
+}
+
+
+def bytes_per_param() -> None:
+    """A model whose parameters dominate its step (25M parameters in 8 blocks of width 512, batch 1 x 16)."""
+    cfg = ModelConfig(vocab_size=512, context_length=16, n_embed=512, n_head=8, n_blocks=8, dropout=0.0)
+    idx = torch.randint(0, cfg.vocab_size, (1, 17), generator=torch.Generator().manual_seed(1))
+    batches = [(idx[:, :-1].contiguous(), idx[:, 1:].contiguous())]
+    print("| setting | held (params + grads + state) / param | peak / param, predicted | measured | equal | plan s |")
+    print("|---|---:|---:|---:|---|---:|")
+    for name, kw in SETTINGS.items():
+        optim = OptimConfig(**kw)
+        t0 = time.perf_counter()
+        pred = predict(profile_model(cfg, 1, 16, "cpu", optim, fake=True), Plan.uniform(cfg.n_blocks, "none"))
+        seconds = time.perf_counter() - t0
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        apply_activation_checkpointing(model, "none")
+        opt = build_optimizer(model, optim, torch.device("cpu"))
+        step_kw = {"grad_clip": optim.grad_clip}
+        measure_train_step(model, opt, batches, **step_kw)  # the optimizer state exists from here on
+        measured = measure_train_step(model, opt, batches, **step_kw).peak
+        n = sum(p.numel() for p in model.parameters())
+        held = (pred.params + pred.grads + pred.optimizer) / n
+        print(f"| {name} | {held:.2f} | {pred.peak / n:.2f} | {measured / n:.2f} | "
+              f"{'=' if measured == pred.peak else f'{measured - pred.peak:+d} B'} | {seconds:.1f} |", flush=True)
+
+
+def quality(out: str) -> None:
+    """The README's first run (tiny preset, 300 steps) under each setting, same seed and data."""
+    print("| setting | train loss | val loss | vs AdamW fp32 | seconds |")
+    print("|---|---:|---:|---:|---:|")
+    base = None
+    for name, kw in SETTINGS.items():
+        cfg = load_config("tiny", overrides={"optim": kw, "out_dir": f"{out}/{name.replace(' ', '_')}", "overwrite": True,
+                                             "progress": False, "tensorboard": False})
+        s = train(cfg)
+        base = base or s["val_loss"]
+        print(f"| {name} | {s['train_loss']:.4f} | {s['val_loss']:.4f} | {100 * (s['val_loss'] / base - 1):+.2f}% | "
+              f"{s['seconds']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["bytes", "quality"])
+    ap.add_argument("--out", default="/tmp/fitgpt-optimizers")
+    args = ap.parse_args()
+    bytes_per_param() if args.what == "bytes" else quality(args.out)

@@ -1,0 +1,93 @@
+"""8-bit and 4-bit AdamW: torchao's (``torchao.optim.AdamW8bit``/``AdamW4bit``), moments quantized block-wise
+(8-bit: 2 bytes a parameter for both moments, plus a 4-byte scale per 256 values; 4-bit: 1 byte, a scale per 128).
+Tensors under 4096 values keep fp32 moments, as torchao (and bitsandbytes) do.
+
+Where it steps: on CUDA, torchao's step compiled per parameter shape, as torchao ships it; on the CPU (and on the
+planner's fake tensors) the same function eagerly, as written: no C++ toolchain or compile time needed, and the
+temporaries it makes are the ones a profile measures. MPS is not supported (refused).
+
+Checkpoints hold the moments dequantized to plain fp32 tensors on the host, a tensor at a time, so that a checkpoint
+resumes under any optimizer setting and loads with ``weights_only=True``; loading quantizes them again, a tensor at
+a time, never holding every fp32 moment on the device at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+from fitgpt.errors import UserError
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def low_bit_adamw(name: str, groups: list[dict], lr: float, betas: tuple[float, float],
+                  device: torch.device) -> torch.optim.Optimizer:
+    """torchao's AdamW8bit or AdamW4bit (``name``: adamw8bit, adamw4bit) over ``groups``, stepping on ``device``."""
+    if device.type not in ("cuda", "cpu"):
+        raise UserError(f"--optim.name {name} runs on CUDA and the CPU (torchao), not {device.type}: use --optim.name "
+                        "adamw (with --optim.state-dtype bf16 for 2-byte moments)")
+    try:
+        from torchao.optim import AdamW4bit, AdamW8bit
+    except ImportError:
+        raise UserError(f"--optim.name {name} needs torchao: pip install 'fitgpt[lowbit]'") from None
+    from torchao.optim import subclass_4bit, subclass_8bit
+
+    # The quantization maps are built once, with .tolist(), and cached: build them on real tensors even when the
+    # optimizer is made under the planner's fake tensors (which hold no values to list).
+    with unset_fake_temporarily():
+        for module in (subclass_8bit, subclass_4bit):
+            module.get_qmap_signed(), module.get_qmap_unsigned()
+    base = {"adamw8bit": AdamW8bit, "adamw4bit": AdamW4bit}[name]
+    return type(base.__name__, (_Portable, base), {})(groups, lr=lr, betas=betas)
+
+
+@contextlib.contextmanager
+def _eager() -> Iterator[None]:
+    """torchao's step calls ``torch.compile(single_param_adam, fullgraph=True)``: make that the function itself."""
+    compile_ = torch.compile
+    torch.compile = lambda fn, **_: fn
+    try:
+        yield
+    finally:
+        torch.compile = compile_
+
+
+class _Portable:
+    """Mixed into a torchao optimizer: eager off CUDA, and checkpoints in plain fp32 tensors."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"]]
+        compiled = all(p.device.type == "cuda" and not isinstance(p, FakeTensor) for p in params)
+        with contextlib.nullcontext() if compiled else _eager():
+            return super().step(closure)
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        for i, state in sd["state"].items():
+            state = sd["state"][i] = dict(state)  # PyTorch's dict is the live state's: copied, not changed
+            for k in MOMENTS:
+                if hasattr(state.get(k), "dequantize"):
+                    state[k] = state[k].dequantize().cpu()  # plain fp32, one tensor at a time
+        for g in sd["param_groups"]:
+            g["lr"] = float(g["lr"])
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        params = [p for g in self.param_groups for p in g["params"]]
+        state = {}
+        for i, s in state_dict["state"].items():
+            p = params[int(i)]
+            s = dict(s)
+            for k in MOMENTS:
+                if k in s:
+                    buf = self._new_buffer(p, signed=k == "exp_avg")
+                    s[k] = buf.copy_(s[k].to(device=p.device, dtype=torch.float32))
+            state[i] = s
+        super().load_state_dict({**state_dict, "state": state})
+        for g in self.param_groups:  # PyTorch loads the saved lr as the float it was saved as
+            g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32)
