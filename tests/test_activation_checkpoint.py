@@ -29,7 +29,7 @@ BITWISE = ["none", "block", "group:2", "group:3", "every:2", "blocks:0,3", "sqrt
 # Chunked loss sums per-chunk losses, then divides: a different summation order than one mean over
 # all tokens, so equality holds to float32 rounding (relative 1e-6), not bitwise.
 CHUNKED = ["chunked-loss:16", "every:2+chunked-loss:16", "block+chunked-loss", "selective+chunked-loss:7",
-           "pointwise+chunked-loss:7"]
+           "pointwise+chunked-loss:7", "fused-loss:16", "fused-loss", "pointwise+fused-loss:7", "block+fused-loss:16"]
 
 
 def _batch(cfg, B=2):
@@ -78,15 +78,16 @@ def test_policy_is_exact_fp32(spec, dropout, arch, tiny_model_config):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-@pytest.mark.parametrize("spec", ["block", "group:2", "every:2", "selective", "pointwise", "block+chunked-loss:16"])
+@pytest.mark.parametrize("spec", ["block", "group:2", "every:2", "selective", "pointwise", "block+chunked-loss:16",
+                                  "pointwise+fused-loss:16"])
 def test_policy_is_exact_under_cpu_bf16_autocast(spec, arch, tiny_model_config):
     cfg = tiny_model_config(dropout=0.1, **(LLAMA if arch == "llama" else {}))
     idx, targets = _batch(cfg)
     model, (ref_loss, ref) = _reference(cfg, idx, targets, autocast=torch.bfloat16)
     apply_activation_checkpointing(model, spec)
     loss, grads = _loss_and_grads(model, idx, targets, autocast=torch.bfloat16)
-    if "chunked" in spec:
-        # The chunked head runs its matmuls on chunks, so bf16 rounding differs slightly.
+    if "-loss" in spec:
+        # The chunked and fused heads run their matmuls on chunks, so bf16 rounding differs slightly.
         torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=0)
         for name in ref:
             torch.testing.assert_close(grads[name], ref[name], rtol=0.05, atol=2e-3, msg=name)
@@ -112,7 +113,7 @@ def counted(tiny_model_config):
     idx, targets = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
     out = {}
     for spec in ["none", "block", "group:2", "group:4", "every:2", "sqrt", "selective", "pointwise", "chunked-loss:64",
-                 "block+chunked-loss:64"]:
+                 "block+chunked-loss:64", "fused-loss:64", "pointwise+fused-loss:64"]:
         apply_activation_checkpointing(model, spec)
         mem = measure_step_memory(model, idx, targets, blocks=model.attn_blocks)
         out[spec] = (mem, measure_step_flops(model, idx, targets))
@@ -193,6 +194,15 @@ def test_chunked_loss_removes_the_b_t_vocab_term(counted):
     assert both.activation_bytes < 0.07 * none.activation_bytes
 
 
+def test_fused_loss_holds_gradients_not_logits(counted):
+    """The plain head keeps its input (B*T, C, for the weight's gradient) and the (B*T, V) log-softmax; the fused head
+    keeps the gradients of its input (B*T, C) and of its weight (V, C), all fp32. With pointwise, the same saving."""
+    none, fused = counted["none"][0], counted["fused-loss:64"][0]
+    assert none.activation_bytes - fused.activation_bytes == B * T * V * 4 + 4 - V * C * 4
+    pointwise, both = counted["pointwise"][0], counted["pointwise+fused-loss:64"][0]
+    assert pointwise.activation_bytes - both.activation_bytes == none.activation_bytes - fused.activation_bytes
+
+
 # ---- compute, counted -----------------------------------------------------------------------------
 
 BT = B * T
@@ -217,6 +227,8 @@ def test_recompute_flops_are_exact(counted):
     # The chunked head recomputes each chunk's logits once.
     assert extra["chunked-loss:64"] == HEAD_FWD
     assert extra["block+chunked-loss:64"] == extra["block"] + HEAD_FWD
+    # The fused head computes its gradients in the forward: nothing runs twice.
+    assert extra["fused-loss:64"] == extra["pointwise+fused-loss:64"] == 0
     assert (none + extra["block"]) / none < 1.34
 
 

@@ -29,6 +29,7 @@ MIXED = [
     Plan(("none", "block", "selective", "block")),
     Plan(("block", "none", "none", "selective"), "chunked"),
     Plan(("selective", "selective", "block", "none"), "chunked"),
+    Plan(("pointwise", "none", "selective", "block"), "fused"),
 ]
 
 

@@ -191,6 +191,77 @@ class ChunkedLossHead(_Wrapper):
         return F.cross_entropy(loss_logits(logits), tc.long(), reduction="sum").float()
 
 
+class FusedLossHead(_Wrapper):
+    """Head + cross-entropy whose gradients are computed in the forward, ``rows`` tokens at a time: what the backward
+    needs is the gradient of the head's input and of its weight (and bias), not the B x T x vocab logits, and nothing
+    is computed twice (none's FLOPs). Each chunk's logits and their gradient live only while that chunk runs.
+
+    The same idea as Liger-Kernel's FusedLinearCrossEntropy, in PyTorch's own ops: each chunk is the plain head's
+    forward and backward (``torch.autograd.grad``, under whatever autocast is on), so its gradients are the plain
+    head's, up to the order in which the chunks' weight gradients are summed. Returns ``(None, loss)``.
+    """
+
+    def __init__(self, inner: nn.Module, rows: int) -> None:
+        super().__init__(inner)
+        self.rows = rows
+
+    def extra_repr(self) -> str:
+        return f"rows={self.rows}"
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        if targets is None:
+            return self.inner(x)
+        w, b = self.inner.weight, self.inner.bias
+        if not self._recording():  # evaluation: the loss alone, chunk by chunk
+            return None, _chunks(x, targets, w, b, self.rows, (False, False, False))[0] / targets.numel()
+        return None, _FusedLinearCrossEntropy.apply(x, w, b, targets, self.rows)
+
+
+def _chunks(x: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+            wants: tuple[bool, ...]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The summed cross-entropy of ``x @ weight.T + bias`` against ``targets``, ``rows`` tokens at a time, and the
+    gradients of its mean with respect to (x, weight, bias) where ``wants`` says."""
+    x2, t2 = x.reshape(-1, x.size(-1)), targets.reshape(-1).long()  # (N, C), (N,)
+    n = t2.numel()
+    wants = (wants[0], wants[1], wants[2] and bias is not None)
+    grads = [torch.zeros_like(t) if w else None for t, w in zip((x2, weight, bias), wants)]
+    scale = torch.full((), 1.0 / n, dtype=torch.float32, device=x.device)  # d(mean)/d(each token's loss)
+    total = x2.new_zeros((), dtype=torch.float32)
+    for s in range(0, n, rows):
+        with torch.enable_grad() if any(wants) else torch.no_grad():
+            inputs = [t.detach().requires_grad_(w) if t is not None else None
+                      for t, w in zip((x2[s : s + rows], weight, bias), wants)]
+            logits = F.linear(*inputs)  # (rows, vocab)
+            part = F.cross_entropy(loss_logits(logits), t2[s : s + rows], reduction="sum").float()
+            del logits
+            needed = [t for t, w in zip(inputs, wants) if w]
+            chunk_grads = iter(torch.autograd.grad(part, needed, scale) if needed else ())
+        for i, w in enumerate(wants):
+            if w and i == 0:
+                grads[0][s : s + rows] = next(chunk_grads)
+            elif w:
+                grads[i] += next(chunk_grads)
+        total += part.detach()
+    return total, grads
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                rows: int) -> torch.Tensor:
+        total, ctx.grads = _chunks(x, targets, weight, bias, rows, ctx.needs_input_grad[:3])
+        ctx.x_shape = x.shape
+        return total / targets.numel()
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        # Handed over, not copied (the weight's becomes its .grad as it is), scaled in place by the loss's gradient
+        # (1/micro-batches under accumulation, the loss scale under fp16).
+        (dx, dw, db), ctx.grads = ctx.grads, None
+        dx, dw, db = (g.mul_(grad_loss) if g is not None else None for g in (dx, dw, db))
+        return dx.view(ctx.x_shape) if dx is not None else None, dw, db, None, None
+
+
 # ---- finding the blocks -------------------------------------------------------------------------
 
 KNOWN_BLOCK_PATHS = ("attn_blocks", "transformer.h", "model.layers", "layers", "h")
@@ -261,14 +332,16 @@ def apply_activation_checkpointing(model: nn.Module, policy: str | Policy, block
     path, block_list = find_blocks(model, blocks)
     regions = policy.regions(len(block_list))  # validates the policy against this depth first
     head_path = None
-    if policy.loss_chunk_rows:
+    if policy.loss_chunk_rows or policy.loss_fused_rows:
+        term = "chunked-loss" if policy.loss_chunk_rows else "fused-loss"
         head = getattr(model, "lm_head", None)
         if not _takes_targets(head):
             raise ValueError(
-                f"chunked-loss needs a head that computes logits and loss in one call (model.lm_head with "
-                f"forward(x, targets)); {type(model).__name__} has {type(head).__name__}. Drop '+chunked-loss'."
+                f"{term} needs a head that computes logits and loss in one call (model.lm_head with "
+                f"forward(x, targets)); {type(model).__name__} has {type(head).__name__}. Drop '+{term}'."
             )
-        model.lm_head = ChunkedLossHead(head, policy.loss_chunk_rows)
+        model.lm_head = (ChunkedLossHead(head, policy.loss_chunk_rows) if policy.loss_chunk_rows
+                         else FusedLossHead(head, policy.loss_fused_rows))
         head_path = "lm_head"
     for region in regions:
         if region.recompute == RECOMPUTE_NONE and not region.offload:
@@ -313,7 +386,7 @@ def remove_activation_checkpointing(model: nn.Module) -> None:
     for i, mod in enumerate(block_list):
         if isinstance(mod, ActivationCheckpointWrapper):
             block_list[i] = mod.inner
-    if head_path is not None and isinstance(getattr(model, head_path), ChunkedLossHead):
+    if head_path is not None and isinstance(getattr(model, head_path), (ChunkedLossHead, FusedLossHead)):
         setattr(model, head_path, getattr(model, head_path).inner)
     setattr(model, _STATE_ATTR, None)
 

@@ -14,8 +14,10 @@ Grammar: terms joined by ``+``.
     torchtitan[:i,j]     op-level, torchtitan's rule: keep attention outputs and every second mm, recompute the rest
     offload[:i,j]        the blocks' saved tensors (or, under block recompute, their boundary) go to host memory
     chunked-loss[:ROWS]  head + cross-entropy in chunks of ROWS tokens, never holding all logits
+    fused-loss[:ROWS]    head + cross-entropy in chunks, their gradients computed in the forward: no logits held,
+                         nothing recomputed (Liger-Kernel's fused linear cross-entropy, in PyTorch ops)
 
-At most one recompute selector covers a block; ``offload`` and ``chunked-loss`` compose with any.
+At most one recompute selector covers a block; ``offload`` and one loss term compose with any.
 """
 
 from __future__ import annotations
@@ -77,11 +79,12 @@ class Policy:
     torchtitan: Selector | None = None
     offload: Selector | None = None
     loss_chunk_rows: int | None = None
+    loss_fused_rows: int | None = None
 
     @property
     def is_none(self) -> bool:
         return all(x is None for x in (self.block, self.selective, self.pointwise, self.torchtitan, self.offload,
-                                       self.loss_chunk_rows))
+                                       self.loss_chunk_rows, self.loss_fused_rows))
 
     @property
     def recompute_options(self) -> tuple[str, ...]:
@@ -130,6 +133,8 @@ class Policy:
             parts.append(f"offload on {off}")
         if self.loss_chunk_rows:
             parts.append(f"head+loss in chunks of {self.loss_chunk_rows} tokens")
+        if self.loss_fused_rows:
+            parts.append(f"head+loss fused, gradients in the forward, in chunks of {self.loss_fused_rows} tokens")
         return f"{self.spec}: " + "; ".join(parts)
 
 
@@ -189,12 +194,16 @@ def parse_policy(spec: str | Policy) -> Policy:
             put(head, Selector("blocks", ids=_ids(arg, term)) if arg else Selector("all"), term)
         elif head == "chunked-loss":
             put("loss_chunk_rows", _int(arg, term, 1) if arg else DEFAULT_LOSS_CHUNK_ROWS, term)
+        elif head == "fused-loss":
+            put("loss_fused_rows", _int(arg, term, 1) if arg else DEFAULT_LOSS_CHUNK_ROWS, term)
         else:
             raise UserError(
                 f"unknown checkpointing term {term!r} in {spec!r}; expected none, block, group:K, every:K, "
-                "blocks:i,j, sqrt, selective[:i,j], pointwise[:i,j], torchtitan[:i,j], offload[:i,j] or chunked-loss[:ROWS], "
-                "joined by '+'"
+                "blocks:i,j, sqrt, selective[:i,j], pointwise[:i,j], torchtitan[:i,j], offload[:i,j], chunked-loss[:ROWS] or "
+                "fused-loss[:ROWS], joined by '+'"
             )
+    if "loss_chunk_rows" in fields and "loss_fused_rows" in fields:
+        raise UserError(f"{spec!r}: chunked-loss and fused-loss are two ways to run the head and loss; use one")
     _check_disjoint(spec, {name: fields[name] for name in ("block", *OP_LEVEL) if name in fields})
     return Policy(spec=spec, **fields)  # type: ignore[arg-type]
 

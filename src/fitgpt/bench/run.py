@@ -37,7 +37,8 @@ from fitgpt.utils import writable_dir
 
 log = logging.getLogger(__name__)
 
-DEFAULT_POLICIES = ("none", "block", "group:2", "every:2", "selective", "pointwise", "chunked-loss", "auto:50%")
+DEFAULT_POLICIES = ("none", "block", "group:2", "every:2", "selective", "pointwise", "chunked-loss", "pointwise+fused-loss",
+                    "auto:50%")
 
 
 def auto_target(spec: str) -> tuple[str, float]:
@@ -91,8 +92,8 @@ def _resolve_specs(w: Workload, policies: tuple[str, ...]
     specs: dict[str, tuple[str, int | None, int | None]] = {}
     skipped: dict[str, str] = {}
     for spec in policies:
-        if "chunked-loss" in spec and not w.model.chunked_head:
-            skipped[spec] = "the chunked loss needs fitgpt's head (lm_head(x, targets)); this model computes its own loss"
+        if ("chunked-loss" in spec or "fused-loss" in spec) and not w.model.chunked_head:
+            skipped[spec] = "a chunked or fused loss needs fitgpt's head (lm_head(x, targets)); this model computes its own loss"
             continue
         if not spec.startswith("auto"):
             specs[spec] = (spec, None, None)

@@ -99,9 +99,11 @@ class WorkloadConfig:
     def check_policy(self, spec: str) -> None:
         """A policy plan or fit is given, refused before anything is profiled: misspelt, or a chunked loss for a model
         whose head computes its own loss."""
-        if parse_policy(spec).loss_chunk_rows and self.hf_config:
-            raise UserError(f"--activation-checkpointing {spec}: the chunked loss needs fitgpt's head (lm_head(x, targets)); "
-                            "a --hf-config model computes its own loss: drop '+chunked-loss'")
+        policy = parse_policy(spec)
+        if (policy.loss_chunk_rows or policy.loss_fused_rows) and self.hf_config:
+            term = "chunked-loss" if policy.loss_chunk_rows else "fused-loss"
+            raise UserError(f"--activation-checkpointing {spec}: {term} needs fitgpt's head (lm_head(x, targets)); "
+                            f"a --hf-config model computes its own loss: drop '+{term}'")
 
     def train_config(self) -> TrainConfig:
         """The training config these flags name (read once, by ``workload``)."""

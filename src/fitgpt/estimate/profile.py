@@ -56,12 +56,12 @@ def named_options(*policies: str) -> tuple[str, ...]:
     """The EXTRA_OPTIONS the policies name, for ``profile_model(extra_options=...)`` (auto and auto:... name none)."""
     named = {o for spec in policies if not spec.startswith("auto") for o in parse_policy(spec).recompute_options}
     return tuple(o for o in EXTRA_OPTIONS if o in named)
-HEAD_OPTIONS = ("plain", "chunked")
+HEAD_OPTIONS = ("plain", "chunked", "fused")
 # One profiled step per option; the head option of each run is read from the same run.
-_RUNS = {"none": ("none", "plain"), "block": ("block+chunked-loss", "chunked"), "selective": ("selective", None),
+_RUNS = {"none": ("none", "plain"), "block": ("block+chunked-loss", "chunked"), "selective": ("selective+fused-loss", "fused"),
          "pointwise": ("pointwise", None), "torchtitan": ("torchtitan", None)}
 # A model whose head cannot chunk its loss (one that is not fitgpt's) has the plain head alone.
-_PLAIN_RUNS = {**_RUNS, "block": ("block", None)}
+_PLAIN_RUNS = {**_RUNS, "block": ("block", None), "selective": ("selective", None)}
 
 
 @dataclass(frozen=True)

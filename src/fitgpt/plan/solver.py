@@ -2,7 +2,7 @@
 
 A plan gives every block an option (none, pointwise, selective, block; torchtitan where profiled; on CUDA also
 offload) and the head one
-(plain, chunked).
+(plain, chunked, fused).
 ``predict`` walks the step as the profile cut it: the level of live bytes moves by each segment's
 measured delta, and each segment adds its measured rise on top.
 
@@ -49,8 +49,8 @@ class Plan:
                 terms.append(whole)
             elif ids:
                 terms.append(some + ",".join(map(str, ids)))
-        if self.head == "chunked":
-            terms.append("chunked-loss")
+        if self.head in ("chunked", "fused"):
+            terms.append(f"{self.head}-loss")
         return "+".join(terms) or "none"
 
     @classmethod
@@ -66,7 +66,8 @@ class Plan:
         regions = policy.regions(n)
         options = [("offload" if r.offload and r.recompute == "none" else r.recompute) for r in regions for _ in range(r.start, r.stop)]
         exact = all(r.stop - r.start == 1 and not (r.offload and r.recompute != "none") for r in regions)
-        return cls(tuple(options), "chunked" if policy.loss_chunk_rows else "plain"), exact
+        head = "chunked" if policy.loss_chunk_rows else "fused" if policy.loss_fused_rows else "plain"
+        return cls(tuple(options), head), exact
 
     @classmethod
     def profiled(cls, spec: str, profile: StepProfile) -> tuple[Plan, bool]:
