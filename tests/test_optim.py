@@ -13,7 +13,7 @@ from fitgpt.config import OptimConfig, load_config
 from fitgpt.errors import UserError
 from fitgpt.estimate.profile import profile_model
 from fitgpt.model import ModelConfig, Transformer
-from fitgpt.optim import build_optimizer
+from fitgpt.optim import build_optimizer, set_lr
 from fitgpt.optim.adamw_bf16 import AdamWBf16
 from fitgpt.plan import Plan, predict
 from fitgpt.step import train_step
@@ -22,35 +22,45 @@ from fitgpt.train.trainer import train
 CPU = torch.device("cpu")
 
 
-def _steps(model, opt, n=3, seed=1):
+def _steps(model, opt, n=3, seed=1, **kw):
     g = torch.Generator().manual_seed(seed)
     out = []
     for s in range(n):
         idx = torch.randint(0, model.lm_head.out_features, (4, 17), generator=g)
-        for group in opt.param_groups:
-            group["lr"] = 1e-3 * (s + 1)  # the schedule reaches every per-parameter optimizer
-        out.append(train_step(model, opt, [(idx[:, :-1], idx[:, 1:])]))
+        set_lr(opt, 1e-3 * (s + 1))  # the schedule reaches every per-parameter optimizer
+        out.append(train_step(model, opt, [(idx[:, :-1], idx[:, 1:])], **kw))
     return out
 
 
-@pytest.mark.parametrize("policy", ["none", "block"])
-def test_the_step_in_the_backward_gives_bitwise_the_weights_of_the_step_after_it(tiny_model_config, policy):
-    """CPU fp32, no clipping: the same weights, bit for bit, and the same optimizer state dict (so checkpoints are
-    interchangeable); each gradient is gone once its parameter has stepped. Recomputing blocks fire the same hooks."""
+@pytest.mark.parametrize("policy, clip, dropout", [("none", 0.0, 0.0), ("block", 0.0, 0.0), ("none", 0.05, 0.1),
+                                                   ("block", 0.05, 0.1)])
+def test_the_step_in_the_backward_gives_bitwise_the_weights_of_the_step_after_it(tiny_model_config, policy, clip,
+                                                                                  dropout):
+    """CPU fp32: the same weights, bit for bit, and the same optimizer state dict (so checkpoints are
+    interchangeable); each gradient is gone once its parameter has stepped. Recomputing blocks fire the same hooks.
+    With clipping (small enough to act), in two passes: the first's dropout replayed by the second."""
     from fitgpt.activation_checkpoint import apply_activation_checkpointing
 
     torch.manual_seed(0)
-    after = Transformer(tiny_model_config())
+    after = Transformer(tiny_model_config(dropout=dropout))
     inside = copy.deepcopy(after)
     for m in (after, inside):
         apply_activation_checkpointing(m, policy)
-    opt_after = build_optimizer(after, OptimConfig(grad_clip=0), CPU)
-    opt_inside = build_optimizer(inside, OptimConfig(grad_clip=0, in_backward=True), CPU)
-    ra, ri = _steps(after, opt_after), _steps(inside, opt_inside)
+    opt_after = build_optimizer(after, OptimConfig(grad_clip=clip), CPU)
+    opt_inside = build_optimizer(inside, OptimConfig(grad_clip=clip, in_backward=True), CPU)
+    kw = {"grad_clip": clip}
+    torch.manual_seed(5)
+    ra = _steps(after, opt_after, **kw)
+    torch.manual_seed(5)
+    ri = _steps(inside, opt_inside, **kw)
+    if clip:
+        assert min(float(r.grad_norm) for r in ra) > clip  # the clip acted
     for a, b in zip(after.state_dict().values(), inside.state_dict().values()):
         assert torch.equal(a, b)
     assert [float(r.loss) for r in ra] == [float(r.loss) for r in ri]
     assert [float(r.grad_norm) for r in ra] == pytest.approx([float(r.grad_norm) for r in ri], rel=1e-6)
+    if clip:  # the first pass's norm is clip_grad_norm_'s
+        assert [float(r.grad_norm) for r in ra] == [float(r.grad_norm) for r in ri]
     assert all(p.grad is None for p in inside.parameters())
     sa, si = opt_after.state_dict(), opt_inside.state_dict()
     assert sa["param_groups"] == si["param_groups"] and sa["state"].keys() == si["state"].keys()
@@ -81,6 +91,7 @@ def test_adamw_bf16_keeps_bf16_moments_and_its_first_step_is_pytorchs(tiny_model
 OPTIMS = {
     "adamw": OptimConfig(grad_clip=0),
     "in-backward": OptimConfig(grad_clip=0, in_backward=True),
+    "in-backward, clipped": OptimConfig(in_backward=True),  # two passes
     "bf16": OptimConfig(grad_clip=0, state_dtype="bf16"),
     "bf16+in-backward": OptimConfig(grad_clip=0, state_dtype="bf16", in_backward=True),
     "8bit+in-backward": OptimConfig(grad_clip=0, name="adamw8bit", in_backward=True),
@@ -91,7 +102,7 @@ LOW_BIT = {
 }
 
 
-@pytest.mark.parametrize("name", ["in-backward", "bf16+in-backward", *LOW_BIT])  # the rest: bytes per parameter
+@pytest.mark.parametrize("name", ["in-backward", "in-backward, clipped", "bf16+in-backward", *LOW_BIT])
 def test_each_optimizer_setting_is_planned_to_the_byte(tiny_model_config, name):
     """The plan profiles the optimizer the trainer builds: a real step's peak is the predicted one under none and
     block, on a model deep enough to be profiled shallow and deepened (the step inside the backward runs in the
@@ -99,6 +110,7 @@ def test_each_optimizer_setting_is_planned_to_the_byte(tiny_model_config, name):
     cfg = tiny_model_config(n_blocks=6, n_embed=64)
     optim = {**OPTIMS, **LOW_BIT}[name]
     profile = profile_model(cfg, 2, 16, "cpu", optim, fake=True)
+    assert profile.passes == (2 if optim.in_backward and optim.grad_clip else 1)  # the time model runs both
     measured = Measured(cfg, batch=2, context=16, optim=optim)
     for option in ("none", "block"):
         plan = Plan.uniform(cfg.n_blocks, option)
@@ -135,7 +147,6 @@ def test_low_bit_optimizers_say_where_they_run(monkeypatch):
 
 
 @pytest.mark.parametrize("overrides, flag", [
-    ({"optim": {"in_backward": True}}, "--optim.grad-clip 0"),
     ({"optim": {"in_backward": True, "grad_clip": 0}, "grad_accum": 2}, "--grad-accum 1"),
     ({"optim": {"in_backward": True, "grad_clip": 0}, "precision": "fp16"}, "--precision bf16"),
     ({"optim": {"in_backward": True, "grad_clip": 0}, "max_bad_steps": 2}, "--max-bad-steps 0"),
@@ -149,8 +160,6 @@ def test_what_a_step_in_the_backward_cannot_do_is_refused_naming_the_flag(overri
 
 
 def test_the_commands_refuse_in_one_line(capsys):
-    assert main(["plan", "--preset", "tiny", "--optim.in-backward"]) == 2
-    assert "--optim.grad-clip 0" in capsys.readouterr().err
     assert main(["plan", "--preset", "tiny", "--optim.in-backward", "--optim.grad-clip", "0", "--world-size", "2"]) == 2
     err = capsys.readouterr().err
     assert "one process" in err and len(err.strip().splitlines()) == 1
@@ -193,3 +202,35 @@ def test_training_with_8bit_adamw_checkpoints_plain_moments_and_resumes_under_an
         again = load_file(str(tmp_path / "low" / "checkpoints" / "step_00000004" / "model.safetensors"))
         for k in first:
             torch.testing.assert_close(again[k], first[k], rtol=0, atol=2e-3)
+
+
+def test_the_largest_model_fits_in_a_real_step_and_one_block_deeper_does_not():
+    """fit --largest-model, scaled down to this CPU: the model it names for a setting, trained one real step under
+    its plan and optimizer, peaks within the budget; the model one block deeper (and as much wider as the shape
+    says), under the plan that needs least memory, does not. Both peaks are the planned ones, to the byte."""
+    from fitgpt.cli.workload import BudgetConfig
+    from fitgpt.plan import min_peak
+    from fitgpt.plan.family import LADDER, largest_model, scaled
+
+    flags = BudgetConfig(preset="tiny", batch_size=2, context=32, grad_accum=1, memory_budget="20MiB")
+    w, budget = flags.workload, flags.budget
+    (row,) = largest_model(w, budget, ladder=LADDER[2:3])  # bf16 moments, the step in the backward
+    assert row.model.n_blocks > 4  # the budget leaves room beyond the preset's depth
+    deeper = scaled(w.train.model, row.model.n_blocks + 1)
+    plan_deeper, _ = min_peak(w.vary(model=deeper, optim=row.optim, grad_accum=1).profile())
+    for cfg, plan, fits in ((row.model, row.plan, True), (deeper, plan_deeper, False)):
+        measured = Measured(cfg, batch=2, context=32, optim=row.optim).peak(plan)
+        predicted = predict(w.vary(model=cfg, optim=row.optim, grad_accum=1).profile(), plan).peak
+        assert measured == predicted
+        assert (measured <= budget) == fits, (cfg.n_blocks, measured, budget)
+
+
+def test_fit_largest_model_prints_each_setting_and_the_command(capsys):
+    assert main(["fit", "--preset", "tiny", "--largest-model", "--gpu", "rtx-4090", "--memory-budget", "40MiB",
+                 "--batch-size", "2", "--context", "32", "--grad-accum", "1"]) == 0
+    out = capsys.readouterr().out
+    for setting in ("| AdamW |", "bf16 moments |", "step in the backward |", "8-bit AdamW, step in the backward |",
+                    "4-bit AdamW, step in the backward |"):
+        assert setting in out
+    assert "train the largest: fitgpt train --preset tiny" in out and "--optim.in-backward" in out
+    assert main(["fit", "--preset", "tiny", "--largest-model", "--memory-budget", "12MiB", "--world-size", "2"]) == 2

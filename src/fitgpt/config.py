@@ -51,8 +51,9 @@ class OptimConfig:
     to nearest, a parameter at a time, on any device)."""
     in_backward: bool = False
     """Step each parameter inside the backward, as soon as its gradient is complete, and free that gradient at once:
-    gradients never all exist together (saves 4 bytes a parameter at the peak). Needs --optim.grad-clip 0 and
-    --grad-accum 1, one process, no fp16."""
+    gradients never all exist together (saves 4 bytes a parameter at the peak). Clipping (--optim.grad-clip > 0)
+    stays exact by running forward and backward twice a step (the first for the global norm); --optim.grad-clip 0
+    runs once. Needs --grad-accum 1, one process, no fp16."""
 
     def __post_init__(self) -> None:
         require_finite(self, "optim.")
@@ -73,9 +74,6 @@ class OptimConfig:
             raise UserError(f"--optim.impl chooses PyTorch's AdamW kernel; {self.name} is torchao's: drop --optim.impl")
         if self.state_dtype == "bf16" and self.impl in ("fused", "foreach"):
             raise UserError(f"--optim.state-dtype bf16 steps a parameter at a time: drop --optim.impl {self.impl}")
-        if self.in_backward and self.grad_clip > 0:
-            raise UserError("--optim.in-backward steps each parameter before the global gradient norm exists, so it "
-                            "cannot clip by it: add --optim.grad-clip 0")
 
 
 @dataclass

@@ -94,6 +94,21 @@ def _step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None)
         optimizer.step()
 
 
+def _clip_first(model: nn.Module, optimizer, batch: Batch, amp: AmpFactory, max_norm: float) -> None:
+    """The first of the two passes that clip exactly when the optimizer steps in the backward (one micro-batch: it
+    cannot accumulate): forward and backward taking each gradient's norm and dropping it, with the RNG put back for
+    the second pass to draw the same dropout; then the clipping coefficient the second pass applies, computed as
+    ``clip_grad_norm_`` computes it (the parameters' norms stacked in the model's order)."""
+    x, y = batch
+    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), optimizer.collecting_norms() as norms:
+        with amp():
+            loss = model(x, y)[1]
+        (loss / 1).backward()
+    total = torch.linalg.vector_norm(torch.stack([norms[p] for p in model.parameters() if p in norms]))
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    optimizer.clip_by(float(coefficient), float(total))
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch], *,
                amp: AmpFactory = contextlib.nullcontext, scaler: torch.amp.GradScaler | None = None, grad_clip: float = 0.0,
                sync: Callable[[bool], contextlib.AbstractContextManager] | None = None,
@@ -108,6 +123,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequ
     """
     n = len(batches)
     total = None
+    if getattr(optimizer, "steps_in_backward", False) and grad_clip > 0:
+        _clip_first(model, optimizer, batches[0], amp, grad_clip)
     for i, (x, y) in enumerate(batches):
         with sync(i == n - 1) if sync else contextlib.nullcontext():
             with amp():

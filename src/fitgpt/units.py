@@ -38,3 +38,11 @@ def format_bytes(n: float) -> str:
         if n >= size:
             return f"{sign}{n / size:.2f} {unit}" if unit == "GiB" else f"{sign}{n / size:.1f} {unit}"
     return f"{sign}{int(n)} B"
+
+
+def format_count(n: float) -> str:
+    """1.07M, 3.40B: a parameter count."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(int(n))

@@ -1,15 +1,21 @@
-"""`fitgpt fit --memory-budget 6GiB`: the largest batch, context and depth that fit, per policy."""
+"""`fitgpt fit --memory-budget 6GiB`: the largest batch, context and depth that fit, per policy; with
+--largest-model, the largest model of the preset's shape under each optimizer memory setting."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
+import torch
+
 from fitgpt.cli.workload import BudgetConfig, parse_workload
+from fitgpt.config import train_command
 from fitgpt.errors import UserError
+from fitgpt.plan.family import largest_model
 from fitgpt.plan.fastest import fastest, format_choices
 from fitgpt.plan.largest import largest
-from fitgpt.units import format_bytes
+from fitgpt.units import format_bytes, format_count
 
 
 @dataclass
@@ -22,17 +28,30 @@ class FitConfig(BudgetConfig):
     activation_checkpointing: str = "auto"
     """As for fitgpt train: auto plans each configuration; a policy (block, selective, torchtitan, ...) is kept as
     given, in the fastest configurations and as a column of the largest sizes."""
+    largest_model: bool = False
+    """Instead: the largest model of the preset's shape (its width per block, head size, MLP ratio, key/value heads)
+    that trains at --batch-size x --context on one card, under each optimizer memory setting (AdamW; bf16 moments;
+    the step in the backward; 8-bit AdamW), each with its fastest checkpointing plan and its train command."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.top < 1:
             raise UserError("--top must be at least 1")
+        if self.largest_model and self.hf_config:
+            raise UserError("--largest-model scales fitgpt's own shapes (a preset or --model.*); a --hf-config model "
+                            "is fixed by its config.json: drop one of them")
+        if self.largest_model and (self.world_size or 1) > 1:
+            raise UserError("--largest-model answers for one card: drop --world-size (FSDP shards what one card holds)")
+        if self.largest_model and self.activation_checkpointing != "auto":
+            raise UserError("--largest-model plans each size's checkpointing itself: drop --activation-checkpointing")
         if self.activation_checkpointing != "auto":
             self.check_policy(self.activation_checkpointing)
 
 
 def run(args: list[str]) -> int:
     cfg = parse_workload(FitConfig, args, "fitgpt fit")
+    if cfg.largest_model:
+        return _largest_model(cfg)
     result = largest(cfg.workload, cfg.budget, given=cfg.activation_checkpointing)
     a, cur, policies = result["answers"], result["current"], result["policies"]
     print(f"{result['workload']}; budget {format_bytes(result['budget'])}\n")
@@ -52,4 +71,44 @@ def run(args: list[str]) -> int:
                           "step_seconds": c.step_seconds, "link_seconds": c.link_seconds, "tokens_per_s": c.tokens_per_s}
                          for c in best["choices"]]
     print(json.dumps(result))
+    return 0
+
+
+PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _largest_model(cfg: FitConfig) -> int:
+    w = cfg.workload
+    rows = largest_model(w, cfg.budget)
+    base = w.train.model
+    print(f"The largest {base.arch} model of this shape ({base.n_embed // base.n_blocks} wide a block, heads of "
+          f"{base.head_dim}{f', {base.kv_heads} key/value heads' if base.n_kv_head else ''}, MLP "
+          f"{base.mlp_hidden / base.n_embed:g}x) that trains at batch {w.train.batch_size} x {w.context} on "
+          f"{w.where()}, {w.train.precision if w.train.precision != 'auto' else PRECISION.get(w.dtype, 'fp32')}; "
+          f"budget {format_bytes(cfg.budget)}:\n")
+    print("| optimizer | blocks x width | parameters | vs AdamW | predicted peak | tokens/s | checkpointing |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    first = rows[0].params or None
+    for r in rows:
+        if r.model is None:
+            print(f"| {r.setting} | - | - | - | - | - | {r.note or 'not even one block fits'} |")
+            continue
+        vs = f"{r.params / first:.2f}x" if first else "-"
+        print(f"| {r.setting} | {r.model.n_blocks} x {r.model.n_embed} | {format_count(r.params)} | {vs} | "
+              f"{format_bytes(r.prediction.peak)} | {r.tokens_per_s:,.0f} | `{r.plan.spec()}` |")
+    clip = w.train.optim.grad_clip
+    print(f"\n({sum(r.profiles for r in rows)} profiles, each size's own, exact. "
+          + (f"Clipping at {clip:g}: with the step in the backward, two forward and backward passes a step "
+             "(--optim.grad-clip 0: one). " if clip > 0 else "")
+          + "Low-bit AdamW steps compiled on CUDA; planned here as its eager step (temporaries measured on CPU), "
+            "not yet checked on a card.)")
+    best = max((r for r in rows if r.model is not None), key=lambda r: r.params, default=None)
+    if best is not None:
+        train = dataclasses.replace(w.train, model=best.model, optim=best.optim, grad_accum=1,
+                                    activation_checkpointing=best.plan.spec())
+        print(f"train the largest: {train_command(train)}")
+    print(json.dumps({"budget": cfg.budget, "rows": [
+        {"setting": r.setting, "n_blocks": r.model and r.model.n_blocks, "n_embed": r.model and r.model.n_embed,
+         "params": r.params, "policy": r.plan and r.plan.spec(), "predicted_peak": r.prediction and r.prediction.peak,
+         "tokens_per_s": r.tokens_per_s, "profiles": r.profiles, "note": r.note} for r in rows]}))
     return 0

@@ -130,6 +130,9 @@ class StepProfile:
     """Where the seconds come from: measured on a device, or a roofline estimate ("" for none)."""
     fsdp_ranks: int = 1
     """Ranks the step is one of under FSDP (1: not sharded)."""
+    passes: int = 1
+    """Forward and backward passes a micro-batch runs: 2 when the optimizer steps in the backward and clips (the
+    first finds the global norm); the peak is the second's."""
     shared_inputs: int = 0
     """Bytes made before the first block and read by every block (a Hugging Face model's attention mask and position
     ids; none in fitgpt's): freed as the head's forward begins (the model body returns), unless a block recomputes,
@@ -277,6 +280,7 @@ def _fixed_costs(run: _Subject) -> dict[str, int | float]:
             for p in model.parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+            _second_pass(optimizer, run.optim)
             loss = torch.zeros(())  # the step's loss, alive since its forward
             with LiveMemory(round_to) as live, OpFlops(run.cost) as clock:
                 optimizer_update(model, optimizer, loss, grad_clip=run.optim.grad_clip, check=False)
@@ -298,6 +302,14 @@ def _create_state(model: torch.nn.Module, optimizer) -> None:
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         optimizer.step()
+
+
+def _second_pass(optimizer, optim: OptimConfig) -> None:
+    """Clipping with the step in the backward runs forward and backward twice (``fitgpt.step.train_step``); the
+    second, which steps, is the one profiled (the first holds less: no step, each gradient dropped at once). Its
+    gradients are scaled in place by the first pass's coefficient, a host float: no byte depends on its value."""
+    if optimizer is not None and getattr(optimizer, "steps_in_backward", False) and optim.grad_clip > 0:
+        optimizer.clip_by(1.0, 0.0)
 
 
 def _grads_at_once(model: torch.nn.Module, optim: OptimConfig, round_to: int) -> int:
@@ -375,6 +387,7 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
         # backward segments are unaffected, and the optimizer's workspace is read from the later runs.
         for option, (spec, _) in runs.items():
             apply_activation_checkpointing(model, spec)
+            _second_pass(optimizer, run.optim)
             timelines[option] = profile_step(model, x, y, optimizer, loss_fn=loss_fn, zero_grad=not accumulate,
                                              grad_clip=run.optim.grad_clip, round_to=round_to, cost=run.cost)
     base = timelines["none"]
@@ -408,7 +421,7 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
         embed_time=base.fwd_embed.seconds + base.bwd_embed.seconds,
         optimizer_time=statistics.median(timelines[o].optimizer.seconds for o in list(runs)[1:]),
         time_source=getattr(run.cost, "source", ""), fsdp_ranks=run.mesh.size() if run.mesh is not None else 1,
-        shared_inputs=shared,
+        shared_inputs=shared, passes=2 if run.optim.in_backward and run.optim.grad_clip > 0 else 1,
     )
     log.debug("profiled %d blocks at batch %d x %d in %.1fs", n, batch_size, context, profile.seconds)
     return profile

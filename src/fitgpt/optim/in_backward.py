@@ -4,14 +4,19 @@ is freed there, so no two parameters' gradients need to be held at once (4 bytes
 One optimizer per parameter, stepped from ``register_post_accumulate_grad_hook`` (PyTorch's recipe for this, as in
 torchtune's ``optimizer_in_bwd``). It answers the calls the training step and the checkpoints make of an optimizer:
 ``param_groups`` (the schedule sets their lr), ``state``, and ``state_dict``/``load_state_dict`` in the format of one
-optimizer over all the parameters, so a checkpoint resumes with or without it. The step is taken before any global
-quantity is known: no clipping by the global norm, no accumulation, no skipping a bad step (the config refuses them);
-the gradient norm is summed as the parameters step, for the log.
+optimizer over all the parameters, so a checkpoint resumes with or without it.
+
+The step is taken before any global quantity is known. Clipping by the global norm is therefore exact in two passes
+(``fitgpt.step.train_step`` runs them): a first forward and backward only takes each gradient's norm and drops it
+(``collecting_norms``), a second, with the RNG as the first found it, scales each gradient by the clipping
+coefficient of their total and steps (``clip_by``): the weights of clip_grad_norm_ and a step after it, bit for bit,
+for twice the forward and backward. Accumulation and skipping a bad step are refused by the config.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -27,16 +32,42 @@ class InBackward:
         self.optimizers = {p: make([{"params": [p], **hyper}]) for params, hyper in self._groups for p in params}
         self.defaults = next(iter(self.optimizers.values())).defaults
         self._norm_sq: torch.Tensor | None = None
+        self._norms: dict[torch.Tensor, torch.Tensor] | None = None  # set while a first pass collects norms
+        self._clip: tuple[float, float] | None = None  # (coefficient, total norm) of the pass that steps
         self._handles = [p.register_post_accumulate_grad_hook(self._step_param) for p in self.optimizers]
 
     def _step_param(self, p: torch.Tensor) -> None:
-        sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()
-        self._norm_sq = sq if self._norm_sq is None else self._norm_sq + sq
+        if self._norms is not None:  # the first of two passes: the norm only
+            self._norms[p] = torch.linalg.vector_norm(p.grad)
+            p.grad = None
+            return
+        if self._clip is not None:
+            p.grad.mul_(self._clip[0])  # a host float: no tensor outlives the hook (the plan counts none)
+        else:
+            sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()
+            self._norm_sq = sq if self._norm_sq is None else self._norm_sq + sq
         self.optimizers[p].step()
         p.grad = None
 
+    @contextlib.contextmanager
+    def collecting_norms(self) -> Iterator[dict[torch.Tensor, torch.Tensor]]:
+        """A backward inside takes each parameter's gradient norm (into the dict yielded) and drops the gradient."""
+        self._norms = {}
+        try:
+            yield self._norms
+        finally:
+            self._norms = None
+
+    def clip_by(self, coefficient: float, total_norm: float) -> None:
+        """The next backward scales each gradient by ``coefficient`` before its step (``total_norm``: for the log)."""
+        self._clip = (coefficient, total_norm)
+
     def take_grad_norm(self) -> torch.Tensor:
-        """The norm of the gradients applied since the last call (0-d, on the device)."""
+        """The norm of the gradients applied since the last call, before clipping (0-d, on the device)."""
+        if self._clip is not None:
+            device = next(iter(self.optimizers)).device
+            (_, total), self._clip = self._clip, None
+            return torch.tensor(total, dtype=torch.float32, device=device)
         norm_sq, self._norm_sq = self._norm_sq, None
         return norm_sq.sqrt() if norm_sq is not None else torch.zeros(())
 

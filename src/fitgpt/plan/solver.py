@@ -169,8 +169,10 @@ def _first_recompute(blocks: tuple[str, ...]) -> int | None:
 
 
 def step_time(profile: StepProfile, plan: Plan) -> float:
-    """Predicted seconds of a step under ``plan``: each micro-batch's segments, then the optimizer step."""
-    return profile.grad_accum * (profile.embed_time + _cost(profile, plan)[0]) + profile.optimizer_time
+    """Predicted seconds of a step under ``plan``: each micro-batch's segments (twice where the step in the backward
+    clips: the first pass counted as the second, its optimizer steps included), then the optimizer step."""
+    micro = profile.passes * (profile.embed_time + _cost(profile, plan)[0])
+    return profile.grad_accum * micro + profile.optimizer_time
 
 
 def _cost(profile: StepProfile, plan: Plan) -> tuple[float, int, int]:

@@ -1,0 +1,149 @@
+"""`fitgpt fit --largest-model`: the largest model of the preset's shape that trains within a budget, under each
+optimizer memory setting, with the fastest checkpointing plan for it.
+
+The family is the preset (or --model.*) scaled in depth at its own aspect ratio: width per block, head size, MLP
+ratio and key/value heads kept (GPT-2 small: 64 wide a block, heads of 64; llama-1b: 128 a block, heads of 64, 8
+key/value heads, an MLP 4x wide), as nanochat sizes its models by depth alone. Each size is judged on its own exact
+profile (fake tensors, deepened), solved for the fastest plan within the budget (any per-block option, any head:
+plain, chunked or fused loss). The search starts from the size whose fixed bytes fill the budget and walks to the
+boundary with a secant step on the measured peak, so each setting takes a few profiles.
+
+The settings form a ladder, each adding one technique, so that what each buys and costs (tokens/s) can be read off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fitgpt.config import OptimConfig
+from fitgpt.errors import UserError
+from fitgpt.estimate.workload import Workload
+from fitgpt.model import ModelConfig, Transformer
+from fitgpt.plan.solver import Plan, PlanError, Prediction, min_peak, solve
+
+log = logging.getLogger(__name__)
+
+# Clipping as the run asks: with the step in the backward it costs a second forward and backward (tokens/s shows it),
+# no memory.
+LADDER: tuple[tuple[str, dict], ...] = (
+    ("AdamW", {}),
+    ("AdamW, bf16 moments", {"state_dtype": "bf16"}),
+    ("AdamW, bf16 moments, step in the backward", {"state_dtype": "bf16", "in_backward": True}),
+    ("8-bit AdamW, step in the backward", {"name": "adamw8bit", "in_backward": True}),
+    ("4-bit AdamW, step in the backward", {"name": "adamw4bit", "in_backward": True}),
+)
+MAX_BLOCKS = 256
+
+
+def scaled(base: ModelConfig, n_blocks: int) -> ModelConfig:
+    """``base``'s shape at ``n_blocks`` blocks: as wide as its width per block says, in whole heads of its size."""
+    head = base.head_dim
+    n_head = max(1, round(base.n_embed / base.n_blocks * n_blocks / head))
+    width = n_head * head
+    kv = math.gcd(n_head, base.kv_heads) if base.n_kv_head else None
+    ffn = -(-base.mlp_hidden * width // base.n_embed // 64) * 64 if base.ffn_hidden else None
+    return dataclasses.replace(base, n_blocks=n_blocks, n_embed=width, n_head=n_head, n_kv_head=kv, ffn_hidden=ffn)
+
+
+def param_count(cfg: ModelConfig) -> int:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+@dataclass(frozen=True)
+class Largest:
+    setting: str
+    optim: OptimConfig
+    model: ModelConfig | None
+    """The largest that fits (None: not even one block)."""
+    params: int = 0
+    plan: Plan | None = None
+    prediction: Prediction | None = None
+    profiles: int = 0
+    note: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        p = self.prediction
+        return 0.0 if p is None or not p.step_time else self.tokens / p.step_time
+
+    tokens: int = 0
+
+
+def largest_model(w: Workload, budget: int, ladder: tuple[tuple[str, dict], ...] = LADDER) -> list[Largest]:
+    """For each setting of ``ladder``, the largest model of ``w``'s shape whose step (``w``'s batch and context, no
+    accumulation: a step inside the backward cannot accumulate) fits ``budget``, and its fastest plan."""
+    out = []
+    for name, changes in ladder:
+        optim = dataclasses.replace(w.train.optim, **changes)
+        try:
+            out.append(_largest_for(w, budget, name, optim))
+        except UserError as e:  # torchao missing: the row says so
+            out.append(Largest(name, optim, None, note=str(e)))
+    return out
+
+
+def _largest_for(w: Workload, budget: int, name: str, optim: OptimConfig) -> Largest:
+    base = w.train.model
+    solved: dict[int, tuple[Plan, Prediction] | None] = {}
+    lowest: dict[int, int] = {}  # depth -> the lowest peak any plan reaches (what the search steers by)
+
+    def probe(n: int) -> bool:
+        profile = w.vary(model=scaled(base, n), optim=optim, grad_accum=1).profile()
+        lowest[n] = min_peak(profile)[1].peak
+        try:
+            solved[n] = solve(profile, budget)
+        except PlanError:
+            solved[n] = None
+        return solved[n] is not None
+
+    lo, hi = 0, MAX_BLOCKS + 1  # lo fits (0: nothing yet), hi does not
+    n = _first_guess(base, budget, optim)
+    while hi - lo > 1:
+        n = min(max(n, lo + 1), hi - 1)
+        if n in solved:
+            n = (lo + hi) // 2
+        if probe(n):
+            lo = n
+        else:
+            hi = n
+        n = _secant(lowest, budget)
+    if lo == 0:
+        return Largest(name, optim, None, profiles=len(solved))
+    model = scaled(base, lo)
+    plan, pred = solved[lo]
+    return Largest(name, optim, model, param_count(model), plan, pred, len(solved), tokens=w.train.batch_size * w.context)
+
+
+def _first_guess(base: ModelConfig, budget: int, optim: OptimConfig) -> int:
+    """The depth whose parameters, gradients and moments alone would fill the budget (an upper bound)."""
+    per_param = {"adamw": 4 + 4 + (4 if optim.state_dtype == "bf16" else 8), "adamw8bit": 10, "adamw4bit": 9}[optim.name]
+    per_param -= 4 if optim.in_backward else 0
+    lo, hi = 1, MAX_BLOCKS
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if param_count(scaled(base, mid)) * per_param <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _secant(peaks: dict[int, int], budget: int) -> int:
+    """The depth where the peak crosses the budget, on the line through the two profiled depths nearest to it (the
+    peak grows about as the cube of the depth: fitted in the cube root)."""
+    pts = sorted(peaks.items(), key=lambda kv: abs(kv[1] - budget))[:2]
+    if len(pts) < 2:
+        ((n, peak),) = pts
+        return max(1, int(n * (budget / peak) ** (1 / 3)))
+    (n1, p1), (n2, p2) = pts
+    c1, c2, cb = p1 ** (1 / 3), p2 ** (1 / 3), budget ** (1 / 3)
+    if c1 == c2:
+        return n1 + (1 if p1 < budget else -1)
+    return max(1, int(n1 + (cb - c1) * (n2 - n1) / (c2 - c1)))
