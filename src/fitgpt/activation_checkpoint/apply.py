@@ -155,13 +155,8 @@ class ActivationCheckpointWrapper(_Wrapper):
         return out
 
 
-class ChunkedLossHead(_Wrapper):
-    """Head + cross-entropy over chunks of ``rows`` tokens, each chunk its own checkpoint region.
-
-    Only the head's input is kept for backward; a chunk's logits live only while that chunk is
-    computed (forward) or recomputed (backward), so the B x T x vocab logits are never held whole.
-    Returns ``(None, loss)``: the logits are not returned, since keeping them would defeat the point.
-    """
+class _LossHead(_Wrapper):
+    """A head that computes its loss ``rows`` tokens at a time (the head's ``forward(x, targets)`` replaced)."""
 
     def __init__(self, inner: nn.Module, rows: int) -> None:
         super().__init__(inner)
@@ -169,6 +164,15 @@ class ChunkedLossHead(_Wrapper):
 
     def extra_repr(self) -> str:
         return f"rows={self.rows}"
+
+
+class ChunkedLossHead(_LossHead):
+    """Head + cross-entropy over chunks of ``rows`` tokens, each chunk its own checkpoint region.
+
+    Only the head's input is kept for backward; a chunk's logits live only while that chunk is
+    computed (forward) or recomputed (backward), so the B x T x vocab logits are never held whole.
+    Returns ``(None, loss)``: the logits are not returned, since keeping them would defeat the point.
+    """
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
         if targets is None:
@@ -191,7 +195,7 @@ class ChunkedLossHead(_Wrapper):
         return F.cross_entropy(loss_logits(logits), tc.long(), reduction="sum").float()
 
 
-class FusedLossHead(_Wrapper):
+class FusedLossHead(_LossHead):
     """Head + cross-entropy whose gradients are computed in the forward, ``rows`` tokens at a time: what the backward
     needs is the gradient of the head's input and of its weight (and bias), not the B x T x vocab logits, and nothing
     is computed twice (none's FLOPs). Each chunk's logits and their gradient live only while that chunk runs.
@@ -200,13 +204,6 @@ class FusedLossHead(_Wrapper):
     forward and backward (``torch.autograd.grad``, under whatever autocast is on), so its gradients are the plain
     head's, up to the order in which the chunks' weight gradients are summed. Returns ``(None, loss)``.
     """
-
-    def __init__(self, inner: nn.Module, rows: int) -> None:
-        super().__init__(inner)
-        self.rows = rows
-
-    def extra_repr(self) -> str:
-        return f"rows={self.rows}"
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
         if targets is None:
@@ -386,7 +383,7 @@ def remove_activation_checkpointing(model: nn.Module) -> None:
     for i, mod in enumerate(block_list):
         if isinstance(mod, ActivationCheckpointWrapper):
             block_list[i] = mod.inner
-    if head_path is not None and isinstance(getattr(model, head_path), (ChunkedLossHead, FusedLossHead)):
+    if head_path is not None and isinstance(getattr(model, head_path), _LossHead):
         setattr(model, head_path, getattr(model, head_path).inner)
     setattr(model, _STATE_ATTR, None)
 

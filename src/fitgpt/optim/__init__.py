@@ -38,7 +38,8 @@ def describe_optimizer(cfg: OptimConfig, device: torch.device) -> str:
     """E.g. 'AdamW fused' or 'AdamW for-loop, bf16 moments, stepped in the backward'."""
     parts = [f"AdamW {optimizer_impl(cfg, device)}" if cfg.name == "adamw" else f"{cfg.name} (torchao)"]
     parts += ["bf16 moments"] if cfg.state_dtype == "bf16" else []
-    parts += ["stepped in the backward"] if cfg.in_backward else []
+    if cfg.in_backward:
+        parts += ["stepped in the backward" + (" (two passes a step, to clip)" if cfg.grad_clip > 0 else "")]
     return ", ".join(parts)
 
 

@@ -22,7 +22,7 @@ from fitgpt.data.tokenizer import TOKENIZER_FILE
 from fitgpt.device import autocast, autocast_dtype, resolve_device
 from fitgpt.errors import UserError
 from fitgpt.hf import check_tokenizer, import_config, import_weights
-from fitgpt.optim import build_optimizer
+from fitgpt.optim import build_optimizer, describe_optimizer
 from fitgpt.parallel import precision_roles
 from fitgpt.step import grad_scaler
 from fitgpt.train import checkpoint as ckpt
@@ -163,10 +163,11 @@ def _log_start(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, de
                start_step: int) -> None:
     log.info(
         "training %s (%.2fM params) on %s, %s, %d tokens/step (global batch %d = %d per micro-batch x %d accumulation x %d "
-        "process%s%s), steps %d -> %d, run dir %s",
+        "process%s%s), %s, steps %d -> %d, run dir %s",
         cfg.preset, model.num_params() / 1e6, device, dtype or "fp32", tokens_per_step(cfg, info),
         cfg.batch_size * cfg.grad_accum * info.world, cfg.batch_size, cfg.grad_accum, info.world, "es" if info.world > 1 else "",
-        f", {cfg.parallel}" if info.enabled else "", start_step, cfg.max_steps, cfg.run_dir,
+        f", {cfg.parallel}" if info.enabled else "", describe_optimizer(cfg.optim, device), start_step, cfg.max_steps,
+        cfg.run_dir,
     )
 
 
