@@ -16,6 +16,9 @@
 #    measured ones are in step 1's table; here the roofline estimate made from the CPU for this card
 #    (`fitgpt plan --gpu`) beside them, and the 3b preset trained with the configuration `fitgpt fit`
 #    picks (bf16, compile), its MFU from tokens/s (6 N FLOPs a token) against the card's bf16 peak.
+# 6. The optimizer's memory settings on the card (issue 24): the small preset trained 5 steps under
+#    --activation-checkpointing auto with each (bf16 moments, the step in the backward, torchao's 8-bit AdamW
+#    compiled, whose temporaries are planned as its eager step's), the allocator's peak beside the prediction.
 # Everything lands in OUT_DIR (default gpu_check/), with a summary in OUT_DIR/summary.txt.
 set -euo pipefail
 OUT=${1:-gpu_check}
@@ -94,6 +97,16 @@ if tps:
     (out / "mfu_3b.txt").write_text(f"3b: {tps[-1]:.0f} tokens/s, MFU {mfu:.1%} of {gpu.half_flops / 1e12:.0f} TFLOP/s\n")
 PY
 
+echo "== 6. optimizer memory settings on CUDA: predicted vs allocator peak"
+for OPT in "--optim.state-dtype bf16" "--optim.in-backward" "--optim.state-dtype bf16 --optim.in-backward" \
+           "--optim.name adamw8bit --optim.in-backward" "--optim.name adamw4bit"; do
+  NAME=$(echo "$OPT" | tr -d '-' | tr ' .' '__')
+  # shellcheck disable=SC2086
+  fitgpt train --preset small --batch-size 8 --model.context-length 1024 --grad-accum 1 --max-steps 5 --device cuda \
+    --precision bf16 $OPT --activation-checkpointing auto --memory-budget 6GiB --out-dir "$OUT/opt_$NAME" --no-progress \
+    2>&1 | grep -E "auto:" | sed "s/^/$OPT: /" | tee -a "$OUT/optimizers.log" || true
+done
+
 python - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -101,9 +114,9 @@ lines = []
 bench = json.loads((out / "bench_line.json").read_text())
 for r in bench["rows"]:
     lines.append(f"bench {r['policy']:>20} = {r['spec']:<40} peak {r['peak_bytes']/2**30:6.2f} GiB  step {r['step_seconds']*1e3:7.1f} ms")
-for line in (out / "auto.log").read_text().splitlines():
-    if "auto:" in line:
-        lines.append(line)
+for name in ("auto.log", "optimizers.log"):
+    f = out / name
+    lines += [line for line in f.read_text().splitlines() if "auto:" in line] if f.is_file() else []
 for name in ("ddp", "fsdp", "fsdp_resumed_on_one_gpu"):
     f = out / f"{name}.json"
     if f.is_file():

@@ -100,11 +100,12 @@ def _clip_first(model: nn.Module, optimizer, batch: Batch, amp: AmpFactory, max_
     the second pass to draw the same dropout; then the clipping coefficient the second pass applies, computed as
     ``clip_grad_norm_`` computes it (the parameters' norms stacked in the model's order)."""
     x, y = batch
-    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), optimizer.collecting_norms() as norms:
+    order = [p for p in model.parameters() if p.requires_grad]  # clip_grad_norm_'s order
+    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), optimizer.collecting_norms(order) as norms:
         with amp():
             loss = model(x, y)[1]
         (loss / 1).backward()
-    total = torch.linalg.vector_norm(torch.stack([norms[p] for p in model.parameters() if p in norms]))
+    total = torch.linalg.vector_norm(norms)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     optimizer.clip_by(float(coefficient), float(total))
 

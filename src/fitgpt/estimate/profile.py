@@ -310,6 +310,7 @@ def _second_pass(optimizer, optim: OptimConfig) -> None:
     gradients are scaled in place by the first pass's coefficient, a host float: no byte depends on its value."""
     if optimizer is not None and getattr(optimizer, "steps_in_backward", False) and optim.grad_clip > 0:
         optimizer.clip_by(1.0, 0.0)
+        optimizer.norm_buffer(list(optimizer.optimizers))  # held between steps: one fp32 norm a parameter
 
 
 def _grads_at_once(model: torch.nn.Module, optim: OptimConfig, round_to: int) -> int:

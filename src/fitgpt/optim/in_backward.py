@@ -32,13 +32,16 @@ class InBackward:
         self.optimizers = {p: make([{"params": [p], **hyper}]) for params, hyper in self._groups for p in params}
         self.defaults = next(iter(self.optimizers.values())).defaults
         self._norm_sq: torch.Tensor | None = None
-        self._norms: dict[torch.Tensor, torch.Tensor] | None = None  # set while a first pass collects norms
+        # While a first pass collects norms: each parameter's slot in a buffer kept between steps (so that the first
+        # pass holds nothing the second does not: the planner profiles the second).
+        self._slots: dict[torch.Tensor, int] | None = None
+        self._norm_buffer: torch.Tensor | None = None
         self._clip: tuple[float, float] | None = None  # (coefficient, total norm) of the pass that steps
         self._handles = [p.register_post_accumulate_grad_hook(self._step_param) for p in self.optimizers]
 
     def _step_param(self, p: torch.Tensor) -> None:
-        if self._norms is not None:  # the first of two passes: the norm only
-            self._norms[p] = torch.linalg.vector_norm(p.grad)
+        if self._slots is not None:  # the first of two passes: the norm only
+            torch.linalg.vector_norm(p.grad, out=self._norm_buffer[self._slots[p]])
             p.grad = None
             return
         if self._clip is not None:
@@ -49,14 +52,23 @@ class InBackward:
         self.optimizers[p].step()
         p.grad = None
 
+    def norm_buffer(self, order: list[torch.Tensor]) -> torch.Tensor:
+        """The buffer of the parameters' gradient norms, one fp32 slot each in ``order`` (made on first use, then
+        kept, like the optimizer's state)."""
+        if self._norm_buffer is None or self._norm_buffer.numel() != len(order):
+            self._norm_buffer = torch.zeros(len(order), dtype=torch.float32, device=order[0].device)
+        return self._norm_buffer
+
     @contextlib.contextmanager
-    def collecting_norms(self) -> Iterator[dict[torch.Tensor, torch.Tensor]]:
-        """A backward inside takes each parameter's gradient norm (into the dict yielded) and drops the gradient."""
-        self._norms = {}
+    def collecting_norms(self, order: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """A backward inside takes each parameter's gradient norm into its slot of the buffer yielded (``order``:
+        the slots' parameters) and drops the gradient."""
+        buffer = self.norm_buffer(order)
+        self._slots = {p: i for i, p in enumerate(order)}
         try:
-            yield self._norms
+            yield buffer
         finally:
-            self._norms = None
+            self._slots = None
 
     def clip_by(self, coefficient: float, total_norm: float) -> None:
         """The next backward scales each gradient by ``coefficient`` before its step (``total_norm``: for the log)."""
@@ -87,7 +99,9 @@ class InBackward:
 
     @property
     def state(self) -> dict:
-        return {p: opt.state[p] for p, opt in self.optimizers.items() if p in opt.state}
+        """Each parameter's optimizer state, and the gradient norms' buffer where clipping made one."""
+        state = {p: opt.state[p] for p, opt in self.optimizers.items() if p in opt.state}
+        return state | ({"grad norms": {"buffer": self._norm_buffer}} if self._norm_buffer is not None else {})
 
     def state_dict(self) -> dict:
         """One optimizer's state dict over all the parameters, indexed in the groups' order."""
