@@ -234,3 +234,23 @@ def test_fit_largest_model_prints_each_setting_and_the_command(capsys):
         assert setting in out
     assert "train the largest: fitgpt train --preset tiny" in out and "--optim.in-backward" in out
     assert main(["fit", "--preset", "tiny", "--largest-model", "--memory-budget", "12MiB", "--world-size", "2"]) == 2
+
+
+def test_a_bad_step_in_the_backward_stops_the_run_and_saves_nothing(make_cfg, tmp_path, nan_model):
+    """Applied before it is known to be bad: the run stops at the first read, says why it could not skip, and writes
+    no checkpoint of the poisoned weights."""
+    from fitgpt.train.loop import TrainingError
+
+    with pytest.raises(TrainingError, match="with --optim.in-backward a bad step is applied before it is known"):
+        train(make_cfg(tmp_path / "run", optim={"in_backward": True}, log_interval=4, eval_interval=5,
+                       checkpoint_interval=3))
+    assert not list((tmp_path / "run").glob("checkpoints/step_*"))
+
+
+def test_the_step_in_the_backward_saves_an_empty_group_with_its_own_settings():
+    """A model with no vectors (no biases, no norms) leaves the no-decay group empty: its saved settings are its
+    own, not the group before's (before the fix it repeated weight_decay 0.1)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False))
+    sd = build_optimizer(model, OptimConfig(grad_clip=0, in_backward=True), CPU).state_dict()
+    assert [g["weight_decay"] for g in sd["param_groups"]] == [0.1, 0.0]
+    assert [g["params"] for g in sd["param_groups"]] == [[0], []]

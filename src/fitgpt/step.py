@@ -55,8 +55,8 @@ def optimizer_update(model: nn.Module, optimizer: torch.optim.Optimizer, loss: t
     nothing (the profiler, whose tensors may be fake and hold no values); the memory is the same.
     """
     if getattr(optimizer, "steps_in_backward", False):
-        # Stepped already, a parameter at a time during the backward (``fitgpt.optim.in_backward``): nothing left to
-        # decide. The config refuses what needs the whole gradient first (clipping, fp16's scaler, skipping).
+        # Stepped already, a parameter at a time during the backward (``fitgpt.optim.in_backward``; clipped in two
+        # passes by train_step): nothing left to decide. The config refuses fp16's scaler and skipping a bad step.
         norm = optimizer.take_grad_norm()
         return norm, torch.isfinite(loss) & torch.isfinite(norm)
     if scaler is not None:

@@ -106,7 +106,7 @@ class InBackward:
     def state_dict(self) -> dict:
         """One optimizer's state dict over all the parameters, indexed in the groups' order."""
         state, groups, i = {}, [], 0
-        for params, _ in self._groups:
+        for params, hyper in self._groups:
             ids = []
             for p in params:
                 sd = self.optimizers[p].state_dict()
@@ -114,7 +114,9 @@ class InBackward:
                     state[i] = sd["state"][0]
                 ids.append(i)
                 i += 1
-            groups.append({**{k: v for k, v in sd["param_groups"][0].items() if k != "params"}, "params": ids})
+            # A group's settings as its optimizers keep them (an empty group: as it was given).
+            saved = self.optimizers[params[0]].state_dict()["param_groups"][0] if params else {**self.defaults, **hyper}
+            groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -124,7 +126,3 @@ class InBackward:
             for i in group["params"]:
                 s = state_dict["state"].get(i, state_dict["state"].get(str(i)))
                 self.optimizers[params[i]].load_state_dict({"state": {0: s} if s else {}, "param_groups": [{**hyper, "params": [0]}]})
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
