@@ -67,13 +67,13 @@ class Largest:
     prediction: Prediction | None = None
     profiles: int = 0
     note: str = ""
+    tokens: int = 0
+    """Tokens a step."""
 
     @property
     def tokens_per_s(self) -> float:
         p = self.prediction
         return 0.0 if p is None or not p.step_time else self.tokens / p.step_time
-
-    tokens: int = 0
 
 
 def largest_model(w: Workload, budget: int, ladder: tuple[tuple[str, dict], ...] = LADDER) -> list[Largest]:
