@@ -76,6 +76,11 @@ class OptimConfig:
             raise UserError(f"--optim.state-dtype bf16 steps a parameter at a time: drop --optim.impl {self.impl}")
 
 
+    @property
+    def clips_in_two_passes(self) -> bool:
+        """A step in the backward that clips runs forward and backward twice (the first for the global norm)."""
+        return self.in_backward and self.grad_clip > 0
+
 @dataclass
 class TrainConfig:
     """Train a GPT from scratch. Flags override the preset, which --config overrides in turn."""

@@ -7,8 +7,6 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-import torch
-
 from fitgpt.cli.workload import BudgetConfig, parse_workload
 from fitgpt.config import train_command
 from fitgpt.errors import UserError
@@ -74,8 +72,6 @@ def run(args: list[str]) -> int:
     return 0
 
 
-PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-
 
 def _largest_model(cfg: FitConfig) -> int:
     w = cfg.workload
@@ -84,7 +80,7 @@ def _largest_model(cfg: FitConfig) -> int:
     print(f"The largest {base.arch} model of this shape ({base.n_embed // base.n_blocks} wide a block, heads of "
           f"{base.head_dim}{f', {base.kv_heads} key/value heads' if base.n_kv_head else ''}, MLP "
           f"{base.mlp_hidden / base.n_embed:g}x) that trains at batch {w.train.batch_size} x {w.context} on "
-          f"{w.where()}, {w.train.precision if w.train.precision != 'auto' else PRECISION.get(w.dtype, 'fp32')}; "
+          f"{w.where()}, {w.precision_name()}; "
           f"budget {format_bytes(cfg.budget)}:\n")
     print("| optimizer | blocks x width | parameters | vs AdamW | predicted peak | tokens/s | checkpointing |")
     print("|---|---:|---:|---:|---:|---:|---|")

@@ -308,7 +308,7 @@ def _second_pass(optimizer, optim: OptimConfig) -> None:
     """Clipping with the step in the backward runs forward and backward twice (``fitgpt.step.train_step``); the
     second, which steps, is the one profiled (the first holds less: no step, each gradient dropped at once). Its
     gradients are scaled in place by the first pass's coefficient, a host float: no byte depends on its value."""
-    if optimizer is not None and getattr(optimizer, "steps_in_backward", False) and optim.grad_clip > 0:
+    if optimizer is not None and optim.clips_in_two_passes:
         optimizer.clip_by(1.0, 0.0)
         optimizer.norm_buffer(list(optimizer.optimizers))  # held between steps: one fp32 norm a parameter
 
@@ -422,7 +422,7 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
         embed_time=base.fwd_embed.seconds + base.bwd_embed.seconds,
         optimizer_time=statistics.median(timelines[o].optimizer.seconds for o in list(runs)[1:]),
         time_source=getattr(run.cost, "source", ""), fsdp_ranks=run.mesh.size() if run.mesh is not None else 1,
-        shared_inputs=shared, passes=2 if run.optim.in_backward and run.optim.grad_clip > 0 else 1,
+        shared_inputs=shared, passes=2 if run.optim.clips_in_two_passes else 1,
     )
     log.debug("profiled %d blocks at batch %d x %d in %.1fs", n, batch_size, context, profile.seconds)
     return profile

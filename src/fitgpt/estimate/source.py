@@ -75,6 +75,13 @@ class OwnModel:
         return f"{m.arch}, {m.n_blocks} blocks x {m.n_embed} wide, {heads}, vocab {m.vocab_size}"
 
 
+def param_count(source: ModelSource) -> int:
+    """Parameters of the model ``source`` builds (tied weights once), counted on the meta device."""
+    with torch.device("meta"):
+        model = source.build()
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
 def as_source(model: ModelConfig | ModelSource) -> ModelSource:
     return OwnModel(model) if isinstance(model, ModelConfig) else model
 

@@ -97,14 +97,20 @@ class Workload:
         return workload_for(train, target=self.target, device=self.device, fake=self.fake, world_size=self.world_size,
                             cost=self.cost if same else cost, source=self.source)
 
+    def precision_name(self, train: TrainConfig | None = None) -> str:
+        """The precision ``train`` (this workload or a variant of it) trains in, as --precision names it (auto: as
+        this workload resolved it)."""
+        train = train or self.train
+        if train.precision != "auto":
+            return train.precision
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")
+
     def how_to_train(self, train: TrainConfig) -> str:
         """How to run ``train`` (this workload or a variant of it): the fitgpt train (or torchrun) command for fitgpt's
         own model; for another, the call that applies its checkpointing in the user's own training loop."""
         if self.source is None:
             return f"train with: {train_command(train, self.world_size)}"
-        precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")
-        if train.precision != "auto":
-            precision = train.precision
+        precision = self.precision_name(train)
         ranks = f", DDP over {self.world_size} ranks" if self.world_size > 1 else ""
         if _fsdp_ranks(train, self.world_size) > 1:  # as fitgpt.parallel.fsdp_shard shards it
             ranks = (f", FSDP2 over {self.world_size} ranks: fully_shard each block, then the model"

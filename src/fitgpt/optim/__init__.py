@@ -39,7 +39,7 @@ def describe_optimizer(cfg: OptimConfig, device: torch.device) -> str:
     parts = [f"AdamW {optimizer_impl(cfg, device)}" if cfg.name == "adamw" else f"{cfg.name} (torchao)"]
     parts += ["bf16 moments"] if cfg.state_dtype == "bf16" else []
     if cfg.in_backward:
-        parts += ["stepped in the backward" + (" (two passes a step, to clip)" if cfg.grad_clip > 0 else "")]
+        parts += ["stepped in the backward" + (" (two passes a step, to clip)" if cfg.clips_in_two_passes else "")]
     return ", ".join(parts)
 
 

@@ -14,19 +14,15 @@ The settings form a ladder, each adding one technique, so that what each buys an
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from dataclasses import dataclass
 
-import torch
-
 from fitgpt.config import OptimConfig
 from fitgpt.errors import UserError
+from fitgpt.estimate.source import OwnModel, param_count
 from fitgpt.estimate.workload import Workload
-from fitgpt.model import ModelConfig, Transformer
+from fitgpt.model import ModelConfig
 from fitgpt.plan.solver import Plan, PlanError, Prediction, min_peak, solve
-
-log = logging.getLogger(__name__)
 
 # Clipping as the run asks: with the step in the backward it costs a second forward and backward (tokens/s shows it),
 # no memory.
@@ -48,12 +44,6 @@ def scaled(base: ModelConfig, n_blocks: int) -> ModelConfig:
     kv = math.gcd(n_head, base.kv_heads) if base.n_kv_head else None
     ffn = -(-base.mlp_hidden * width // base.n_embed // 64) * 64 if base.ffn_hidden else None
     return dataclasses.replace(base, n_blocks=n_blocks, n_embed=width, n_head=n_head, n_kv_head=kv, ffn_hidden=ffn)
-
-
-def param_count(cfg: ModelConfig) -> int:
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 @dataclass(frozen=True)
@@ -118,7 +108,7 @@ def _largest_for(w: Workload, budget: int, name: str, optim: OptimConfig) -> Lar
         return Largest(name, optim, None, profiles=len(solved))
     model = scaled(base, lo)
     plan, pred = solved[lo]
-    return Largest(name, optim, model, param_count(model), plan, pred, len(solved), tokens=w.train.batch_size * w.context)
+    return Largest(name, optim, model, param_count(OwnModel(model)), plan, pred, len(solved), tokens=w.train.batch_size * w.context)
 
 
 def _first_guess(base: ModelConfig, budget: int, optim: OptimConfig) -> int:
@@ -128,7 +118,7 @@ def _first_guess(base: ModelConfig, budget: int, optim: OptimConfig) -> int:
     lo, hi = 1, MAX_BLOCKS
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if param_count(scaled(base, mid)) * per_param <= budget:
+        if param_count(OwnModel(scaled(base, mid))) * per_param <= budget:
             lo = mid
         else:
             hi = mid - 1

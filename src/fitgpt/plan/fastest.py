@@ -19,11 +19,10 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-import torch
-
 from fitgpt.config import TrainConfig, train_command
 from fitgpt.device import resolve_device
 from fitgpt.estimate.profile import StepProfile, named_options
+from fitgpt.estimate.source import param_count
 from fitgpt.estimate.workload import Workload, workload_for
 from fitgpt.plan.extrapolate import extrapolate
 from fitgpt.plan.solver import Plan, PlanError, Prediction, predict, solve
@@ -112,12 +111,6 @@ def _layouts(w: Workload) -> list[Layout]:
     return [Layout("ddp"), Layout("fsdp")] + ([Layout("fsdp", True)] if cuda else [])
 
 
-def _param_count(w: Workload) -> int:
-    with torch.device("meta"):
-        model = w.model.build()
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
 def _offloaded(p: StepProfile, params: int, world: int) -> StepProfile:
     """One rank's FSDP profile with parameters, gradients and optimizer state in host memory (modelled): the device
     keeps what the ranks gather while a module runs (the root's weights from its forward to its backward, a block's
@@ -152,7 +145,7 @@ def fastest(w: Workload, budget: int, top: int = 5, policy: str = "auto") -> dic
     named = named_options(policy)
     seqs, T = w.train.batch_size * w.train.grad_accum, w.context
     tokens = seqs * T * w.world_size
-    params = _param_count(w)
+    params = param_count(w.model)
     costs: dict[str, object] = {}
     profiles = 0
 
