@@ -18,7 +18,8 @@
 #    picks (bf16, compile), its MFU from tokens/s (6 N FLOPs a token) against the card's bf16 peak.
 # 6. The optimizer's memory settings on the card (issue 24): the small preset trained 5 steps under
 #    --activation-checkpointing auto with each (bf16 moments, the step in the backward, torchao's 8-bit AdamW
-#    compiled, whose temporaries are planned as its eager step's), the allocator's peak beside the prediction.
+#    compiled, whose temporaries are planned as its eager step's; the optimizer on the host, whose step and copies
+#    are timed against the modelled ones by the step times logged), the allocator's peak beside the prediction.
 # Everything lands in OUT_DIR (default gpu_check/), with a summary in OUT_DIR/summary.txt.
 set -euo pipefail
 OUT=${1:-gpu_check}
@@ -99,7 +100,8 @@ PY
 
 echo "== 6. optimizer memory settings on CUDA: predicted vs allocator peak"
 for OPT in "--optim.state-dtype bf16" "--optim.in-backward" "--optim.state-dtype bf16 --optim.in-backward" \
-           "--optim.name adamw8bit --optim.in-backward" "--optim.name adamw4bit"; do
+           "--optim.name adamw8bit --optim.in-backward" "--optim.name adamw4bit" "--optim.offload" \
+           "--optim.offload --optim.in-backward"; do
   NAME=$(echo "$OPT" | tr -d '-' | tr ' .' '__')
   # shellcheck disable=SC2086
   fitgpt train --preset small --batch-size 8 --model.context-length 1024 --grad-accum 1 --max-steps 5 --device cuda \

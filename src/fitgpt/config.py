@@ -53,7 +53,13 @@ class OptimConfig:
     """Step each parameter inside the backward, as soon as its gradient is complete, and free that gradient at once:
     gradients never all exist together (saves 4 bytes a parameter at the peak). Clipping (--optim.grad-clip > 0)
     stays exact by running forward and backward twice a step (the first for the global norm); --optim.grad-clip 0
-    runs once. Needs --grad-accum 1, one process, no fp16."""
+    runs once. Needs --grad-accum 1, one process, no fp16. With --optim.offload: each gradient is freed on the card once
+    copied to the host, which steps after the backward (clipping exact in one pass)."""
+    offload: bool = False
+    """Keep the optimizer's state and step on the host (its CPU and pinned memory) of a CUDA card: the card holds the
+    weights, their gradients until the backward copies them out, and only parameters under 4096 values' state
+    (torchao's CPUOffloadOptimizer's design). Saves the moments' bytes on the card (8 a parameter with AdamW) for a
+    host step and 8 bytes a parameter over the host link each step. One CUDA process, no fp16."""
 
     def __post_init__(self) -> None:
         require_finite(self, "optim.")
@@ -72,6 +78,9 @@ class OptimConfig:
                             "drop one of them")
         if self.name != "adamw" and self.impl != "auto":
             raise UserError(f"--optim.impl chooses PyTorch's AdamW kernel; {self.name} is torchao's: drop --optim.impl")
+        if self.offload and self.name != "adamw":
+            raise UserError(f"--optim.offload keeps the moments in host memory, where {self.name}'s quantization would save "
+                            "host bytes only, stepping slowly and eagerly: use --optim.name adamw with --optim.offload")
         if self.state_dtype == "bf16" and self.impl in ("fused", "foreach"):
             raise UserError(f"--optim.state-dtype bf16 steps a parameter at a time: drop --optim.impl {self.impl}")
 
@@ -79,7 +88,12 @@ class OptimConfig:
     @property
     def clips_in_two_passes(self) -> bool:
         """A step in the backward that clips runs forward and backward twice (the first for the global norm)."""
-        return self.in_backward and self.grad_clip > 0
+        return self.in_backward and self.grad_clip > 0 and not self.offload
+
+    @property
+    def steps_in_backward(self) -> bool:
+        """The update is applied during the backward (a bad one cannot be skipped): in_backward on the card."""
+        return self.in_backward and not self.offload
 
 @dataclass
 class TrainConfig:
@@ -159,6 +173,8 @@ class TrainConfig:
             raise UserError("max_bad_steps must not be negative (set --max-bad-steps)")
         if self.fsdp_offload and self.parallel != "fsdp":
             raise UserError("--fsdp-offload is FSDP's: add --parallel fsdp (and launch with torchrun)")
+        if self.optim.offload:
+            self._check_offload()
         if self.optim.in_backward:
             self._check_in_backward()
         if self.auto_config and not self.memory_budget:
@@ -180,15 +196,25 @@ class TrainConfig:
 
     def _check_in_backward(self) -> None:
         """What a step taken inside the backward cannot do: each refusal names the flag to change."""
-        why = "--optim.in-backward steps each parameter as its gradient is ready"
+        why = ("--optim.in-backward frees each gradient on the card as soon as it is ready" if self.optim.offload else
+               "--optim.in-backward steps each parameter as its gradient is ready")
         if self.grad_accum > 1:
             raise UserError(f"{why}, so gradients cannot accumulate over micro-batches: use --grad-accum 1 (a larger "
                             "--batch-size for the same tokens per step, with activation checkpointing if it must fit)")
         if self.precision == "fp16":
             raise UserError(f"{why}, before fp16's loss scaler could find an overflow and skip: use --precision bf16")
-        if self.max_bad_steps:
+        if self.max_bad_steps and self.optim.steps_in_backward:
             raise UserError(f"{why}: a step is applied before it is known to be bad and cannot be skipped; "
                             "use --max-bad-steps 0 (the run stops at the first, leaving the last checkpoint as it was)")
+
+    def _check_offload(self) -> None:
+        """What the optimizer on the host cannot do (one card: --parallel and torchrun are refused by the trainer)."""
+        if self.precision == "fp16":
+            raise UserError("--optim.offload steps fp32 copies on the host, out of reach of fp16's loss scaler: use "
+                            "--precision bf16")
+        if self.fsdp_offload:
+            raise UserError("--optim.offload is one card's optimizer on its host; --fsdp-offload offloads FSDP's shards "
+                            "(parameters, gradients and state): keep one of them")
 
     @property
     def policy(self):
@@ -206,6 +232,18 @@ class TrainConfig:
 
 IN_BACKWARD_ONE_PROCESS = ("--optim.in-backward steps each parameter during the backward, before DDP or FSDP could "
                            "reduce its gradient across processes: train in one process (no torchrun, --world-size 1)")
+
+OFFLOAD_ONE_PROCESS = ("--optim.offload is one card's optimizer on its host; several processes shard theirs with "
+                       "--parallel fsdp --fsdp-offload: drop --optim.offload (or train in one process, --world-size 1)")
+
+
+def offload_refusal(device_type: str) -> str | None:
+    """Why --optim.offload cannot run on ``device_type`` (None: it can)."""
+    if device_type == "cuda":
+        return None
+    return (f"--optim.offload moves the optimizer from a CUDA card to its host; this runs on {device_type}, which holds "
+            "it already: drop --optim.offload (plan for a card with --gpu NAME)")
+
 
 PRESETS = ("tiny", "small", "medium", "3b", "llama-tiny", "llama-1b")
 

@@ -63,10 +63,13 @@ def optimizer_update(model: nn.Module, optimizer: torch.optim.Optimizer, loss: t
         scaler.unscale_(optimizer)
     # The norm is computed even without clipping: it is logged, and a non-finite one means skipping the step.
     params = list(model.parameters())
+    if hasattr(optimizer, "grad_holders"):  # offloaded: the host copies of the gradients are what steps
+        params = optimizer.grad_holders(params)
     # The multi-tensor norm, as PyTorch picks for plain tensors, asked for explicitly so that the planner's fake
     # tensors (which PyTorch would send down the per-tensor path) run the very ops of a real step; PyTorch's own
-    # choice for DTensors (FSDP).
-    foreach = None if any(hasattr(p, "full_tensor") for p in params) else True
+    # choice for DTensors (FSDP) and for a planned host's meta tensors (which have no foreach kernels; the per-tensor
+    # path holds the same 0-d norms).
+    foreach = None if any(hasattr(p, "full_tensor") or p.device.type == "meta" for p in params) else True
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf, foreach=foreach)
     if hasattr(norm, "full_tensor"):  # FSDP: a DTensor, the same total norm on every rank
         norm = norm.full_tensor()

@@ -97,7 +97,10 @@ def _largest_model(cfg: FitConfig) -> int:
           + (f"Clipping at {clip:g}: with the step in the backward, two forward and backward passes a step "
              "(--optim.grad-clip 0: one). " if clip > 0 else "")
           + "Low-bit AdamW steps compiled on CUDA; planned here as its eager step (temporaries measured on CPU), "
-            "not yet checked on a card.)")
+            "not yet checked on a card."
+          + "".join(f" {r.setting}: {format_bytes(r.host)} of pinned host memory; the host step timed at this "
+                    "machine's CPU AdamW rate and the copies at the card's host link (modelled)." for r in rows if r.host)
+          + ")")
     best = max((r for r in rows if r.model is not None), key=lambda r: r.params, default=None)
     if best is not None:
         train = dataclasses.replace(w.train, model=best.model, optim=best.optim, grad_accum=1,
@@ -106,5 +109,5 @@ def _largest_model(cfg: FitConfig) -> int:
     print(json.dumps({"budget": cfg.budget, "rows": [
         {"setting": r.setting, "n_blocks": r.model and r.model.n_blocks, "n_embed": r.model and r.model.n_embed,
          "params": r.params, "policy": r.plan and r.plan.spec(), "predicted_peak": r.prediction and r.prediction.peak,
-         "tokens_per_s": r.tokens_per_s, "profiles": r.profiles, "note": r.note} for r in rows]}))
+         "tokens_per_s": r.tokens_per_s, "profiles": r.profiles, "note": r.note, "host_bytes": r.host} for r in rows]}))
     return 0

@@ -11,6 +11,7 @@ import torch
 from fitgpt.cli.workload import BudgetConfig, parse_workload
 from fitgpt.estimate.hardware import CUDA_CONTEXT
 from fitgpt.estimate.profile import BLOCK_OPTIONS, named_options
+from fitgpt.estimate.timing import host_seconds_per_byte
 from fitgpt.optim import describe_optimizer
 from fitgpt.plan.solver import Plan, PlanError, predict, solve
 from fitgpt.units import format_bytes
@@ -133,6 +134,10 @@ def run(args: list[str]) -> int:
           f"{pred.time_ratio:.3f}x none's, {tokens / pred.step_time:,.0f} tokens/s predicted)")
     print(f"predicted peak {format_bytes(pred.peak)} of {format_bytes(budget)} (in the {pred.where}): "
           + ", ".join(f"{k} {format_bytes(v)}" for k, v in pred.breakdown().items()))
+    if profile.host:
+        print(f"on the host (--optim.offload): {format_bytes(profile.host)} of pinned memory, the weights' fp32 copies, "
+              "their gradients and the optimizer state; its step timed at this machine's CPU AdamW rate "
+              f"({1e-9 / host_seconds_per_byte():.1f} GB/s), the copies at the card's host link (modelled)")
     workspaces = w.target.workspace_bytes()
     if workspaces:
         print(f"predicted torch.cuda.max_memory_allocated: {format_bytes(pred.peak + workspaces)} "
@@ -157,5 +162,5 @@ def run(args: list[str]) -> int:
                       "step_seconds": pred.step_time, "time_ratio": pred.time_ratio, "time_model": profile.time_source,
                       "target": w.target.device, "gpu": cfg.gpu, "fake": w.fake,
                       "predicted_max_allocated": pred.peak + workspaces, "replay": replay, "fits_card": not over,
-                      "fits_budget": pred.peak <= budget}))
+                      "fits_budget": pred.peak <= budget, "host_bytes": profile.host}))
     return 0

@@ -13,7 +13,15 @@ import torch
 import tyro
 
 from fitgpt.activation_checkpoint.policy import parse_policy
-from fitgpt.config import IN_BACKWARD_ONE_PROCESS, OptimConfig, TrainConfig, load_config, load_config_named_in
+from fitgpt.config import (
+    IN_BACKWARD_ONE_PROCESS,
+    OFFLOAD_ONE_PROCESS,
+    OptimConfig,
+    TrainConfig,
+    load_config,
+    load_config_named_in,
+    offload_refusal,
+)
 from fitgpt.device import resolve_device
 from fitgpt.errors import UserError
 from fitgpt.estimate.hardware import CUDA_CONTEXT, Target, find_gpu
@@ -86,6 +94,11 @@ class WorkloadConfig:
                 raise UserError("--gpu names a CUDA card: drop --target cpu (or --gpu)")
         if self.device is None:
             self.plan_target().autocast_dtype(self.precision)  # a precision the target has (bf16 on a T4 is refused)
+        if self.optim.offload:
+            if (self.world_size or 1) > 1:
+                raise UserError(OFFLOAD_ONE_PROCESS)
+            if why := offload_refusal(self.measured_device().type if self.device else self.plan_target().device):
+                raise UserError(why)
 
     @functools.cached_property
     def workload(self) -> Workload:

@@ -29,6 +29,7 @@ from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
 from fitgpt.estimate.hardware import Target, attention_saved_delta
 from fitgpt.estimate.ranks import fake_ranks
 from fitgpt.estimate.source import ModelSource, as_source
+from fitgpt.estimate.timing import host_seconds_per_byte
 from fitgpt.memory.fake import FakeTensorMode, fake_mode, fake_module
 from fitgpt.memory.flops import OpCost, OpFlops
 from fitgpt.memory.timeline import (
@@ -133,6 +134,8 @@ class StepProfile:
     passes: int = 1
     """Forward and backward passes a micro-batch runs: 2 when the optimizer steps in the backward and clips (the
     first finds the global norm); the peak is the second's."""
+    host: int = 0
+    """Host memory the optimizer holds (--optim.offload: the weights' copies, their gradients and the state)."""
     shared_inputs: int = 0
     """Bytes made before the first block and read by every block (a Hugging Face model's attention mask and position
     ids; none in fitgpt's): freed as the head's forward begins (the model body returns), unless a block recomputes,
@@ -280,6 +283,8 @@ def _fixed_costs(run: _Subject) -> dict[str, int | float]:
             for p in model.parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+                    if p in getattr(optimizer, "twin", {}):  # offloaded: copied out, as its hook would in a backward
+                        optimizer.copy_out(p)
             _second_pass(optimizer, run.optim)
             loss = torch.zeros(())  # the step's loss, alive since its forward
             with LiveMemory(round_to) as live, OpFlops(run.cost) as clock:
@@ -291,7 +296,16 @@ def _fixed_costs(run: _Subject) -> dict[str, int | float]:
         held = grad_bytes(model, round_to) if accumulate else 0
         grads = held if accumulate else _grads_at_once(model, run.optim, round_to)
     return {"params": params, "optimizer": opt, "grads": grads, "baseline": params + opt + held,
-            "optimizer_rise": rises[-1], "optimizer_time": times[-1]}
+            "optimizer_rise": rises[-1], "optimizer_time": times[-1] + _host_step_time(optimizer, run.cost),
+            "host": optimizer.host_bytes() if hasattr(optimizer, "host_bytes") else 0}
+
+
+def _host_step_time(optimizer, cost: OpCost | None) -> float:
+    """An offloaded optimizer's host step, planned on the meta device (its ops cost nothing there): its bytes at the
+    rate this machine's CPU steps AdamW."""
+    if cost is None or getattr(getattr(optimizer, "host", None), "type", None) != "meta":
+        return 0.0
+    return optimizer.step_bytes() * host_seconds_per_byte()
 
 
 def _create_state(model: torch.nn.Module, optimizer) -> None:
@@ -420,7 +434,8 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
         block_param_bytes=param_bytes(find_blocks(model)[1][-1], round_to),
         step_flops=base.flops, seconds=time.perf_counter() - t0,
         embed_time=base.fwd_embed.seconds + base.bwd_embed.seconds,
-        optimizer_time=statistics.median(timelines[o].optimizer.seconds for o in list(runs)[1:]),
+        optimizer_time=statistics.median(timelines[o].optimizer.seconds for o in list(runs)[1:]) + _host_step_time(optimizer, run.cost),
+        host=optimizer.host_bytes() if hasattr(optimizer, "host_bytes") else 0,
         time_source=getattr(run.cost, "source", ""), fsdp_ranks=run.mesh.size() if run.mesh is not None else 1,
         shared_inputs=shared, passes=2 if run.optim.clips_in_two_passes else 1,
     )

@@ -13,11 +13,14 @@ their time, and a plan's step time is the sum of its segments. Where the per-op 
   too. Interleaved repeats, medians.
 - ``roofline`` (estimated, a CUDA card not at hand): each op takes max(FLOPs / peak, bytes /
   bandwidth) at the card's datasheet figures times a typical achieved fraction, plus a launch cost.
-  An estimate, and named as one wherever it is shown.
+  An estimate, and named as one wherever it is shown. An offloaded optimizer's host (``--optim.offload``) is
+  planned on the meta device: a copy between it and the card takes its bytes over the card's host link; its own
+  step is timed apart (``host_seconds_per_byte``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -25,6 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -114,12 +118,19 @@ class Roofline:
     per_flop: float
     per_byte: float
     source: str
+    per_link_byte: float = 1 / 32e9
+    """Seconds per byte over the card's host link (one direction)."""
     recompute_overhead: dict[str, float] = field(default_factory=dict)
     """None estimated: on a card the checkpoint machinery's Python runs while the kernels queue."""
 
     def __call__(self, func, args: tuple, kwargs: dict, out, flops: int) -> float:
         if _is_free(func) or not _counted(func):
             return 0.0
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        if any(t.device.type == "meta" for t in tensors):  # the offloaded optimizer's host (see the module's doc)
+            if all(t.device.type == "meta" for t in tensors):
+                return 0.0
+            return max(t.nbytes for t in tensors) * self.per_link_byte  # one tensor copied across
         return LAUNCH + max(flops * self.per_flop, moved_bytes(args, kwargs, out) * self.per_byte)
 
 
@@ -130,7 +141,23 @@ def roofline(gpu: GPU | None, dtype: torch.dtype | None) -> Roofline:
     peak = gpu.half_flops if dtype in (torch.float16, torch.bfloat16) else gpu.fp32_flops
     return Roofline(1 / (peak * ROOFLINE_MATMUL), 1 / (gpu.bandwidth * ROOFLINE_MEMORY),
                     f"estimated: roofline of {gpu.name} ({peak / 1e12:.0f} TFLOP/s x {ROOFLINE_MATMUL:.0%}, "
-                    f"{gpu.bandwidth / 1e12:.2f} TB/s x {ROOFLINE_MEMORY:.0%}, {LAUNCH * 1e6:.0f} us a kernel)")
+                    f"{gpu.bandwidth / 1e12:.2f} TB/s x {ROOFLINE_MEMORY:.0%}, {LAUNCH * 1e6:.0f} us a kernel)",
+                    per_link_byte=1 / gpu.pcie)
+
+
+@functools.cache
+def host_seconds_per_byte() -> float:
+    """This machine's CPU stepping AdamW in its own memory, as an offloaded optimizer's host does (torch's fused CPU
+    AdamW): seconds per byte read or written, the best of three steps over 2^23 parameters (128 MB
+    held, more than a CPU's caches).
+    Measured, not assumed: plan on the machine the card is in and it is that host's."""
+    with unset_fake_temporarily():
+        p = torch.zeros(1 << 23, requires_grad=True)
+        p.grad = torch.full_like(p, 1e-3)
+        opt = torch.optim.AdamW([p], fused=True)
+        opt.step()  # the state
+        best = min(timed(opt.step, torch.device("cpu")) for _ in range(3))
+    return best / (7 * p.nbytes)  # weight, both moments read and written; the gradient read
 
 
 class _OpTimer(TorchDispatchMode):

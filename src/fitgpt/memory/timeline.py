@@ -78,7 +78,8 @@ class StepTimeline:
     """Bytes already held when the step began (parameters, optimizer state, gradients if any)."""
 
 
-def _unique_bytes(tensors, round_to: int = 1) -> int:
+def unique_bytes(tensors, round_to: int = 1) -> int:
+    """Bytes of the distinct storages holding ``tensors`` (each rounded up to ``round_to``)."""
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
@@ -88,17 +89,17 @@ def _unique_bytes(tensors, round_to: int = 1) -> int:
 
 
 def param_bytes(model: nn.Module, round_to: int = 1) -> int:
-    return _unique_bytes(model.parameters(), round_to)
+    return unique_bytes(model.parameters(), round_to)
 
 
 def grad_bytes(model: nn.Module, round_to: int = 1) -> int:
-    return _unique_bytes((p.grad for p in model.parameters() if p.grad is not None), round_to)
+    return unique_bytes((p.grad for p in model.parameters() if p.grad is not None), round_to)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, round_to: int = 1) -> int:
     if optimizer is None:
         return 0
-    return _unique_bytes((v for state in optimizer.state.values() for v in state.values()), round_to)
+    return unique_bytes((v for state in optimizer.state.values() for v in state.values()), round_to)
 
 
 class _Marks:
@@ -163,7 +164,7 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
             def hook(module, args, out):
                 mark(f"fwd_post_{i}")
                 h = _hidden(out)
-                outs[i] = _unique_bytes([h], round_to)
+                outs[i] = unique_bytes([h], round_to)
                 if isinstance(h, torch.Tensor) and h.requires_grad:
                     # grad of block i's output complete = block i's backward begins (= block i+1's ends)
                     h.register_hook(lambda g: mark(f"bwd_out_{i}"))
@@ -256,7 +257,7 @@ class PeakProbe:
         else:
             self._live.__exit__(*exc)
             rise, source = self._live.peak, "tracker"
-        grads = _unique_bytes(p for p in self.model.parameters() if p.requires_grad)  # grads mirror the trainable params
+        grads = unique_bytes(p for p in self.model.parameters() if p.requires_grad)  # grads mirror the trainable params
         self.result = StepPeak(peak=self._held + rise, params=self._params, grads=grads, optimizer=self._opt, source=source)
 
 

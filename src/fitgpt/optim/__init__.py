@@ -1,5 +1,6 @@
-"""AdamW with weight decay on matrices only (PyTorch's, or with bf16 moments: ``adamw_bf16``), stepped after the
-backward or inside it (``in_backward``), and the warmup + cosine learning-rate schedule."""
+"""AdamW with weight decay on matrices only (PyTorch's, with bf16 moments: ``adamw_bf16``, or torchao's 8/4-bit:
+``lowbit``), stepped after the backward, inside it (``in_backward``) or on the host (``offload``), and the warmup +
+cosine learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fitgpt.config import OptimConfig
 from fitgpt.optim.adamw_bf16 import AdamWBf16
 from fitgpt.optim.in_backward import InBackward
 from fitgpt.optim.lowbit import low_bit_adamw
+from fitgpt.optim.offload import HostOffload
 
 
 def _groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -26,38 +28,47 @@ def optimizer_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def optimizer_impl(cfg: OptimConfig, device: torch.device) -> str:
-    """The AdamW implementation that steps on ``device``: ``cfg.impl``, auto resolved (fused on CUDA)."""
+    """The AdamW implementation that steps on ``device``: ``cfg.impl``, auto resolved (fused on CUDA, and on the host
+    of an offloaded state, as torchao's offload does: one pass over each tensor's bytes)."""
     if cfg.name != "adamw":
         return "torchao"
     if cfg.state_dtype == "bf16":
         return "for-loop"  # AdamWBf16 steps a parameter at a time
-    return cfg.impl if cfg.impl != "auto" else ("fused" if device.type == "cuda" else "for-loop")
+    if device.type == "meta":
+        return "foreach"  # the planner's stand-in for the host, where fused has no kernel (and no byte is counted)
+    return cfg.impl if cfg.impl != "auto" else ("fused" if device.type == "cuda" or cfg.offload else "for-loop")
 
 
 def describe_optimizer(cfg: OptimConfig, device: torch.device) -> str:
     """E.g. 'AdamW fused' or 'AdamW for-loop, bf16 moments, stepped in the backward'."""
-    parts = [f"AdamW {optimizer_impl(cfg, device)}" if cfg.name == "adamw" else f"{cfg.name} (torchao)"]
+    where = torch.device("cpu") if cfg.offload else device
+    parts = [f"AdamW {optimizer_impl(cfg, where)}" if cfg.name == "adamw" else f"{cfg.name} (torchao)"]
     parts += ["bf16 moments"] if cfg.state_dtype == "bf16" else []
-    if cfg.in_backward:
+    if cfg.offload:
+        parts += ["state and step on the host" + (", each gradient freed on the card once copied" if cfg.in_backward else "")]
+    elif cfg.in_backward:
         parts += ["stepped in the backward" + (" (two passes a step, to clip)" if cfg.clips_in_two_passes else "")]
     return ", ".join(parts)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer | InBackward:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer | InBackward | HostOffload:
     """AdamW over ``model`` as it steps on ``device`` (its implementation: ``cfg.impl``; its moments' dtype:
-    ``cfg.state_dtype``); with ``cfg.in_backward``, one per parameter, stepped by hooks during the backward."""
+    ``cfg.state_dtype``); with ``cfg.in_backward``, one per parameter, stepped by hooks during the backward; with
+    ``cfg.offload``, on the host (``cfg.in_backward`` then frees each gradient on the card once it is copied out)."""
     decay, no_decay = _groups(model)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    impl = optimizer_impl(cfg, device)
 
-    def make(groups: list[dict]) -> torch.optim.Optimizer:
+    def make(groups: list[dict], on: torch.device = device) -> torch.optim.Optimizer:
         if cfg.name != "adamw":
-            return low_bit_adamw(cfg.name, groups, cfg.lr, (cfg.beta1, cfg.beta2), device)
+            return low_bit_adamw(cfg.name, groups, cfg.lr, (cfg.beta1, cfg.beta2), on)
         if cfg.state_dtype == "bf16":
             return AdamWBf16(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+        impl = optimizer_impl(cfg, on)
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=impl == "fused",
                                  foreach=impl == "foreach")
 
+    if cfg.offload:
+        return HostOffload(groups, make, free_grads=cfg.in_backward)
     return InBackward(groups, make) if cfg.in_backward else make(groups)
 
 

@@ -33,6 +33,8 @@ LADDER: tuple[tuple[str, dict], ...] = (
     ("8-bit AdamW, step in the backward", {"name": "adamw8bit", "in_backward": True}),
     ("4-bit AdamW, step in the backward", {"name": "adamw4bit", "in_backward": True}),
 )
+ON_THE_HOST = ("AdamW on the host, each gradient freed once copied", {"offload": True, "in_backward": True})
+"""The last rung for a CUDA card (--optim.offload needs one): 4 bytes a parameter on the card."""
 MAX_BLOCKS = 256
 
 
@@ -59,6 +61,8 @@ class Largest:
     note: str = ""
     tokens: int = 0
     """Tokens a step."""
+    host: int = 0
+    """Host memory the optimizer holds (offloaded)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -66,11 +70,12 @@ class Largest:
         return 0.0 if p is None or not p.step_time else self.tokens / p.step_time
 
 
-def largest_model(w: Workload, budget: int, ladder: tuple[tuple[str, dict], ...] = LADDER) -> list[Largest]:
-    """For each setting of ``ladder``, the largest model of ``w``'s shape whose step (``w``'s batch and context, no
-    accumulation: a step inside the backward cannot accumulate) fits ``budget``, and its fastest plan."""
+def largest_model(w: Workload, budget: int, ladder: tuple[tuple[str, dict], ...] | None = None) -> list[Largest]:
+    """For each setting of ``ladder`` (default: ``LADDER``, and ``ON_THE_HOST`` for a CUDA card), the largest model of
+    ``w``'s shape whose step (``w``'s batch and context, no accumulation: a step inside the backward cannot
+    accumulate) fits ``budget``, and its fastest plan."""
     out = []
-    for name, changes in ladder:
+    for name, changes in ladder or LADDER + ((ON_THE_HOST,) if w.target.cuda else ()):
         optim = dataclasses.replace(w.train.optim, **changes)
         try:
             out.append(_largest_for(w, budget, name, optim))
@@ -83,10 +88,11 @@ def _largest_for(w: Workload, budget: int, name: str, optim: OptimConfig) -> Lar
     base = w.train.model
     solved: dict[int, tuple[Plan, Prediction] | None] = {}
     lowest: dict[int, int] = {}  # depth -> the lowest peak any plan reaches (what the search steers by)
+    host: dict[int, int] = {}
 
     def probe(n: int) -> bool:
         profile = w.vary(model=scaled(base, n), optim=optim, grad_accum=1).profile()
-        lowest[n] = min_peak(profile)[1].peak
+        lowest[n], host[n] = min_peak(profile)[1].peak, profile.host
         try:
             solved[n] = solve(profile, budget)
         except PlanError:
@@ -108,13 +114,17 @@ def _largest_for(w: Workload, budget: int, name: str, optim: OptimConfig) -> Lar
         return Largest(name, optim, None, profiles=len(solved))
     model = scaled(base, lo)
     plan, pred = solved[lo]
-    return Largest(name, optim, model, param_count(OwnModel(model)), plan, pred, len(solved), tokens=w.train.batch_size * w.context)
+    return Largest(name, optim, model, param_count(OwnModel(model)), plan, pred, len(solved), tokens=w.train.batch_size * w.context,
+                   host=host[lo])
 
 
 def _first_guess(base: ModelConfig, budget: int, optim: OptimConfig) -> int:
     """The depth whose parameters, gradients and moments alone would fill the budget (an upper bound)."""
-    per_param = {"adamw": 4 + 4 + (4 if optim.state_dtype == "bf16" else 8), "adamw8bit": 10, "adamw4bit": 9}[optim.name]
-    per_param -= 4 if optim.in_backward else 0
+    if optim.offload:  # on the card: the weights, and their gradients unless each is freed once copied out
+        per_param = 4 if optim.in_backward else 8
+    else:
+        per_param = {"adamw": 4 + 4 + (4 if optim.state_dtype == "bf16" else 8), "adamw8bit": 10, "adamw4bit": 9}[optim.name]
+        per_param -= 4 if optim.in_backward else 0
     lo, hi = 1, MAX_BLOCKS
     while lo < hi:
         mid = (lo + hi + 1) // 2

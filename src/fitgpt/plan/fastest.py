@@ -99,8 +99,10 @@ def _precisions(w: Workload) -> list[str]:
         return [w.train.precision]
     if t.cuda:
         half = "bf16" if t.sm >= (8, 0) else "fp16"
-        # A step inside the backward cannot wait for fp16's loss scaler (the config refuses it).
-        return ["fp32"] if half == "fp16" and w.train.optim.in_backward else [half, "fp32"]
+        # A step inside the backward cannot wait for fp16's loss scaler, nor reach a step on the host (the config
+        # refuses both).
+        o = w.train.optim
+        return ["fp32"] if half == "fp16" and (o.in_backward or o.offload) else [half, "fp32"]
     return ["fp32", "bf16"]
 
 

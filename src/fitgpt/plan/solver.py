@@ -288,6 +288,8 @@ def _optimizer_advice(p: StepProfile) -> str:
                      f"{format_bytes(p.grads)} less)")
     if p.optimizer > 1.5 * p.params:  # fp32 moments: 8 bytes a 4-byte parameter
         knobs.append(f"--optim.state-dtype bf16 (moments in bf16: {format_bytes(p.optimizer // 2)} less)")
+    if p.device == "cuda" and not p.host and p.optimizer > 0.5 * p.params:
+        knobs.append(f"--optim.offload (the optimizer state on the host: {format_bytes(p.optimizer)} less on the card)")
     return f"Keep less per parameter with {' and '.join(knobs)}. " if knobs else ""
 
 

@@ -196,7 +196,7 @@ def _skip_bad_step(run: LoopState, p: Progress, step: int, loss: float, grad_nor
     last = p.checkpoint or (ckpt.list_checkpoints(run.cfg.run_dir) or ["none"])[-1]
     message = f"loss is {loss} at step {step} (lr {lr:.3g}, grad norm {grad_norm:.3g}); last good checkpoint: {last}"
     if p.bad_steps > run.cfg.max_bad_steps:
-        if run.cfg.optim.in_backward:  # applied during the backward: the weights in memory took it, none is saved
+        if run.cfg.optim.steps_in_backward:  # applied during the backward: the weights in memory took it, none is saved
             raise TrainingError(message + ". Lower --optim.lr (with --optim.in-backward a bad step is applied before it "
                                 "is known, so the run stops and the checkpoints stay as they were)")
         raise TrainingError(message + ". Lower --optim.lr, or allow skips with --max-bad-steps")

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from fitgpt.activation_checkpoint import Policy, remove_activation_checkpointing
-from fitgpt.config import IN_BACKWARD_ONE_PROCESS, TrainConfig
+from fitgpt.config import IN_BACKWARD_ONE_PROCESS, OFFLOAD_ONE_PROCESS, TrainConfig, offload_refusal
 from fitgpt.data.loader import BatchSampler, TokenData
 from fitgpt.data.tokenizer import TOKENIZER_FILE
 from fitgpt.device import autocast, autocast_dtype, resolve_device
@@ -104,9 +104,18 @@ def _check_launch(cfg: TrainConfig, info: dist_utils.DistInfo) -> None:
         raise UserError("--compile with --parallel fsdp is not supported yet; drop --compile or use --parallel ddp")
     if cfg.optim.in_backward and info.enabled:
         raise UserError(IN_BACKWARD_ONE_PROCESS)
-    if cfg.optim.in_backward and autocast_dtype(cfg.precision, resolve_device(cfg.device)) == torch.float16:
+    device = resolve_device(cfg.device)
+    if cfg.optim.in_backward and autocast_dtype(cfg.precision, device) == torch.float16:
         raise UserError("--optim.in-backward steps before fp16's loss scaler could skip an overflow, and --precision "
                         "auto is fp16 on this device: use --precision fp32")
+    if cfg.optim.offload:
+        if info.enabled:
+            raise UserError(OFFLOAD_ONE_PROCESS)
+        if why := offload_refusal(device.type):
+            raise UserError(why)
+        if autocast_dtype(cfg.precision, device) == torch.float16:
+            raise UserError("--optim.offload steps out of reach of fp16's loss scaler, and --precision auto is fp16 on "
+                            "this device: use --precision fp32")
 
 
 def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None) -> dict:
