@@ -3,6 +3,7 @@ is exact where it claims to be, refused where it cannot be, and planned to the b
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -227,12 +228,16 @@ def test_the_largest_model_fits_in_a_real_step_and_one_block_deeper_does_not():
 
 
 def test_fit_largest_model_prints_each_setting_and_the_command(capsys):
-    assert main(["fit", "--preset", "tiny", "--largest-model", "--gpu", "rtx-4090", "--memory-budget", "40MiB",
-                 "--batch-size", "2", "--context", "32", "--grad-accum", "1"]) == 0
+    assert main(["fit", "--preset", "tiny", "--largest-model", "--gpu", "rtx-4090", "--memory-budget", "30MiB",
+                 "--batch-size", "1", "--context", "16", "--grad-accum", "1"]) == 0
     out = capsys.readouterr().out
     for setting in ("| AdamW |", "bf16 moments |", "step in the backward |", "8-bit AdamW, step in the backward |",
-                    "4-bit AdamW, step in the backward |"):
+                    "4-bit AdamW, step in the backward |", "AdamW on the host, each gradient freed once copied |"):
         assert setting in out
+    rows = json.loads(out.strip().splitlines()[-1])["rows"]
+    host = rows[-1]
+    assert host["host_bytes"] > 0 and all(r["host_bytes"] == 0 for r in rows[:-1])
+    assert host["params"] > max(r["params"] for r in rows[:-1])  # 4 bytes a parameter on the card
     assert "train the largest: fitgpt train --preset tiny" in out and "--optim.in-backward" in out
     assert main(["fit", "--preset", "tiny", "--largest-model", "--memory-budget", "12MiB", "--world-size", "2"]) == 2
 
@@ -383,3 +388,32 @@ def test_training_with_the_optimizer_on_the_host_resumes_from_and_into_a_plain_r
         again = load_file(str(tmp_path / name / "checkpoints" / "step_00000004" / "model.safetensors"))
         for k in runs["plain"]:
             assert torch.equal(runs["plain"][k], again[k]), (name, k)
+
+
+@pytest.mark.parametrize("overrides", [{"n_blocks": 7}, {"n_blocks": 5, "arch": "llama", "n_kv_head": 2},
+                                       {"n_blocks": 3, "bias": False, "tie_embeddings": False}])
+def test_the_searches_count_a_deep_model_as_built(tiny_model_config, overrides):
+    """param_count counts fitgpt's models from their one- and two-block models: the count of the model built."""
+    from fitgpt.estimate.source import OwnModel, param_count
+
+    cfg = tiny_model_config(**overrides)
+    model = Transformer(cfg)
+    assert param_count(OwnModel(cfg)) == sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def test_the_host_bounds_what_the_optimizer_on_the_host_trains(capsys):
+    """What the optimizer on the host pins is bounded by --host-memory: the largest model on the host rung pins no more,
+    one block deeper would; a plan over it gives no train command."""
+    from fitgpt.cli.workload import BudgetConfig
+    from fitgpt.plan.family import ON_THE_HOST, largest_model, scaled
+
+    flags = BudgetConfig(preset="tiny", batch_size=1, context=16, grad_accum=1, gpu="rtx-4090", memory_budget="1GiB",
+                         host_memory="12MiB")
+    (row,) = largest_model(flags.workload, flags.budget, ladder=(ON_THE_HOST,), host_budget=flags.host_budget)
+    assert 0 < row.host <= flags.host_budget
+    deeper = scaled(flags.workload.train.model, row.model.n_blocks + 1)
+    assert flags.workload.vary(model=deeper, optim=row.optim, grad_accum=1).profile().host > flags.host_budget
+    assert main(["plan", "--preset", "tiny", "--gpu", "rtx-4090", "--optim.offload", "--host-memory", "1MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "no train command: this plan does not fit the host's memory" in out
+    assert json.loads(out.strip().splitlines()[-1])["fits_host"] is False

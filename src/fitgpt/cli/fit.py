@@ -75,31 +75,33 @@ def run(args: list[str]) -> int:
 
 def _largest_model(cfg: FitConfig) -> int:
     w = cfg.workload
-    rows = largest_model(w, cfg.budget)
+    rows = largest_model(w, cfg.budget, host_budget=cfg.host_budget)
     base = w.train.model
     print(f"The largest {base.arch} model of this shape ({base.n_embed // base.n_blocks} wide a block, heads of "
           f"{base.head_dim}{f', {base.kv_heads} key/value heads' if base.n_kv_head else ''}, MLP "
           f"{base.mlp_hidden / base.n_embed:g}x) that trains at batch {w.train.batch_size} x {w.context} on "
           f"{w.where()}, {w.precision_name()}; "
-          f"budget {format_bytes(cfg.budget)}:\n")
-    print("| optimizer | blocks x width | parameters | vs AdamW | predicted peak | tokens/s | checkpointing |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+          f"budget {format_bytes(cfg.budget)}"
+          + (f", host memory {format_bytes(cfg.host_budget)}" if w.target.cuda else "") + ":\n")
+    print("| optimizer | blocks x width | parameters | vs AdamW | predicted peak | host memory | tokens/s | checkpointing |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     first = rows[0].params or None
     for r in rows:
         if r.model is None:
-            print(f"| {r.setting} | - | - | - | - | - | {r.note or 'not even one block fits'} |")
+            print(f"| {r.setting} | - | - | - | - | - | - | {r.note or 'not even one block fits'} |")
             continue
         vs = f"{r.params / first:.2f}x" if first else "-"
         print(f"| {r.setting} | {r.model.n_blocks} x {r.model.n_embed} | {format_count(r.params)} | {vs} | "
-              f"{format_bytes(r.prediction.peak)} | {r.tokens_per_s:,.0f} | `{r.plan.spec()}` |")
+              f"{format_bytes(r.prediction.peak)} | {format_bytes(r.host) if r.host else '-'} | {r.tokens_per_s:,.0f} | "
+              f"`{r.plan.spec()}` |")
     clip = w.train.optim.grad_clip
     print(f"\n({sum(r.profiles for r in rows)} profiles, each size's own, exact. "
           + (f"Clipping at {clip:g}: with the step in the backward, two forward and backward passes a step "
              "(--optim.grad-clip 0: one). " if clip > 0 else "")
           + "Low-bit AdamW steps compiled on CUDA; planned here as its eager step (temporaries measured on CPU), "
             "not yet checked on a card."
-          + "".join(f" {r.setting}: {format_bytes(r.host)} of pinned host memory; the host step timed at this "
-                    "machine's CPU AdamW rate and the copies at the card's host link (modelled)." for r in rows if r.host)
+          + (" Host memory: pinned, the optimizer's (weights' fp32 copies, gradients, moments); its step timed at this "
+             "machine's CPU AdamW rate, the copies at the card's host link (modelled)." if any(r.host for r in rows) else "")
           + ")")
     best = max((r for r in rows if r.model is not None), key=lambda r: r.params, default=None)
     if best is not None:

@@ -134,10 +134,14 @@ def run(args: list[str]) -> int:
           f"{pred.time_ratio:.3f}x none's, {tokens / pred.step_time:,.0f} tokens/s predicted)")
     print(f"predicted peak {format_bytes(pred.peak)} of {format_bytes(budget)} (in the {pred.where}): "
           + ", ".join(f"{k} {format_bytes(v)}" for k, v in pred.breakdown().items()))
+    host_over = max(0, profile.host - cfg.host_budget)
     if profile.host:
         print(f"on the host (--optim.offload): {format_bytes(profile.host)} of pinned memory, the weights' fp32 copies, "
-              "their gradients and the optimizer state; its step timed at this machine's CPU AdamW rate "
-              f"({1e-9 / host_seconds_per_byte():.1f} GB/s), the copies at the card's host link (modelled)")
+              f"their gradients and the optimizer state, of {format_bytes(cfg.host_budget)} (--host-memory"
+              f"{'' if cfg.host_memory else ', this machine'}): "
+              + (f"DOES NOT FIT, {format_bytes(host_over)} over" if host_over else "fits")
+              + f"; its step timed at this machine's CPU AdamW rate ({1e-9 / host_seconds_per_byte():.1f} GB/s), the "
+              "copies at the card's host link (modelled)")
     workspaces = w.target.workspace_bytes()
     if workspaces:
         print(f"predicted torch.cuda.max_memory_allocated: {format_bytes(pred.peak + workspaces)} "
@@ -151,8 +155,9 @@ def run(args: list[str]) -> int:
             verdict = "fits" if not over else f"DOES NOT FIT: lower --memory-budget by {format_bytes(over)} or more"
             print(f"on the card: reserved + CUDA context {format_bytes(total)} of {format_bytes(t.gpu.memory)}: {verdict}")
     print(f"predicted overhead: {pred.time_ratio:.3f}x time, {pred.flops_ratio:.3f}x FLOPs")
-    if over or pred.peak > budget:
-        print(f"no train command: this plan does not fit {f'on the {w.target.gpu.name}' if over else 'the budget'}")
+    if over or pred.peak > budget or host_over:
+        where = f"on the {w.target.gpu.name}" if over else "the host's memory" if host_over else "the budget"
+        print(f"no train command: this plan does not fit {where}")
     else:
         planned = dataclasses.replace(tcfg, activation_checkpointing=spec)
         print(w.how_to_train(planned) + ("" if w.source else
@@ -162,5 +167,5 @@ def run(args: list[str]) -> int:
                       "step_seconds": pred.step_time, "time_ratio": pred.time_ratio, "time_model": profile.time_source,
                       "target": w.target.device, "gpu": cfg.gpu, "fake": w.fake,
                       "predicted_max_allocated": pred.peak + workspaces, "replay": replay, "fits_card": not over,
-                      "fits_budget": pred.peak <= budget, "host_bytes": profile.host}))
+                      "fits_budget": pred.peak <= budget, "host_bytes": profile.host, "fits_host": not host_over}))
     return 0

@@ -29,6 +29,7 @@ from fitgpt.estimate.source import read_hf_config
 from fitgpt.estimate.workload import Workload, workload_for
 from fitgpt.model.config import ModelConfig, require_positive_ints
 from fitgpt.units import format_bytes, parse_bytes
+from fitgpt.utils import host_memory
 
 
 @dataclass
@@ -152,6 +153,9 @@ class BudgetConfig(WorkloadConfig):
     memory_budget: str = ""
     """Peak memory of a training step to fit in, e.g. 6GiB, 512MiB, 8GB (default with --gpu: what the card leaves
     for tensors)."""
+    host_memory: str = ""
+    """Host memory the optimizer may pin with --optim.offload (and fit --largest-model's rung on the host), e.g. 128GiB
+    (default: this machine's, as its OS reports it: plan on the machine the card is in)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -159,6 +163,13 @@ class BudgetConfig(WorkloadConfig):
             raise UserError("--memory-budget is required, e.g. --memory-budget 6GiB (or name the card: --gpu h100-80gb)")
         if self.memory_budget:
             parse_bytes(self.memory_budget)
+        if self.host_memory:
+            parse_bytes(self.host_memory, flag="--host-memory")
+
+    @property
+    def host_budget(self) -> int:
+        """The host memory an offloaded optimizer may pin: --host-memory, or this machine's."""
+        return parse_bytes(self.host_memory, flag="--host-memory") if self.host_memory else host_memory()
 
     @property
     def device_budget(self) -> int:

@@ -277,7 +277,7 @@ def _fixed_costs(run: _Subject) -> dict[str, int | float]:
     with mode:
         model = _sharded(model, run)
         optimizer = build_optimizer(model, run.optim, torch.device(run.target.device))
-        _create_state(model, optimizer)
+        _create_state(optimizer)
         rises, times = [], []
         for _ in range(2):  # the first step creates the optimizer state, the second is the steady one
             for p in model.parameters():
@@ -308,14 +308,12 @@ def _host_step_time(optimizer, cost: OpCost | None) -> float:
     return optimizer.step_bytes() * host_seconds_per_byte()
 
 
-def _create_state(model: torch.nn.Module, optimizer) -> None:
+def _create_state(optimizer) -> None:
     """An optimizer that steps inside the backward makes its state there, a parameter at a time, in the first step
-    only: make it all now (a step on zero gradients; no byte depends on the values), so that every profiled step is a
-    steady one. Others make theirs in the first profiled step's optimizer segment, as a first step does."""
+    only: make it all now (``InBackward.create_state``; no byte depends on the values), so that every profiled step is
+    a steady one. Others make theirs in the first profiled step's optimizer segment, as a first step does."""
     if getattr(optimizer, "steps_in_backward", False):
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
+        optimizer.create_state()
 
 
 def _second_pass(optimizer, optim: OptimConfig) -> None:
@@ -373,7 +371,7 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
     stepping = run.optimizer_step or run.optim.in_backward
     optimizer = build_optimizer(model, run.optim, torch.device(run.target.device)) if stepping else None
     if optimizer is not None:
-        _create_state(model, optimizer)
+        _create_state(optimizer)
     # (B, T + 1) token ids; their values matter to no byte count, so fake runs take zeros.
     if seed is None:
         idx = torch.zeros(batch_size, context + 1, dtype=torch.long, device=device)

@@ -76,7 +76,11 @@ class OwnModel:
 
 
 def param_count(source: ModelSource) -> int:
-    """Parameters of the model ``source`` builds (tied weights once), counted on the meta device."""
+    """Parameters of the model ``source`` builds (tied weights once), counted on the meta device; fitgpt's own from its
+    one- and two-block models (its blocks are alike: building a deep one costs a second, searches ask often)."""
+    if isinstance(source, OwnModel) and source.n_blocks > 2:
+        one, two = param_count(source.at(n_blocks=1)), param_count(source.at(n_blocks=2))
+        return one + (source.n_blocks - 1) * (two - one)
     with torch.device("meta"):
         model = source.build()
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -52,6 +52,16 @@ class InBackward:
         self.optimizers[p].step()
         p.grad = None
 
+    def create_state(self) -> None:
+        """Every parameter's optimizer state, as the first step makes it: by the optimizers themselves where they can
+        (torchao's), else by a step on zero gradients (the weights move by weight decay only: the planner's use)."""
+        for p, opt in self.optimizers.items():
+            if hasattr(opt, "create_state"):
+                opt.create_state()
+            else:
+                p.grad = torch.zeros_like(p)
+                self._step_param(p)
+
     def norm_buffer(self, order: list[torch.Tensor]) -> torch.Tensor:
         """The buffer of the parameters' gradient norms, one fp32 slot each in ``order`` (made on first use, then
         kept, like the optimizer's state)."""

@@ -66,6 +66,17 @@ class _Portable:
         with contextlib.nullcontext() if compiled else _eager():
             return super().step(closure)
 
+    def create_state(self) -> None:
+        """Each parameter's state as its first step makes it (the planner's: a step on the fake tensors of a large
+        model costs seconds, and no byte the step holds depends on it having run)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = self._new_buffer(p, True)
+                    state["exp_avg_sq"] = self._new_buffer(p, False)
+
     def state_dict(self) -> dict:
         sd = super().state_dict()
         for i, state in sd["state"].items():

@@ -70,21 +70,23 @@ class Largest:
         return 0.0 if p is None or not p.step_time else self.tokens / p.step_time
 
 
-def largest_model(w: Workload, budget: int, ladder: tuple[tuple[str, dict], ...] | None = None) -> list[Largest]:
+def largest_model(w: Workload, budget: int, ladder: tuple[tuple[str, dict], ...] | None = None,
+                  host_budget: int | None = None) -> list[Largest]:
     """For each setting of ``ladder`` (default: ``LADDER``, and ``ON_THE_HOST`` for a CUDA card), the largest model of
     ``w``'s shape whose step (``w``'s batch and context, no accumulation: a step inside the backward cannot
-    accumulate) fits ``budget``, and its fastest plan."""
+    accumulate) fits ``budget``, and what an offloaded optimizer pins ``host_budget`` (None: no bound); with its
+    fastest plan."""
     out = []
     for name, changes in ladder or LADDER + ((ON_THE_HOST,) if w.target.cuda else ()):
         optim = dataclasses.replace(w.train.optim, **changes)
         try:
-            out.append(_largest_for(w, budget, name, optim))
+            out.append(_largest_for(w, budget, name, optim, host_budget))
         except UserError as e:  # torchao missing: the row says so
             out.append(Largest(name, optim, None, note=str(e)))
     return out
 
 
-def _largest_for(w: Workload, budget: int, name: str, optim: OptimConfig) -> Largest:
+def _largest_for(w: Workload, budget: int, name: str, optim: OptimConfig, host_budget: int | None) -> Largest:
     base = w.train.model
     solved: dict[int, tuple[Plan, Prediction] | None] = {}
     lowest: dict[int, int] = {}  # depth -> the lowest peak any plan reaches (what the search steers by)
@@ -93,6 +95,11 @@ def _largest_for(w: Workload, budget: int, name: str, optim: OptimConfig) -> Lar
     def probe(n: int) -> bool:
         profile = w.vary(model=scaled(base, n), optim=optim, grad_accum=1).profile()
         lowest[n], host[n] = min_peak(profile)[1].peak, profile.host
+        if host_budget is not None and profile.host > host_budget:
+            # Too large for the host: steer by that excess, scaled to the card's budget (both grow with the depth).
+            lowest[n] = max(lowest[n], int(budget * profile.host / host_budget))
+            solved[n] = None
+            return False
         try:
             solved[n] = solve(profile, budget)
         except PlanError:
@@ -100,7 +107,7 @@ def _largest_for(w: Workload, budget: int, name: str, optim: OptimConfig) -> Lar
         return solved[n] is not None
 
     lo, hi = 0, MAX_BLOCKS + 1  # lo fits (0: nothing yet), hi does not
-    n = _first_guess(base, budget, optim)
+    n = _first_guess(base, budget, optim, host_budget)
     while hi - lo > 1:
         n = min(max(n, lo + 1), hi - 1)
         if n in solved:
@@ -118,8 +125,9 @@ def _largest_for(w: Workload, budget: int, name: str, optim: OptimConfig) -> Lar
                    host=host[lo])
 
 
-def _first_guess(base: ModelConfig, budget: int, optim: OptimConfig) -> int:
-    """The depth whose parameters, gradients and moments alone would fill the budget (an upper bound)."""
+def _first_guess(base: ModelConfig, budget: int, optim: OptimConfig, host_budget: int | None) -> int:
+    """The depth whose parameters, gradients and moments alone would fill the budget, or offloaded, the host's (an
+    upper bound)."""
     if optim.offload:  # on the card: the weights, and their gradients unless each is freed once copied out
         per_param = 4 if optim.in_backward else 8
     else:
@@ -128,7 +136,8 @@ def _first_guess(base: ModelConfig, budget: int, optim: OptimConfig) -> int:
     lo, hi = 1, MAX_BLOCKS
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if param_count(OwnModel(scaled(base, mid))) * per_param <= budget:
+        n = param_count(OwnModel(scaled(base, mid)))
+        if n * per_param <= budget and (not optim.offload or host_budget is None or 16 * n <= host_budget):
             lo = mid
         else:
             hi = mid - 1
