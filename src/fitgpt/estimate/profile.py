@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -397,12 +396,15 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
         # The first run (none) also creates the optimizer state, as any first step does: its forward and
-        # backward segments are unaffected, and the optimizer's workspace is read from the later runs.
-        for option, (spec, _) in runs.items():
+        # backward segments are unaffected, and the optimizer's workspace is read from the second run. Its segment
+        # is the same under every option, so later runs skip the step (they hold its state), unless it is taken
+        # inside the backward.
+        for k, (option, (spec, _)) in enumerate(runs.items()):
             apply_activation_checkpointing(model, spec)
             _second_pass(optimizer, run.optim)
             timelines[option] = profile_step(model, x, y, optimizer, loss_fn=loss_fn, zero_grad=not accumulate,
-                                             grad_clip=run.optim.grad_clip, round_to=round_to, cost=run.cost)
+                                             grad_clip=run.optim.grad_clip, round_to=round_to, cost=run.cost,
+                                             step=k < 2 or run.optim.in_backward)
     base = timelines["none"]
     machinery = getattr(run.cost, "recompute_overhead", {})
     n = len(base.fwd_blocks)
@@ -426,13 +428,13 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
         baseline=params + opt_bytes + held_grads,
         embed_saved=base.fwd_embed.delta, embed_fwd_rise=base.fwd_embed.rise,
         embed_bwd_rise=base.bwd_embed.rise, embed_bwd_delta=base.bwd_embed.delta,
-        optimizer_rise=max(timelines[o].optimizer.rise for o in list(runs)[1:]),
+        optimizer_rise=timelines[list(runs)[1]].optimizer.rise,
         blocks=blocks, block_grads=block_grads, heads=heads,
         block_flops=[f.flops + b.flops for f, b in zip(base.fwd_blocks, base.bwd_blocks)],
         block_param_bytes=param_bytes(find_blocks(model)[1][-1], round_to),
         step_flops=base.flops, seconds=time.perf_counter() - t0,
         embed_time=base.fwd_embed.seconds + base.bwd_embed.seconds,
-        optimizer_time=statistics.median(timelines[o].optimizer.seconds for o in list(runs)[1:]) + _host_step_time(optimizer, run.cost),
+        optimizer_time=timelines[list(runs)[1]].optimizer.seconds + _host_step_time(optimizer, run.cost),
         host=optimizer.host_bytes() if hasattr(optimizer, "host_bytes") else 0,
         time_source=getattr(run.cost, "source", ""), fsdp_ranks=run.mesh.size() if run.mesh is not None else 1,
         shared_inputs=shared, passes=2 if run.optim.clips_in_two_passes else 1,

@@ -135,12 +135,14 @@ def _hidden(out):
 
 def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer | None = None,
                  loss_fn: Callable[[], torch.Tensor] | None = None, blocks: str | nn.ModuleList | None = None,
-                 zero_grad: bool = True, grad_clip: float = 0.0, round_to: int = 1, cost: OpCost | None = None) -> StepTimeline:
+                 zero_grad: bool = True, grad_clip: float = 0.0, round_to: int = 1, cost: OpCost | None = None,
+                 step: bool = True) -> StepTimeline:
     """Run forward, backward and (if given) the optimizer step once, cut into segments.
 
     ``zero_grad``: free the gradients after the step (the trainer's ``set_to_none``); False zeroes
     them in place, as between the micro-batches of gradient accumulation. ``round_to``: as ``LiveMemory``.
-    ``cost``: a model of each op's seconds, summed per segment (``Segment.seconds``).
+    ``cost``: a model of each op's seconds, summed per segment (``Segment.seconds``). ``step=False``: the
+    optimizer's state is held but its step not taken (its segment empty), as when another run measures it.
     """
     loss_fn = loss_fn or default_loss(model, idx, targets)
     _, block_list = find_blocks(model, blocks)
@@ -181,7 +183,7 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
             mark("fwd_end")
             (loss / 1).backward()  # as train_step: the loss over the micro-batches, a scalar held through backward
             mark("bwd_end")
-            if optimizer is not None:
+            if optimizer is not None and step:
                 optimizer_update(model, optimizer, loss.detach(), grad_clip=grad_clip, check=False)
             model.zero_grad(set_to_none=zero_grad)  # False: zeroed in place, still allocated
             del loss
