@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from fitgpt.config import OptimConfig
@@ -71,19 +74,26 @@ class Largest:
 
 
 def largest_model(w: Workload, budget: int, ladder: tuple[tuple[str, dict], ...] | None = None,
-                  host_budget: int | None = None) -> list[Largest]:
+                  host_budget: int | None = None, workers: int | None = None) -> list[Largest]:
     """For each setting of ``ladder`` (default: ``LADDER``, and ``ON_THE_HOST`` for a CUDA card), the largest model of
     ``w``'s shape whose step (``w``'s batch and context, no accumulation: a step inside the backward cannot
     accumulate) fits ``budget``, and what an offloaded optimizer pins ``host_budget`` (None: no bound); with its
-    fastest plan."""
-    out = []
-    for name, changes in ladder or LADDER + ((ON_THE_HOST,) if w.target.cuda else ()):
-        optim = dataclasses.replace(w.train.optim, **changes)
-        try:
-            out.append(_largest_for(w, budget, name, optim, host_budget))
-        except UserError as e:  # torchao missing: the row says so
-            out.append(Largest(name, optim, None, note=str(e)))
-    return out
+    fastest plan. The settings are independent searches, each single-threaded Python on fake tensors: they run in
+    ``workers`` processes (default: one per CPU core, at most one per setting)."""
+    rungs = ladder or LADDER + ((ON_THE_HOST,) if w.target.cuda else ())
+    jobs = [(w, budget, name, dataclasses.replace(w.train.optim, **changes), host_budget) for name, changes in rungs]
+    n = min(len(jobs), workers or os.cpu_count() or 1)
+    if n == 1:
+        return [_rung(*job) for job in jobs]
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:  # fork is unsafe with torch
+        return list(pool.map(_rung, *zip(*jobs)))
+
+
+def _rung(w: Workload, budget: int, name: str, optim: OptimConfig, host_budget: int | None) -> Largest:
+    try:
+        return _largest_for(w, budget, name, optim, host_budget)
+    except UserError as e:  # torchao missing: the row says so
+        return Largest(name, optim, None, note=str(e))
 
 
 def _largest_for(w: Workload, budget: int, name: str, optim: OptimConfig, host_budget: int | None) -> Largest:
