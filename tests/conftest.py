@@ -118,3 +118,28 @@ def nan_model(monkeypatch):
         return model
 
     monkeypatch.setattr(trainer, "build_model", poisoned)
+
+
+class Counting:
+    """Exact live bytes: what LiveMemory counts, to check the replay against a real step."""
+
+    def __init__(self):
+        self.sizes, self.allocated, self.peak_allocated, self.peak_reserved = {}, 0, 0, 0
+
+    def malloc(self, key, n):
+        self.sizes[key] = n
+        self.allocated += n
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+
+    def free(self, key):
+        self.allocated -= self.sizes.pop(key, 0)
+
+    def reset_peaks(self):
+        self.peak_allocated = self.allocated
+
+
+@pytest.fixture
+def exact_allocator():
+    """Allocators that count exact live bytes, no blocks or caching (what LiveMemory counts): a replay through one
+    is checked against a real step measured on this CPU."""
+    return Counting

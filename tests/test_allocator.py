@@ -35,26 +35,8 @@ def test_large_pool_hands_out_unsplit_blocks_whole_and_merges_on_free():
     assert a.peak_allocated == a.allocated and a.peak_reserved == 32 * MiB
 
 
-class Counting:
-    """Exact live bytes: what LiveMemory counts, to check the replay against a real step."""
-
-    def __init__(self):
-        self.sizes, self.allocated, self.peak_allocated, self.peak_reserved = {}, 0, 0, 0
-
-    def malloc(self, key, n):
-        self.sizes[key] = n
-        self.allocated += n
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
-
-    def free(self, key):
-        self.allocated -= self.sizes.pop(key, 0)
-
-    def reset_peaks(self):
-        self.peak_allocated = self.allocated
-
-
 @pytest.mark.parametrize("policy", ["none", "block", "selective+chunked-loss"])
-def test_the_replayed_step_is_the_real_step(policy, tiny_model_config):
+def test_the_replayed_step_is_the_real_step(policy, tiny_model_config, exact_allocator):
     """On exact counts the replay equals a real bf16 step measured on this CPU, plus its token batches."""
     from fitgpt.activation_checkpoint import apply_activation_checkpointing
     from fitgpt.device import autocast
@@ -63,7 +45,7 @@ def test_the_replayed_step_is_the_real_step(policy, tiny_model_config):
     from fitgpt.optim import build_optimizer
 
     cfg, B, T = tiny_model_config(), 4, 32
-    replay = simulate_step(cfg, policy, B, T, 1, torch.bfloat16, OptimConfig(), Target("cpu"), allocator=Counting())
+    replay = simulate_step(cfg, policy, B, T, 1, torch.bfloat16, OptimConfig(), Target("cpu"), allocator=exact_allocator())
     model = Transformer(cfg)
     opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
     apply_activation_checkpointing(model, policy)
@@ -74,10 +56,10 @@ def test_the_replayed_step_is_the_real_step(policy, tiny_model_config):
     assert replay["max_allocated"] == real + 2 * B * T * 8
 
 
-def test_replay_for_a_card_counts_blocks_segments_and_workspaces(tiny_model_config):
+def test_replay_for_a_card_counts_blocks_segments_and_workspaces(tiny_model_config, exact_allocator):
     target = Target("cuda", find_gpu("a100-80gb"))
     r = simulate_step(tiny_model_config(), "block", 4, 32, 2, torch.bfloat16, OptimConfig(), target)
-    exact = simulate_step(tiny_model_config(), "block", 4, 32, 2, torch.bfloat16, OptimConfig(), target, allocator=Counting())
+    exact = simulate_step(tiny_model_config(), "block", 4, 32, 2, torch.bfloat16, OptimConfig(), target, allocator=exact_allocator())
     assert r["max_allocated"] >= exact["max_allocated"]  # blocks are whole multiples of 512 bytes
     assert r["max_reserved"] >= r["max_allocated"] and r["max_reserved"] % (2 * MiB) == 0
     assert exact["max_allocated"] > target.workspace_bytes()  # the workspaces are in

@@ -1,5 +1,6 @@
 """DDP and FSDP on CPU (2 processes, gloo): equal to one process on the whole batch, and through torchrun."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -18,10 +19,13 @@ from safetensors.torch import load_file
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
 from fitgpt.errors import UserError
+from fitgpt.estimate.hardware import Target
 from fitgpt.estimate.profile import profile_model
+from fitgpt.estimate.replay import simulate_step
 from fitgpt.memory.timeline import measure_train_step
 from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer
+from fitgpt.parallel import sync_context
 from fitgpt.plan import Plan, predict
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as du
@@ -45,10 +49,10 @@ def _batch(cfg):
     return cfg, idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
 
-def _one_step(model, step_model, batches, accumulate_sync=du.sync_context, parallel="ddp"):
+def _one_step(model, step_model, batches):
     opt = build_optimizer(model, OPTIM, CPU)
     for i, (x, y) in enumerate(batches):
-        with accumulate_sync(step_model, parallel, i == len(batches) - 1):
+        with sync_context(step_model, i == len(batches) - 1):
             (step_model(x, y)[1] / len(batches)).backward()
     opt.step()
     return opt
@@ -69,7 +73,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, cfg) -> None:
             step_model = du.wrap(model, info, parallel, CPU, None)
             xs, ys = x[mine], y[mine]
             batches = [(xs[:1], ys[:1]), (xs[1:], ys[1:])] if accum else [(xs, ys)]
-            opt = _one_step(model, step_model, batches, parallel=parallel)
+            opt = _one_step(model, step_model, batches)
             weights = du.full_model_state(model)
             opt_state = du.full_optimizer_state(opt)
             if parallel == "fsdp" and spec == "none":
@@ -114,8 +118,11 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(distributed_results, mod
 
 MIXED = Plan(("block", "none", "selective", "pointwise"))
 NONE, CHUNKED = Plan.uniform(4, "none"), Plan.uniform(4, "block", "chunked")
-# (parallel, autocast and FSDP param dtype, model, plans): every option, a mixed plan (what auto picks), Llama with GQA.
+# (parallel, autocast and FSDP param dtype, model, plans): every option, a mixed plan (what auto picks), Llama with GQA;
+# accumulation over 2 micro-batches, as the trainer syncs them (DDP adds into its buckets, FSDP reduce-scatters each).
 MEMORY_CASES = [("ddp", None, "gpt2", [NONE, CHUNKED, MIXED]),
+                ("ddp-accum", None, "gpt2", [NONE, MIXED]),
+                ("fsdp-accum", torch.bfloat16, "llama", [NONE, MIXED]),
                 ("fsdp", None, "gpt2", [NONE, CHUNKED, Plan.uniform(4, "selective"), Plan.uniform(4, "pointwise"), MIXED]),
                 ("fsdp", torch.bfloat16, "gpt2", [NONE, Plan.uniform(4, "block"), MIXED]),
                 ("fsdp", torch.bfloat16, "llama", [NONE, Plan.uniform(4, "selective"), MIXED])]
@@ -136,8 +143,8 @@ def _memory_worker(rank: int, world: int, port: int, out_dir: str, cfgs: dict) -
     try:
         B, T = 4, 64
         rows = []
-        for parallel, dtype, arch, specs in MEMORY_CASES:
-            cfg = cfgs[arch]
+        for mode, dtype, arch, specs in MEMORY_CASES:
+            cfg, parallel, accum = cfgs[arch], mode.split("-")[0], 2 if mode.endswith("accum") else 1
             x = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(rank))
             for plan in specs:
                 torch.manual_seed(0)
@@ -145,31 +152,42 @@ def _memory_worker(rank: int, world: int, port: int, out_dir: str, cfgs: dict) -
                 apply_activation_checkpointing(model, plan.spec())
                 step_model = du.wrap(model, info, parallel, CPU, precision_roles(dtype, parallel == "fsdp")[1])
                 opt = build_optimizer(model, OPTIM, CPU)
-                kw = {"amp": autocast(CPU, precision_roles(dtype, parallel == "fsdp")[0])}  # as the trainer
-                measure_train_step(step_model, opt, [(x, x)], **kw)  # the optimizer state exists from here on
-                rows.append((parallel, str(dtype), arch, plan.spec(), measure_train_step(step_model, opt, [(x, x)], **kw).peak))
+                kw = {"amp": autocast(CPU, precision_roles(dtype, parallel == "fsdp")[0]),  # as the trainer
+                      "sync": lambda last, m=step_model: sync_context(m, last)}
+                measure_train_step(step_model, opt, [(x, x)] * accum, **kw)  # the optimizer state exists from here on
+                rows.append((mode, str(dtype), arch, plan.spec(), measure_train_step(step_model, opt, [(x, x)] * accum, **kw).peak))
         torch.save(rows, os.path.join(out_dir, f"memory_{rank}.pt"))
     finally:
         du.shutdown(info)
 
 
 @pytest.mark.timeout(300)
-def test_plan_predicts_each_ranks_peak_under_ddp_and_fsdp(tmp_path, tiny_model_config):
+def test_plan_predicts_each_ranks_peak_under_ddp_and_fsdp(tmp_path, tiny_model_config, exact_allocator):
     """Profiled, not divided: FSDP's step is profiled as one rank of two on fake ranks, sharded as the trainer shards;
-    every rank's measured peak equals the prediction to the byte, for every option, mixed plans, bf16 and Llama GQA."""
+    every rank's measured peak equals the prediction to the byte, for every option, mixed plans, bf16 and Llama GQA,
+    with accumulation as the trainer syncs it. The allocator replay (DDP wrapped and FSDP sharded as the trainer does,
+    on fake ranks) replays each step's very allocations: on exact counts, its peak is the measured one plus the
+    token batches."""
     cfgs = {arch: _memory_model(tiny_model_config, arch) for arch in ("gpt2", "llama")}
     mp.spawn(_memory_worker, args=(2, _free_port(), str(tmp_path), cfgs), nprocs=2, join=True)
     measured = [torch.load(tmp_path / f"memory_{r}.pt") for r in range(2)]
     rows = []
-    for parallel, dtype, arch, specs in MEMORY_CASES:
-        cfg = cfgs[arch]
-        kw = {"persistent_grads": True} if parallel == "ddp" else {"fsdp_ranks": 2}
-        profile = profile_model(cfg, 4, 64, "cpu", dtype=dtype, fake=True, **kw)
+    for mode, dtype, arch, specs in MEMORY_CASES:
+        cfg, accum = cfgs[arch], 2 if mode.endswith("accum") else 1
+        kw = {"persistent_grads": True} if mode.startswith("ddp") else {"fsdp_ranks": 2}
+        profile = profile_model(cfg, 4, 64, "cpu", dtype=dtype, fake=True, grad_accum=accum, **kw)
         for plan in specs:
-            rows.append((parallel, str(dtype), arch, plan.spec(), predict(profile, plan).peak))
+            rows.append((mode, str(dtype), arch, plan.spec(), predict(profile, plan).peak))
     for r in range(2):
         assert [row[:4] for row in measured[r]] == [row[:4] for row in rows]
         assert [row[4] for row in measured[r]] == [row[4] for row in rows]
+    peaks = {row[:4]: row[4] for row in measured[0]}
+    for mode, dtype, arch, plan in [("ddp", None, "gpt2", MIXED), ("ddp-accum", None, "gpt2", MIXED),
+                                    ("fsdp-accum", torch.bfloat16, "llama", MIXED)]:
+        accum = 2 if mode.endswith("accum") else 1
+        replay = simulate_step(cfgs[arch], plan.spec(), 4, 64, accum, dtype, dataclasses.replace(OPTIM, grad_clip=0.0),
+                               Target("cpu"), allocator=exact_allocator(), ranks=2, parallel=mode.split("-")[0])
+        assert replay["max_allocated"] == peaks[mode, str(dtype), arch, plan.spec()] + accum * 2 * 4 * 64 * 8, mode
     ddp = {spec: m for par, dt, arch, spec, m in measured[0] if par == "ddp"}
     fsdp = {spec: m for par, dt, arch, spec, m in measured[0] if par == "fsdp" and dt == "None" and arch == "gpt2"}
     assert all(fsdp[k] < ddp[k] for k in ddp)  # sharded weights, gradients and optimizer state

@@ -83,5 +83,7 @@ def test_fastest_configuration_weighs_ddp_fsdp_and_offload_for_several_cards(tmp
     params = 10**6
     assert _link_seconds(w, Layout("ddp"), 1, 0.0, params, 2) == pytest.approx(2 * 0.5 * 4 * params / 300e9)
     assert _link_seconds(w, Layout("ddp"), 1, 1.0, params, 2) == 0.0
+    # FSDP, every micro-batch: two bf16 gathers and an fp32 reduce-scatter of (n-1)/n of the weights
+    assert _link_seconds(w, Layout("fsdp"), 2, 0.0, params, 2) == pytest.approx(0.5 * params * 2 * (2 * 2 + 4) / 300e9)
     off = _link_seconds(w, Layout("fsdp", True), 2, 1.0, params, 2)
-    assert off == pytest.approx(5 * 4 * params / 2 / 32e9)  # the shard in twice a micro-batch, gradients out once
+    assert off == pytest.approx(6 * 4 * params / 2 / 32e9)  # the shard in twice a micro-batch, its gradients out once

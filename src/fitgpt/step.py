@@ -123,7 +123,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequ
     ``sync(is_last)``: the context each micro-batch runs in (DDP reduces gradients on the last one only).
     ``reduce``: the mean of the loss over ranks (a collective on the device), so that every rank decides alike.
     ``check=False``: never decide on values (fake tensors have none); the step is always taken.
-    Ends with ``zero_grad(set_to_none=True)``: between steps no gradient memory is held.
+    Ends with ``zero_grad(set_to_none=True)``: between steps no gradient memory is held. Under DDP with accumulation
+    the gradients, views into DDP's buckets (held anyway), are zeroed in place instead: the micro-batches that skip
+    the all-reduce then add into the buckets, rather than into a second whole set of gradients.
     """
     n = len(batches)
     total = None
@@ -136,9 +138,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequ
             (scaler.scale(loss / n) if scaler is not None else loss / n).backward()
         part = loss.detach().float() / n  # kept on the device: no .item() per micro-batch
         total = part if total is None else total + part
-        del loss
+        del loss, part  # from the second micro-batch on, one running total is held, no more
     if reduce is not None and check:
         total = reduce(total)
     grad_norm, applied = optimizer_update(model, optimizer, total, scaler, grad_clip, check)
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=n == 1 or not getattr(model, "gradient_as_bucket_view", False))
     return StepResult(loss=total, grad_norm=grad_norm, applied=applied)

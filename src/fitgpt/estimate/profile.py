@@ -294,7 +294,7 @@ def _fixed_costs(run: _Subject) -> dict[str, int | float]:
         params, opt = param_bytes(model, round_to), optimizer_state_bytes(optimizer, round_to)
         held = grad_bytes(model, round_to) if accumulate else 0
         grads = held if accumulate else _grads_at_once(model, run.optim, round_to)
-    return {"params": params, "optimizer": opt, "grads": grads, "baseline": params + opt + held,
+    return {"params": params, "optimizer": opt, "grads": grads, "baseline": params + opt + held + _running_loss(run.grad_accum, round_to),
             "optimizer_rise": rises[-1], "optimizer_time": times[-1] + _host_step_time(optimizer, run.cost),
             "host": optimizer.host_bytes() if hasattr(optimizer, "host_bytes") else 0}
 
@@ -305,6 +305,11 @@ def _host_step_time(optimizer, cost: OpCost | None) -> float:
     if cost is None or getattr(getattr(optimizer, "host", None), "type", None) != "meta":
         return 0.0
     return optimizer.step_bytes() * host_seconds_per_byte()
+
+
+def _running_loss(grad_accum: int, round_to: int) -> int:
+    """The fp32 loss the micro-batches before the last add up, held through each later one (``train_step``)."""
+    return round_up(4, round_to) if grad_accum > 1 else 0
 
 
 def _create_state(optimizer) -> None:
@@ -425,7 +430,7 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
         batch_size=batch_size, context=context, grad_accum=grad_accum, persistent_grads=accumulate,
         device=run.target.device if run.simulated else str(device),
         params=params, optimizer=opt_bytes, grads=held_grads if accumulate else _grads_at_once(model, run.optim, round_to),
-        baseline=params + opt_bytes + held_grads,
+        baseline=params + opt_bytes + held_grads + _running_loss(grad_accum, round_to),
         embed_saved=base.fwd_embed.delta, embed_fwd_rise=base.fwd_embed.rise,
         embed_bwd_rise=base.bwd_embed.rise, embed_bwd_delta=base.bwd_embed.delta,
         optimizer_rise=timelines[list(runs)[1]].optimizer.rise,

@@ -26,48 +26,53 @@ from fitgpt.memory.allocator import CachingAllocatorModel
 from fitgpt.memory.tracker import LiveMemory, storages
 from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
-from fitgpt.parallel import fsdp_shard, precision_roles
+from fitgpt.parallel import ddp_wrap, fsdp_shard, precision_roles, sync_context
 from fitgpt.step import train_step
 
 
 def simulate_step(model: ModelConfig | ModelSource, policy: str, batch: int, context: int, grad_accum: int, dtype: torch.dtype | None,
-                  optim: OptimConfig, target: Target, allocator=None, fsdp_ranks: int = 1) -> dict[str, int]:
-    """Peak allocated and reserved bytes of a steady-state step of ``policy`` on ``target`` (one process, or one rank
-    of ``fsdp_ranks`` under FSDP, sharded as the trainer shards on fake ranks).
+                  optim: OptimConfig, target: Target, allocator=None, ranks: int = 1, parallel: str = "fsdp") -> dict[str, int]:
+    """Peak allocated and reserved bytes of a steady-state step of ``policy`` on ``target``: one process, or one rank
+    of ``ranks`` under ``parallel`` (fsdp or ddp), wrapped as the trainer wraps it (``fitgpt.parallel``), on fake ranks.
 
-    The weights are allocated first, then the cuBLAS workspaces; a first step creates the optimizer
-    state; the second step, of up to two micro-batches (later ones repeat the second), is measured,
-    its token batches included. ``allocator``: the model replayed through (default: CUDA's).
+    The weights are allocated first, then DDP's gradient buckets, then the cuBLAS workspaces; a first step creates
+    the optimizer state; the second is measured, its token batches included. Each step runs up to two micro-batches
+    (later ones repeat the second; DDP all-reduces the last one only). ``allocator``: the model replayed through (default:
+    CUDA's).
     """
-    with fake_ranks(fsdp_ranks) if fsdp_ranks > 1 else contextlib.nullcontext() as mesh:
-        return _replay(as_source(model), policy, batch, context, grad_accum, dtype, optim, target, allocator, mesh)
+    with fake_ranks(ranks) if ranks > 1 else contextlib.nullcontext() as mesh:
+        return _replay(as_source(model), policy, batch, context, grad_accum, dtype, optim, target, allocator,
+                       mesh, parallel if ranks > 1 else None)
 
 
-def _replay(source, policy, batch, context, grad_accum, dtype, optim, target, allocator, mesh) -> dict[str, int]:
+def _replay(source, policy, batch, context, grad_accum, dtype, optim, target, allocator, mesh, parallel) -> dict[str, int]:
     if context > source.context_length:
         source = source.at(context=context)
     model, mode = fake_model(source, torch.device("cpu"))
     apply_activation_checkpointing(model, policy)
-    if mesh is not None:
+    if parallel == "fsdp":
         with mode:
             fsdp_shard(model, precision_roles(dtype, True)[1], mesh=mesh)
     alloc = allocator if allocator is not None else CachingAllocatorModel()
     for st in {id(st): st for p in model.parameters() for st in storages(p)}.values():
         alloc.malloc(id(st), st.nbytes())
-    for handle in range(target.workspace_bytes() and 2):
-        alloc.malloc(-1 - handle, target.workspace_bytes() // 2)
     math_only = target.attention_backend(dtype, source.head_dim) == "math"
-    amp = autocast(torch.device("cpu"), precision_roles(dtype, mesh is not None)[0])  # FSDP: pure half precision
-    step_kw = {"amp": amp, "grad_clip": optim.grad_clip, "check": False}
+    amp = autocast(torch.device("cpu"), precision_roles(dtype, parallel == "fsdp")[0])  # FSDP: pure half precision
     rules = cuda_autocast_rules() if target.cuda and dtype else contextlib.nullcontext()  # CUDA's casts, on CPU tensors
     with mode, rules, LiveMemory(allocator=alloc), sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext():
+        step_model = ddp_wrap(model, fake=True) if parallel == "ddp" else model  # its buckets, made as it is built
+        for handle in range(target.workspace_bytes() and 2):
+            alloc.malloc(-1 - handle, target.workspace_bytes() // 2)
         optimizer = build_optimizer(model, optim, torch.device(target.device))
+        step_kw = {"amp": amp, "grad_clip": optim.grad_clip, "check": False,
+                   "sync": lambda last: sync_context(step_model, last)}
 
         def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             return [(torch.zeros(batch, context, dtype=torch.long), torch.zeros(batch, context, dtype=torch.long))
                     for _ in range(n)]
 
-        train_step(model, optimizer, batches(1), **step_kw)
+        micro = min(grad_accum, 2)
+        train_step(step_model, optimizer, batches(micro), **step_kw)  # as every step: DDP then keeps its gradients
         alloc.reset_peaks()
-        train_step(model, optimizer, batches(min(grad_accum, 2)), **step_kw)
+        train_step(step_model, optimizer, batches(micro), **step_kw)
     return {"max_allocated": alloc.peak_allocated, "max_reserved": alloc.peak_reserved}

@@ -80,14 +80,18 @@ class Workload:
             return in_own_process(profile_model, *args, **kw)
 
     def replay(self, policy: str) -> dict[str, int] | None:
-        """For a CUDA target planned here (one process, or one rank under FSDP): the plan's step replayed through
-        CUDA's caching allocator (modelled), giving max_memory_allocated and max_memory_reserved; None otherwise
-        (DDP's buckets are not replayed)."""
-        if not (self.target.cuda and self.fake and (self.world_size == 1 or self.fsdp_ranks > 1)) or "offload" in policy:
+        """For a CUDA target planned here (one process, or one rank under DDP or FSDP): the plan's step replayed
+        through CUDA's caching allocator (modelled), giving max_memory_allocated and max_memory_reserved; None
+        otherwise."""
+        if not (self.target.cuda and self.fake) or "offload" in policy or self.train.fsdp_offload:
             return None  # offload copies nothing on the CPU the replay runs on
         t = self.train
-        return simulate_step(self.model, policy, t.batch_size, self.context, t.grad_accum, self.dtype, t.optim,
-                             self.target, fsdp_ranks=self.fsdp_ranks)
+        args = (self.model, policy, t.batch_size, self.context, t.grad_accum, self.dtype, t.optim, self.target)
+        kw = {"ranks": self.world_size, "parallel": t.parallel}
+        try:
+            return simulate_step(*args, **kw)
+        except RanksBusy:  # under torchrun: the fake ranks get a process of their own
+            return in_own_process(simulate_step, *args, **kw)
 
     def vary(self, cost: OpCost | None = None, **changes) -> Workload:
         """The same workload with training settings changed (batch_size, grad_accum, precision, parallel). The

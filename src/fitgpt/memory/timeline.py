@@ -250,6 +250,11 @@ class PeakProbe:
             self._base = torch.cuda.memory_allocated(self.device)
         else:
             self._live = LiveMemory().__enter__()
+            m, opt = self.model, self.optimizer
+            self._live.hold([*m.parameters(), *(p.grad for p in m.parameters() if p.grad is not None),
+                             *(v for state in (opt.state.values() if opt is not None else ()) for v in state.values()
+                               if isinstance(v, torch.Tensor))])
+            self._live_held = self._live.current
         return self
 
     def __exit__(self, *exc) -> None:
@@ -258,7 +263,7 @@ class PeakProbe:
             rise, source = torch.cuda.max_memory_allocated(self.device) - self._base, "cuda-allocator"
         else:
             self._live.__exit__(*exc)
-            rise, source = self._live.peak, "tracker"
+            rise, source = self._live.peak - self._live_held, "tracker"
         grads = unique_bytes(p for p in self.model.parameters() if p.requires_grad)  # grads mirror the trainable params
         self.result = StepPeak(peak=self._held + rise, params=self._params, grads=grads, optimizer=self._opt, source=source)
 

@@ -99,6 +99,13 @@ class LiveMemory(TorchDispatchMode):
     def reset_peak(self) -> None:
         self.peak = self.current
 
+    def hold(self, tensors) -> None:
+        """Count the storages of ``tensors``, made before the mode, as alive from now on, so that their frees are seen
+        too (DDP rebuilds its gradient buckets in its second step: new ones made, the old ones freed)."""
+        for t in tensors:
+            for st in storages(t):
+                self._track(st)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

@@ -131,12 +131,12 @@ def _link_seconds(w: Workload, layout: Layout, accum: int, micro: float, params:
     seconds = 0.0
     if layout.parallel == "ddp":  # one all-reduce of fp32 gradients a step, overlapped with the last backward
         seconds = max(0.0, 2 * share * 4 * params / peer - micro * 2 / 3)
-    elif layout.parallel == "fsdp" and n > 1:  # gathers every micro-batch (forward, backward), one reduce-scatter
-        traffic = share * params * (2 * accum * dtype_bytes + 4)
+    elif layout.parallel == "fsdp" and n > 1:  # every micro-batch: gathers (forward, backward), an fp32 reduce-scatter
+        traffic = share * params * accum * (2 * dtype_bytes + 4)
         seconds = max(0.0, traffic / peer - accum * micro)
-    if layout.offload:  # the shard in (forward and backward) every micro-batch, its gradients out once
+    if layout.offload:  # every micro-batch: the shard in (forward and backward), its reduced gradients out
         pcie = gpu.pcie if gpu else 32e9
-        seconds += (2 * accum + 1) * 4 * params / n / pcie
+        seconds += 3 * accum * 4 * params / n / pcie
     return seconds
 
 

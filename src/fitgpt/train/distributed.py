@@ -8,7 +8,6 @@ optimizer state, written by rank 0, so a run can move between 1, 2 or N processe
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fitgpt.errors import UserError
-from fitgpt.parallel import fsdp_shard
+from fitgpt.parallel import ddp_wrap, fsdp_shard
 
 log = logging.getLogger(__name__)
 
@@ -129,31 +128,8 @@ def wrap(model: nn.Module, info: DistInfo, parallel: str, device: torch.device, 
     if not info.enabled:
         return model
     if parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        # Gradients as views into the all-reduce buckets: no second copy of every gradient.
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+        return ddp_wrap(model, [device.index] if device.type == "cuda" else None)
     return fsdp_shard(model, param_dtype, offload, pin_memory=device.type == "cuda")
-
-
-def sync_context(step_model: nn.Module, parallel: str, last_micro_batch: bool):
-    """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP) on all but the last micro-batch."""
-    if last_micro_batch:
-        return contextlib.nullcontext()
-    if hasattr(step_model, "no_sync"):  # DDP
-        return step_model.no_sync()
-    if hasattr(step_model, "set_requires_gradient_sync"):  # FSDP2
-        return _fsdp_no_sync(step_model)
-    return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(model):
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 # ---- full state for checkpoints ---------------------------------------------------------------------

@@ -22,6 +22,7 @@ from fitgpt.data.loader import BatchSampler, TokenData
 from fitgpt.device import peak_memory
 from fitgpt.memory.timeline import PeakProbe
 from fitgpt.optim import lr_at, set_lr
+from fitgpt.parallel import sync_context
 from fitgpt.step import StepResult, train_step
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as dist_utils
@@ -163,7 +164,7 @@ def _step(run: LoopState, step: int, probe: bool) -> StepResult:
             result = train_step(
                 run.step_model, run.optimizer, batches, amp=run.amp, scaler=run.scaler, grad_clip=cfg.optim.grad_clip,
                 # Gradients are reduced across ranks once, on the last micro-batch; every rank decides on the same loss.
-                sync=lambda last: dist_utils.sync_context(run.step_model, cfg.parallel, last),
+                sync=lambda last: sync_context(run.step_model, last),
                 reduce=lambda loss: dist_utils.all_mean_tensor(info, loss),
             )
     except torch.OutOfMemoryError:
