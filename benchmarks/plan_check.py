@@ -47,7 +47,7 @@ def _cli_seconds(args: list[str]) -> float:
 
 def measure(model, policy: str, batch: int, context: int, accum: int, dtype, device: torch.device) -> dict:
     """A steady-state step of ``policy`` as the replay models it: weights, a first step (optimizer state),
-    then a measured step of min(accum, 2) micro-batches. CUDA: the allocator's peaks; CPU: live tensors.
+    then a measured one, each of min(accum, 2) micro-batches. CUDA: the allocator's peaks; CPU: live tensors.
     ``model``: a ModelConfig, or any model source (a Hugging Face config's)."""
     source = as_source(model)
     if context > source.context_length:  # as the profile builds it
@@ -61,7 +61,7 @@ def measure(model, policy: str, batch: int, context: int, accum: int, dtype, dev
         x = torch.zeros(batch, context, dtype=torch.long, device=device)
         return [(x, x.clone()) for _ in range(n)]
 
-    train_step(model, optimizer, batches(1), **kw)
+    train_step(model, optimizer, batches(min(accum, 2)), **kw)
     measured = batches(min(accum, 2))  # made before the measurement: the prediction does not count the token batch
     if device.type == "cuda":
         torch.cuda.synchronize()

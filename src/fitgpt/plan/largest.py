@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 
 from fitgpt.activation_checkpoint.policy import DEFAULT_LOSS_CHUNK_ROWS
 from fitgpt.errors import UserError
@@ -97,51 +100,64 @@ def _settle(exact, policy: str, budget: int, guess: int, cap: int) -> int:
 
 
 def largest(w: Workload, budget: int, max_batch: int = 4096, max_context: int = 1 << 17, max_blocks: int = 1024,
-            given: str | None = None) -> dict:
+            given: str | None = None, workers: int | None = None) -> dict:
     """For none, block and auto (and the policy ``given``, as given, if another): the largest batch, context and
-    number of blocks within ``budget``."""
+    number of blocks within ``budget``. The batch and the context are independent searches, each single-threaded
+    Python on fake tensors: with two CPU cores or more (``workers``: default, their number) the batch's runs in a
+    process of its own meanwhile."""
     B, T = w.train.batch_size, w.context
     policies = POLICIES + ((given,) if given and given not in POLICIES else ())
     named = named_options(given) if given else ()
-
-    cache: dict[tuple[int, int], StepProfile] = {}
-
-    def prof(batch: int, context: int) -> StepProfile:
-        if (batch, context) not in cache:
-            cache[batch, context] = w.profile(batch, context, extra_options=named)
-        return cache[batch, context]
-
-    # The chunked loss holds one chunk of logits at a time: its bytes are affine in the tokens only
-    # once there is at least one full chunk, so every profile point has that many tokens.
     b0 = max(4, math.ceil(DEFAULT_LOSS_CHUNK_ROWS / T))  # below a few rows per batch, bytes are not yet affine
-    by_batch = [(b, prof(b, T)) for b in (b0, 2 * b0)]
     c0 = max(8, T // 8, math.ceil(DEFAULT_LOSS_CHUNK_ROWS / B))
-    by_context = [(c, prof(B, c)) for c in (c0, 2 * c0, 3 * c0)]
-    here = prof(B, T)
-    answers: dict[str, dict[str, int]] = {}
-    extrapolated: list[str] = []
-
-    def settle(name: str, policy: str, guess: int, cap: int, exact) -> int:
-        # A profile's cost grows with the chunked loss's chunks: past EXACT_TOKENS the bracket is the answer.
-        if guess * (T if name == "batch" else B) > EXACT_TOKENS:
-            extrapolated.append(f"{policy} {name}")
-            return guess
-        return _settle(exact, policy, budget, guess, cap)
-
-    for policy in policies:
-        guess_b = _largest(lambda b: extrapolate(by_batch, b, "batch_size"), policy, budget, 1, max_batch)
-        guess_c = _largest(lambda c: extrapolate(by_context, c, "context"), policy, budget, 1, max_context)
-        answers[policy] = {
-            "batch_size": settle("batch", policy, guess_b, max_batch, lambda b: prof(b, T)),
-            "context": settle("context", policy, guess_c, max_context, lambda c: prof(B, c)),
-            "n_blocks": _largest(here.with_blocks, policy, budget, 1, max_blocks),
-        }
+    jobs = {"batch_size": (w, "batch_size", policies, budget, named, (b0, 2 * b0), max_batch),
+            "context": (w, "context", policies, budget, named, (c0, 2 * c0, 3 * c0), max_context)}
+    if min(2, workers or os.cpu_count() or 1) > 1:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:  # fork is unsafe with torch
+            by_batch = pool.submit(_along, *jobs["batch_size"])
+            found = {"context": _along(*jobs["context"]), "batch_size": by_batch.result()}
+    else:
+        found = {dim: _along(*job) for dim, job in jobs.items()}
+    here = w.profile(B, T, extra_options=named)  # depth needs no other: one block more adds its bytes and segments
+    answers = {p: {"batch_size": found["batch_size"][0][p], "context": found["context"][0][p],
+                   "n_blocks": _largest(here.with_blocks, p, budget, 1, max_blocks)} for p in policies}
+    extrapolated = found["batch_size"][1] + found["context"][1]
+    profiles = found["batch_size"][2] + found["context"][2] + 1
     return {
         "workload": w.describe(), "budget": budget, "answers": answers, "policies": list(policies),
         "current": {"batch_size": B, "context": T, "n_blocks": w.model.n_blocks},
-        "profiles": len(cache), "extrapolated": extrapolated,
+        "profiles": profiles, "extrapolated": extrapolated,
         "note": f"batch and context bracketed from profiles at batch {b0}, {2 * b0} and contexts {c0}, {2 * c0}, {3 * c0}, "
-                f"then settled on exact profiles of the sizes named ({len(cache)} profiles in all"
+                f"then settled on exact profiles of the sizes named ({profiles} profiles in all"
                 + (f"; extrapolated only, over {EXACT_TOKENS} tokens: {', '.join(extrapolated)}" if extrapolated else "")
                 + f"); depth from the profile at batch {B} x {T}",
     }
+
+
+def _along(w: Workload, dim: str, policies: tuple[str, ...], budget: int, named: tuple[str, ...], points: tuple[int, ...],
+           cap: int) -> tuple[dict[str, int], list[str], int]:
+    """Per policy, the largest ``dim`` (batch_size or context; the other as ``w`` has it) within ``budget``: bracketed
+    from exact fits through profiles at ``points``, then settled on exact profiles of the sizes named. Also which
+    answers were only extrapolated, and how many profiles were taken."""
+    B, T = w.train.batch_size, w.context
+    cache: dict[int, StepProfile] = {}
+
+    def prof(n: int) -> StepProfile:
+        if n not in cache:
+            cache[n] = w.profile(*((n, T) if dim == "batch_size" else (B, n)), extra_options=named)
+        return cache[n]
+
+    # The chunked loss holds one chunk of logits at a time: its bytes are affine in the tokens only
+    # once there is at least one full chunk, so every profile point has that many tokens.
+    fitted = [(n, prof(n)) for n in points]
+    other = T if dim == "batch_size" else B
+    answers, extrapolated = {}, []
+    for policy in policies:
+        guess = _largest(lambda n: extrapolate(fitted, n, dim), policy, budget, 1, cap)
+        # A profile's cost grows with the chunked loss's chunks: past EXACT_TOKENS the bracket is the answer.
+        if guess * other > EXACT_TOKENS:
+            extrapolated.append(f"{policy} {dim.split('_')[0]}")
+            answers[policy] = guess
+        else:
+            answers[policy] = _settle(prof, policy, budget, guess, cap)
+    return answers, extrapolated, len(cache)
