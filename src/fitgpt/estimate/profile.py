@@ -26,9 +26,9 @@ from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
 from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
 from fitgpt.estimate.hardware import Target, attention_saved_delta
+from fitgpt.estimate.optimizer import create_state, grads_at_once, host_step_time, running_loss, second_pass
 from fitgpt.estimate.ranks import fake_ranks
 from fitgpt.estimate.source import ModelSource, as_source
-from fitgpt.estimate.timing import host_seconds_per_byte
 from fitgpt.memory.fake import FakeTensorMode, fake_mode, fake_module
 from fitgpt.memory.flops import OpCost, OpFlops
 from fitgpt.memory.timeline import (
@@ -39,7 +39,6 @@ from fitgpt.memory.timeline import (
     param_bytes,
     profile_step,
 )
-from fitgpt.memory.tracker import round_up, storages
 from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
 from fitgpt.parallel import fsdp_shard, precision_roles
@@ -276,7 +275,7 @@ def _fixed_costs(run: _Subject) -> dict[str, int | float]:
     with mode:
         model = _sharded(model, run)
         optimizer = build_optimizer(model, run.optim, torch.device(run.target.device))
-        _create_state(optimizer)
+        create_state(optimizer)
         rises, times = [], []
         for _ in range(2):  # the first step creates the optimizer state, the second is the steady one
             for p in model.parameters():
@@ -284,7 +283,7 @@ def _fixed_costs(run: _Subject) -> dict[str, int | float]:
                     p.grad = torch.zeros_like(p)
                     if p in getattr(optimizer, "twin", {}):  # offloaded: copied out, as its hook would in a backward
                         optimizer.copy_out(p)
-            _second_pass(optimizer, run.optim)
+            second_pass(optimizer, run.optim)
             loss = torch.zeros(())  # the step's loss, alive since its forward
             with LiveMemory(round_to) as live, OpFlops(run.cost) as clock:
                 optimizer_update(model, optimizer, loss, grad_clip=run.optim.grad_clip, check=False)
@@ -293,48 +292,10 @@ def _fixed_costs(run: _Subject) -> dict[str, int | float]:
             times.append(clock.seconds)
         params, opt = param_bytes(model, round_to), optimizer_state_bytes(optimizer, round_to)
         held = grad_bytes(model, round_to) if accumulate else 0
-        grads = held if accumulate else _grads_at_once(model, run.optim, round_to)
-    return {"params": params, "optimizer": opt, "grads": grads, "baseline": params + opt + held + _running_loss(run.grad_accum, round_to),
-            "optimizer_rise": rises[-1], "optimizer_time": times[-1] + _host_step_time(optimizer, run.cost),
+        grads = held if accumulate else grads_at_once(model, run.optim, round_to)
+    return {"params": params, "optimizer": opt, "grads": grads, "baseline": params + opt + held + running_loss(run.grad_accum, round_to),
+            "optimizer_rise": rises[-1], "optimizer_time": times[-1] + host_step_time(optimizer, run.cost),
             "host": optimizer.host_bytes() if hasattr(optimizer, "host_bytes") else 0}
-
-
-def _host_step_time(optimizer, cost: OpCost | None) -> float:
-    """An offloaded optimizer's host step, planned on the meta device (its ops cost nothing there): its bytes at the
-    rate this machine's CPU steps AdamW."""
-    if cost is None or getattr(getattr(optimizer, "host", None), "type", None) != "meta":
-        return 0.0
-    return optimizer.step_bytes() * host_seconds_per_byte()
-
-
-def _running_loss(grad_accum: int, round_to: int) -> int:
-    """The fp32 loss the micro-batches before the last add up, held through each later one (``train_step``)."""
-    return round_up(4, round_to) if grad_accum > 1 else 0
-
-
-def _create_state(optimizer) -> None:
-    """An optimizer that steps inside the backward makes its state there, a parameter at a time, in the first step
-    only: make it all now (``InBackward.create_state``; no byte depends on the values), so that every profiled step is
-    a steady one. Others make theirs in the first profiled step's optimizer segment, as a first step does."""
-    if getattr(optimizer, "steps_in_backward", False):
-        optimizer.create_state()
-
-
-def _second_pass(optimizer, optim: OptimConfig) -> None:
-    """Clipping with the step in the backward runs forward and backward twice (``fitgpt.step.train_step``); the
-    second, which steps, is the one profiled (the first holds less: no step, each gradient dropped at once). Its
-    gradients are scaled in place by the first pass's coefficient, a host float: no byte depends on its value."""
-    if optimizer is not None and optim.clips_in_two_passes:
-        optimizer.clip_by(1.0, 0.0)
-        optimizer.norm_buffer(list(optimizer.optimizers))  # held between steps: one fp32 norm a parameter
-
-
-def _grads_at_once(model: torch.nn.Module, optim: OptimConfig, round_to: int) -> int:
-    """The most gradient bytes a step holds at once, as the no-fit message counts them: every parameter's, or with the
-    step in the backward about one parameter's (the largest)."""
-    if not optim.in_backward:
-        return param_bytes(model, round_to)
-    return max(sum(round_up(st.nbytes(), round_to) for st in storages(p)) for p in model.parameters())
 
 
 @dataclass(frozen=True)
@@ -375,7 +336,7 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
     stepping = run.optimizer_step or run.optim.in_backward
     optimizer = build_optimizer(model, run.optim, torch.device(run.target.device)) if stepping else None
     if optimizer is not None:
-        _create_state(optimizer)
+        create_state(optimizer)
     # (B, T + 1) token ids; their values matter to no byte count, so fake runs take zeros.
     if seed is None:
         idx = torch.zeros(batch_size, context + 1, dtype=torch.long, device=device)
@@ -406,7 +367,7 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
         # inside the backward.
         for k, (option, (spec, _)) in enumerate(runs.items()):
             apply_activation_checkpointing(model, spec)
-            _second_pass(optimizer, run.optim)
+            second_pass(optimizer, run.optim)
             timelines[option] = profile_step(model, x, y, optimizer, loss_fn=loss_fn, zero_grad=not accumulate,
                                              grad_clip=run.optim.grad_clip, round_to=round_to, cost=run.cost,
                                              step=k < 2 or run.optim.in_backward)
@@ -429,8 +390,8 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
     profile = StepProfile(
         batch_size=batch_size, context=context, grad_accum=grad_accum, persistent_grads=accumulate,
         device=run.target.device if run.simulated else str(device),
-        params=params, optimizer=opt_bytes, grads=held_grads if accumulate else _grads_at_once(model, run.optim, round_to),
-        baseline=params + opt_bytes + held_grads + _running_loss(grad_accum, round_to),
+        params=params, optimizer=opt_bytes, grads=held_grads if accumulate else grads_at_once(model, run.optim, round_to),
+        baseline=params + opt_bytes + held_grads + running_loss(grad_accum, round_to),
         embed_saved=base.fwd_embed.delta, embed_fwd_rise=base.fwd_embed.rise,
         embed_bwd_rise=base.bwd_embed.rise, embed_bwd_delta=base.bwd_embed.delta,
         optimizer_rise=timelines[list(runs)[1]].optimizer.rise,
@@ -439,7 +400,7 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
         block_param_bytes=param_bytes(find_blocks(model)[1][-1], round_to),
         step_flops=base.flops, seconds=time.perf_counter() - t0,
         embed_time=base.fwd_embed.seconds + base.bwd_embed.seconds,
-        optimizer_time=timelines[list(runs)[1]].optimizer.seconds + _host_step_time(optimizer, run.cost),
+        optimizer_time=timelines[list(runs)[1]].optimizer.seconds + host_step_time(optimizer, run.cost),
         host=optimizer.host_bytes() if hasattr(optimizer, "host_bytes") else 0,
         time_source=getattr(run.cost, "source", ""), fsdp_ranks=run.mesh.size() if run.mesh is not None else 1,
         shared_inputs=shared, passes=2 if run.optim.clips_in_two_passes else 1,
