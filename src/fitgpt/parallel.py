@@ -45,9 +45,10 @@ def ddp_wrap(model: nn.Module, device_ids: list[int] | None = None, fake: bool =
 
     ``fake``: on the planner's fake tensors and fake ranks, where nothing can be read: no first broadcast of the
     weights; each bucket's all-reduce done in place, as NCCL's and gloo's are (the fake process group's yields no
-    tensor); and no rebuilding of the buckets in the second step (it reads rank 0's bucket order as values; a real run
-    frees each old bucket as its new one is made, about one bucket of 25 MiB more, once). The buckets, the gradients'
-    views and every other allocation of the step are DDP's own."""
+    tensor); and no rebuilding of the buckets in the second step (it reads rank 0's bucket order as values). A real
+    rebuild frees the old buckets first; with accumulation, whose gradients still hold them, each as its successor is
+    made: about one bucket (25 MiB) more, once. The buckets, the gradients' views and every other allocation of the
+    step are DDP's own."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ddp = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, init_sync=not fake)
