@@ -1,11 +1,13 @@
-"""Small helpers shared across the package: file hashes, processes, directory locks."""
+"""Small helpers shared across the package: file hashes, processes (and searches run side by side in several), directory locks."""
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import multiprocessing
 import os
 import shutil
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from fitgpt.errors import UserError
@@ -105,3 +107,14 @@ class DirLock:
 def host_memory() -> int:
     """This machine's physical memory in bytes, as the OS reports it."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def in_processes(fn, jobs: list[tuple], workers: int | None = None) -> list:
+    """``fn(*job)`` for each job, the results in the jobs' order: in spawned processes (``workers``, default one per
+    CPU core, at most one per job) where there are several jobs and cores, so that independent single-threaded searches
+    on fake tensors run side by side; here otherwise. Jobs start in the order given: put the slowest first."""
+    n = min(len(jobs), workers or os.cpu_count() or 1)
+    if n <= 1:
+        return [fn(*job) for job in jobs]
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:  # fork is unsafe with torch
+        return list(pool.map(fn, *zip(*jobs)))

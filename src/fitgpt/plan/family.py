@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing
-import os
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from fitgpt.config import OptimConfig
@@ -26,6 +23,7 @@ from fitgpt.estimate.source import OwnModel, param_count
 from fitgpt.estimate.workload import Workload
 from fitgpt.model import ModelConfig
 from fitgpt.plan.solver import Plan, PlanError, Prediction, min_peak, solve
+from fitgpt.utils import in_processes
 
 # Clipping as the run asks: with the step in the backward it costs a second forward and backward (tokens/s shows it),
 # no memory.
@@ -82,14 +80,10 @@ def largest_model(w: Workload, budget: int, ladder: tuple[tuple[str, dict], ...]
     ``workers`` processes (default: one per CPU core, at most one per setting)."""
     rungs = ladder or LADDER + ((ON_THE_HOST,) if w.target.cuda else ())
     jobs = [(w, budget, name, dataclasses.replace(w.train.optim, **changes), host_budget) for name, changes in rungs]
-    n = min(len(jobs), workers or os.cpu_count() or 1)
-    if n == 1:
-        return [_rung(*job) for job in jobs]
     # The slowest searches first (low-bit steps, then steps in the backward), so that no core idles at the end.
     order = sorted(range(len(jobs)), key=lambda i: (jobs[i][3].name != "adamw", jobs[i][3].in_backward), reverse=True)
-    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:  # fork is unsafe with torch
-        futures = {i: pool.submit(_rung, *jobs[i]) for i in order}
-        return [futures[i].result() for i in range(len(jobs))]
+    done = dict(zip(order, in_processes(_rung, [jobs[i] for i in order], workers)))
+    return [done[i] for i in range(len(jobs))]
 
 
 def _rung(w: Workload, budget: int, name: str, optim: OptimConfig, host_budget: int | None) -> Largest:

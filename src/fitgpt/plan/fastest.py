@@ -27,6 +27,7 @@ from fitgpt.estimate.workload import Workload, workload_for
 from fitgpt.plan.extrapolate import extrapolate
 from fitgpt.plan.solver import Plan, PlanError, Prediction, predict, solve
 from fitgpt.units import format_bytes, parse_bytes
+from fitgpt.utils import in_processes
 
 log = logging.getLogger(__name__)
 
@@ -140,45 +141,25 @@ def _link_seconds(w: Workload, layout: Layout, accum: int, micro: float, params:
     return seconds
 
 
-def fastest(w: Workload, budget: int, top: int = 5, policy: str = "auto") -> dict:
+def fastest(w: Workload, budget: int, top: int = 5, policy: str = "auto", workers: int | None = None) -> dict:
     """Every configuration that fits ``budget`` (see the module's docstring), fastest first, ``top`` of them
-    settled on their own profiles. ``policy``: auto solves each configuration's plan; another is kept as given."""
+    settled on their own profiles. ``policy``: auto solves each configuration's plan; another is kept as given.
+    Each precision and layout is an independent search, single-threaded on fake tensors: they run in ``workers``
+    processes (default: one per CPU core, at most one per search)."""
     given = None if policy == "auto" else policy
-    named = named_options(policy)
-    seqs, T = w.train.batch_size * w.train.grad_accum, w.context
-    tokens = seqs * T * w.world_size
-    params = param_count(w.model)
-    costs: dict[str, object] = {}
-    profiles = 0
-
-    def workload(precision: str, layout: Layout, micro: int, accum: int) -> Workload:
-        v = w.vary(precision=precision, parallel=layout.trains_as, batch_size=micro, grad_accum=accum,
-                   cost=costs.get(precision))
-        costs[precision] = v.cost  # one calibration per autocast dtype
-        return v
-
-    def exact(precision: str, layout: Layout, micro: int, accum: int) -> StepProfile:
-        nonlocal profiles
-        profiles += 1
-        p = workload(precision, layout, micro, min(accum, 2)).profile(extra_options=named)
-        return _offloaded(p, params, w.world_size) if layout.offload else p
-
-    def choose(p: StepProfile, precision: str, layout: Layout, micro: int, accum: int, settled: bool) -> Choice | None:
-        p = dataclasses.replace(p, grad_accum=accum)
-        try:
-            plan, pred = solve(p, budget) if given is None else _as_given(p, given, budget)
-        except PlanError:
-            return None
-        micro_s = (pred.step_time - p.optimizer_time) / accum
-        link = _link_seconds(w, layout, accum, micro_s, params, 2 if precision in ("bf16", "fp16") else 4)
-        return Choice(micro, accum, precision, layout, plan, pred.peak, pred.step_time, link, tokens, settled, given or "")
-
+    seqs = w.train.batch_size * w.train.grad_accum
+    precisions = _precisions(w)
+    # One time model per autocast dtype, made (or measured) here, before any search runs beside it.
+    search = _Search(w, budget, given, named_options(policy), param_count(w.model), seqs * w.context * w.world_size,
+                     {p: w.vary(precision=p).cost for p in precisions})
     found: list[Choice] = []
-    layouts = _layouts(w)
+    profiles = 0
     for offload in (False, True):  # offload only where nothing fits without it (its copies cost time)
-        for precision in _precisions(w):
-            for layout in (x for x in layouts if x.offload == offload):
-                found += _family(seqs, precision, layout, exact, choose, accumulate=not w.train.optim.in_backward)
+        jobs = [(search, seqs, precision, layout, not w.train.optim.in_backward)
+                for precision in precisions for layout in _layouts(w) if layout.offload == offload]
+        for choices, n in in_processes(_family, jobs, workers):
+            found += choices
+            profiles += n
         if found:
             break
     found.sort(key=lambda c: -c.tokens_per_s)
@@ -187,16 +168,49 @@ def fastest(w: Workload, budget: int, top: int = 5, policy: str = "auto") -> dic
         if len(settled) >= top:
             break
         if not c.settled:
-            c = choose(exact(c.precision, c.layout, c.micro_batch, c.grad_accum), c.precision, c.layout,
-                       c.micro_batch, c.grad_accum, True)
+            profiles += 1
+            c = search.choose(search.exact(c.precision, c.layout, c.micro_batch, c.grad_accum), c.precision, c.layout,
+                              c.micro_batch, c.grad_accum, True)
         if c is not None:
             settled.append(c)
     settled.sort(key=lambda c: -c.tokens_per_s)
-    return {"workload": w.describe(), "budget": budget, "tokens_per_step": tokens, "choices": settled,
+    return {"workload": w.describe(), "budget": budget, "tokens_per_step": search.tokens, "choices": settled,
             "considered": len(found), "profiles": profiles,
-            "time_models": {precision: getattr(c, "source", "") for precision, c in costs.items()},
+            "time_models": {precision: getattr(c, "source", "") for precision, c in search.costs.items()},
             "note": f"{len(found)} configurations fit {format_bytes(budget)} of those searched; the {len(settled)} fastest, "
                     f"each settled on a profile of its own micro-batch ({profiles} profiles in all)"}
+
+
+@dataclass(frozen=True)
+class _Search:
+    """What every configuration of one ``fastest`` search is profiled and chosen against."""
+
+    w: Workload
+    budget: int
+    given: str | None
+    named: tuple[str, ...]
+    params: int
+    tokens: int
+    """Tokens per step, all ranks."""
+    costs: dict
+    """The time model of each precision searched."""
+
+    def exact(self, precision: str, layout: Layout, micro: int, accum: int) -> StepProfile:
+        w = self.w.vary(precision=precision, parallel=layout.trains_as, batch_size=micro, grad_accum=min(accum, 2),
+                        cost=self.costs[precision])
+        p = w.profile(extra_options=self.named)
+        return _offloaded(p, self.params, self.w.world_size) if layout.offload else p
+
+    def choose(self, p: StepProfile, precision: str, layout: Layout, micro: int, accum: int, settled: bool) -> Choice | None:
+        p = dataclasses.replace(p, grad_accum=accum)
+        try:
+            plan, pred = solve(p, self.budget) if self.given is None else _as_given(p, self.given, self.budget)
+        except PlanError:
+            return None
+        micro_s = (pred.step_time - p.optimizer_time) / accum
+        link = _link_seconds(self.w, layout, accum, micro_s, self.params, 2 if precision in ("bf16", "fp16") else 4)
+        return Choice(micro, accum, precision, layout, plan, pred.peak, pred.step_time, link, self.tokens, settled,
+                      self.given or "")
 
 
 def _as_given(p: StepProfile, policy: str, budget: int) -> tuple[Plan, Prediction]:
@@ -208,24 +222,25 @@ def _as_given(p: StepProfile, policy: str, budget: int) -> tuple[Plan, Predictio
     return plan, pred
 
 
-def _family(seqs: int, precision: str, layout: Layout, exact, choose, accumulate: bool = True) -> list[Choice]:
-    """Every micro-batch of one precision and layout: micro-batches below the whole step accumulate (gradients
-    held between micro-batches), fitted through exact profiles at the two largest of them; the whole step at once
-    is profiled as it is. ``accumulate=False``: the whole step only (an optimizer that steps in the backward)."""
+def _family(search: _Search, seqs: int, precision: str, layout: Layout, accumulate: bool = True) -> tuple[list[Choice], int]:
+    """Every micro-batch of one precision and layout, and the profiles taken: micro-batches below the whole step
+    accumulate (gradients held between micro-batches), fitted through exact profiles at the two largest of them; the
+    whole step at once is profiled as it is. ``accumulate=False``: the whole step only (an optimizer that steps in
+    the backward)."""
     out = []
     micro = _divisors(seqs)
-    whole = choose(exact(precision, layout, seqs, 1), precision, layout, seqs, 1, True)
+    whole = search.choose(search.exact(precision, layout, seqs, 1), precision, layout, seqs, 1, True)
     out += [whole] if whole else []
     accumulating = micro[:-1] if accumulate else []
     if not accumulating:
-        return out
-    points = [(m, exact(precision, layout, m, seqs // m)) for m in accumulating[-2:]]
+        return out, 1
+    points = [(m, search.exact(precision, layout, m, seqs // m)) for m in accumulating[-2:]]
     for m in accumulating:
         p = dict(points).get(m) or extrapolate(points, m, "batch_size")
-        c = choose(p, precision, layout, m, seqs // m, m in dict(points))
+        c = search.choose(p, precision, layout, m, seqs // m, m in dict(points))
         if c:
             out.append(c)
-    return out
+    return out, 1 + len(points)
 
 
 def format_choices(result: dict, w: Workload) -> str:

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import multiprocessing
-import os
-from concurrent.futures import ProcessPoolExecutor
 
 from fitgpt.activation_checkpoint.policy import DEFAULT_LOSS_CHUNK_ROWS
 from fitgpt.errors import UserError
@@ -23,6 +20,7 @@ from fitgpt.estimate.profile import StepProfile, named_options
 from fitgpt.estimate.workload import Workload
 from fitgpt.plan.extrapolate import extrapolate
 from fitgpt.plan.solver import Plan, PlanError, min_peak, predict, solve
+from fitgpt.utils import in_processes
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +101,7 @@ def largest(w: Workload, budget: int, max_batch: int = 4096, max_context: int = 
             given: str | None = None, workers: int | None = None) -> dict:
     """For none, block and auto (and the policy ``given``, as given, if another): the largest batch, context and
     number of blocks within ``budget``. The batch and the context are independent searches, each single-threaded
-    Python on fake tensors: with two CPU cores or more (``workers``: default, their number) the batch's runs in a
-    process of its own meanwhile."""
+    Python on fake tensors: side by side in ``workers`` processes (default: one per CPU core, at most two)."""
     B, T = w.train.batch_size, w.context
     policies = POLICIES + ((given,) if given and given not in POLICIES else ())
     named = named_options(given) if given else ()
@@ -112,12 +109,7 @@ def largest(w: Workload, budget: int, max_batch: int = 4096, max_context: int = 
     c0 = max(8, T // 8, math.ceil(DEFAULT_LOSS_CHUNK_ROWS / B))
     jobs = {"batch_size": (w, "batch_size", policies, budget, named, (b0, 2 * b0), max_batch),
             "context": (w, "context", policies, budget, named, (c0, 2 * c0, 3 * c0), max_context)}
-    if min(2, workers or os.cpu_count() or 1) > 1:
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:  # fork is unsafe with torch
-            by_batch = pool.submit(_along, *jobs["batch_size"])
-            found = {"context": _along(*jobs["context"]), "batch_size": by_batch.result()}
-    else:
-        found = {dim: _along(*job) for dim, job in jobs.items()}
+    found = dict(zip(jobs, in_processes(_along, list(jobs.values()), workers)))
     here = w.profile(B, T, extra_options=named)  # depth needs no other: one block more adds its bytes and segments
     answers = {p: {"batch_size": found["batch_size"][0][p], "context": found["context"][0][p],
                    "n_blocks": _largest(here.with_blocks, p, budget, 1, max_blocks)} for p in policies}
