@@ -6,7 +6,8 @@
 # 1. fitgpt bench on CUDA, bf16, small preset: allocator peaks, step times, bench.json + bench.png
 # 2. --activation-checkpointing auto on CUDA: the measured (allocator) peak beside the predicted one
 # 3. With 2 GPUs: DDP and FSDP (NCCL) through torchrun, FSDP resumed on one GPU, FSDP with
-#    --activation-checkpointing auto (each rank's max_memory_allocated beside the per-rank prediction),
+#    --activation-checkpointing auto (each rank's max_memory_allocated beside the per-rank prediction), each rank's
+#    allocated and reserved peaks under DDP and FSDP against the allocator replay per rank (plan_check.py ranks),
 #    and the CPU/gloo distributed tests re-run for good measure
 # 4. CPU-only predictions for this card (fake tensors, `--target cuda --gpu <card>`) against
 #    max_memory_allocated and max_memory_reserved of real steps: tiny, small, medium, 3b, and two Hugging Face
@@ -63,6 +64,9 @@ if [ "$NGPU" -ge 2 ]; then
     --no-progress | tail -n 1 > "$OUT/fsdp_auto.json"
   fitgpt plan --preset small --batch-size 4 --context 512 --world-size 2 --parallel fsdp --device cuda \
     --memory-budget 20GiB | tail -n 1 > "$OUT/plan_fsdp.json"
+  # Each rank's max_memory_allocated and max_memory_reserved under DDP and FSDP (2 micro-batches) against the
+  # allocator replay for one rank of 2, planned on fake CPU tensors for this card
+  torchrun --nproc-per-node 2 benchmarks/plan_check.py ranks --out "$OUT/plan_check_ranks.json" | tee "$OUT/plan_check_ranks.md"
   python -m pytest -q tests/test_distributed.py
 else
   echo "== 3. skipped: needs 2 GPUs, found $NGPU"
@@ -139,6 +143,10 @@ for name in ("mfu_3b.txt",):
 check = out / "plan_check_cuda.md"
 if check.is_file():
     lines += ["", "CPU-only predictions vs the allocator:", check.read_text()]
+check = out / "plan_check_ranks.md"
+if check.is_file():
+    lines += ["", "Per rank under DDP and FSDP, the replay vs the allocator (goals: 2% allocated, 5% reserved):",
+              check.read_text()]
 (out / "summary.txt").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY

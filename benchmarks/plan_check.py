@@ -2,13 +2,15 @@
 
     python benchmarks/plan_check.py cpu  [--out benchmarks/plan_check_cpu.json]
     python benchmarks/plan_check.py cuda [--out gpu_check/plan_check_cuda.json]
+    torchrun --nproc-per-node 2 benchmarks/plan_check.py ranks [--out gpu_check/plan_check_ranks.json]
 
 cpu: planning time (fake tensors vs the real-step profiler), fake-vs-real profile equality, and the
 measured peak of a real training step against the fake prediction, for tiny, small and medium at
 CPU-sized shapes. cuda: for tiny, small, medium, 3b and two Hugging Face models from their configs
 (benchmarks/hf_configs: Qwen2.5 0.5B, Pythia 1B, random weights), the plan made on fake CPU tensors for this
 card (`--target cuda --gpu <card>`) against torch.cuda.max_memory_allocated / max_memory_reserved of
-real steps of that plan. Each run prints a Markdown table and writes the numbers as JSON.
+real steps of that plan. ranks: under DDP and FSDP, each rank's step against the replay for one rank of N (on
+GPUs; on a CPU it only runs the code). Each run prints a Markdown table and writes the numbers as JSON.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from fitgpt.estimate.profile import profile_model
 from fitgpt.estimate.source import as_source
 from fitgpt.memory.timeline import measure_train_step
 from fitgpt.optim import build_optimizer
+from fitgpt.parallel import ddp_wrap, fsdp_shard, precision_roles, sync_context
 from fitgpt.plan.largest import largest
 from fitgpt.plan.solver import min_peak, solve
 from fitgpt.step import grad_scaler, train_step
+from fitgpt.train import distributed as du
 
 GiB = 2**30
 
@@ -45,17 +49,24 @@ def _cli_seconds(args: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def measure(model, policy: str, batch: int, context: int, accum: int, dtype, device: torch.device) -> dict:
+def measure(model, policy: str, batch: int, context: int, accum: int, dtype, device: torch.device,
+            parallel: str | None = None) -> dict:
     """A steady-state step of ``policy`` as the replay models it: weights, a first step (optimizer state),
     then a measured one, each of min(accum, 2) micro-batches. CUDA: the allocator's peaks; CPU: live tensors.
-    ``model``: a ModelConfig, or any model source (a Hugging Face config's)."""
+    ``model``: a ModelConfig, or any model source (a Hugging Face config's). ``parallel``: ddp or fsdp, under
+    torchrun, wrapped as the trainer wraps (``fitgpt.parallel``)."""
     source = as_source(model)
     if context > source.context_length:  # as the profile builds it
         source = source.at(context=context)
     model = source.build().to(device)
     apply_activation_checkpointing(model, policy)
+    amp_dtype, param_dtype = precision_roles(dtype, parallel == "fsdp")
+    step_model = (ddp_wrap(model, [device.index] if device.type == "cuda" else None) if parallel == "ddp"
+                  else fsdp_shard(model, param_dtype) if parallel == "fsdp" else model)
     optimizer = build_optimizer(model, load_config("tiny").optim, device)
-    kw = {"amp": autocast(device, dtype), "scaler": grad_scaler(device, dtype), "grad_clip": 1.0}
+    kw = {"amp": autocast(device, amp_dtype), "scaler": grad_scaler(device, amp_dtype), "grad_clip": 1.0,
+          "sync": lambda last: sync_context(step_model, last)}
+    model = step_model
 
     def batches(n):
         x = torch.zeros(batch, context, dtype=torch.long, device=device)
@@ -158,6 +169,38 @@ def cuda_check() -> dict:
             "cards_known": list(GPUS)}
 
 
+def ranks_check() -> dict:
+    """Under torchrun (N processes; NCCL on GPUs, else gloo on this CPU, where only the code path is checked): each
+    rank's step of the small preset, bf16, batch 4 x 512 and 2 micro-batches under ``block``, with DDP and with FSDP,
+    against the plan's allocator replay for one rank of N (fake ranks, this card modelled, in a fresh process)."""
+    cuda = torch.cuda.is_available()
+    info = du.init_distributed("cuda" if cuda else "cpu", timeout_s=600)
+    device = du.local_device(info, torch.device("cuda" if cuda else "cpu"))
+    if cuda:
+        torch.cuda.set_device(device)
+    card = (_card() if cuda else None) or "h100-80gb"
+    preset, b, t = ("small", 4, 512) if cuda else ("tiny", 4, 64)  # bf16 steps are slow on a CPU
+    rows = []
+    try:
+        for parallel in ("ddp", "fsdp"):
+            flags = BudgetConfig(preset=preset, batch_size=b, context=t, grad_accum=2, precision="bf16", gpu=card,
+                                 world_size=info.world, parallel=parallel)
+            w = flags.workload
+            measured = du.gather_objects(info, measure(w.model, "block", b, t, 2, w.dtype, device, parallel))
+            if info.is_main:
+                replay = w.replay("block")
+                rows += [{"parallel": parallel, "rank": r, "ranks": info.world, "plan": "block", "shape": f"{b}x{t} x 2",
+                          "predicted_allocated": None, "replay_allocated": replay["max_allocated"],
+                          "replay_reserved": replay["max_reserved"], **m, "preset": f"{preset}, {parallel} rank {r}",
+                          "error_allocated": m["max_allocated"] / replay["max_allocated"] - 1,
+                          "error_reserved": m["max_reserved"] / replay["max_reserved"] - 1 if m["max_reserved"] else None}
+                         for r, m in enumerate(measured)]
+    finally:
+        du.shutdown(info)
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu (code path only)", "card": card,
+            "torch": torch.__version__, "rows": rows, "main": info.is_main}
+
+
 def _table(result: dict) -> str:
     rows = result["rows"]
     if result["device"] == "cpu":
@@ -182,20 +225,24 @@ def _table(result: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['preset']} | {r['shape']} | {r['error']} | | | | | | | |")
             continue
-        lines.append(f"| {r['preset']} | {r['shape']} | `{r['plan']}` | {r['predicted_allocated'] / GiB:.3f} | "
-                     f"{r['replay_allocated'] / GiB:.3f} | {r['max_allocated'] / GiB:.3f} | {r['replay_reserved'] / GiB:.3f} | "
-                     f"{r['max_reserved'] / GiB:.3f} | {r['error_allocated']:+.2%} | {r['error_reserved']:+.2%} |")
+        predicted = f"{r['predicted_allocated'] / GiB:.3f}" if r["predicted_allocated"] else "-"
+        reserved = f"{r['max_reserved'] / GiB:.3f} | {r['error_allocated']:+.2%} | {r['error_reserved']:+.2%}" if r["max_reserved"] \
+            else f"- | {r['error_allocated']:+.2%} | -"
+        lines.append(f"| {r['preset']} | {r['shape']} | `{r['plan']}` | {predicted} | {r['replay_allocated'] / GiB:.3f} | "
+                     f"{r['max_allocated'] / GiB:.3f} | {r['replay_reserved'] / GiB:.3f} | {reserved} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["cpu", "cuda"])
+    ap.add_argument("mode", choices=["cpu", "cuda", "ranks"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.mode == "cuda" and not torch.cuda.is_available():
         sys.exit("plan_check.py cuda: no CUDA device here")
-    result = cpu_check() if args.mode == "cpu" else cuda_check()
+    result = {"cpu": cpu_check, "cuda": cuda_check, "ranks": ranks_check}[args.mode]()
+    if not result.pop("main", True):
+        return  # under torchrun: rank 0 writes and prints
     out = Path(args.out or f"benchmarks/plan_check_{args.mode}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))
