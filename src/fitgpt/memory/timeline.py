@@ -92,14 +92,22 @@ def param_bytes(model: nn.Module, round_to: int = 1) -> int:
     return unique_bytes(model.parameters(), round_to)
 
 
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
 def grad_bytes(model: nn.Module, round_to: int = 1) -> int:
-    return unique_bytes((p.grad for p in model.parameters() if p.grad is not None), round_to)
+    return unique_bytes(_grads(model), round_to)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, round_to: int = 1) -> int:
-    if optimizer is None:
-        return 0
-    return unique_bytes((v for state in optimizer.state.values() for v in state.values()), round_to)
+    return unique_bytes(_optimizer_state(optimizer), round_to)
 
 
 class _Marks:
@@ -250,10 +258,7 @@ class PeakProbe:
             self._base = torch.cuda.memory_allocated(self.device)
         else:
             self._live = LiveMemory().__enter__()
-            m, opt = self.model, self.optimizer
-            self._live.hold([*m.parameters(), *(p.grad for p in m.parameters() if p.grad is not None),
-                             *(v for state in (opt.state.values() if opt is not None else ()) for v in state.values()
-                               if isinstance(v, torch.Tensor))])
+            self._live.hold([*self.model.parameters(), *_grads(self.model), *_optimizer_state(self.optimizer)])
             self._live_held = self._live.current
         return self
 
