@@ -35,9 +35,12 @@ def test_large_pool_hands_out_unsplit_blocks_whole_and_merges_on_free():
     assert a.peak_allocated == a.allocated and a.peak_reserved == 32 * MiB
 
 
-@pytest.mark.parametrize("policy", ["none", "block", "selective+chunked-loss"])
-def test_the_replayed_step_is_the_real_step(policy, tiny_model_config, exact_allocator):
-    """On exact counts the replay equals a real bf16 step measured on this CPU, plus its token batches."""
+@pytest.mark.parametrize("policy, optim", [("none", OptimConfig()), ("block", OptimConfig()),
+                                           ("selective+chunked-loss", OptimConfig()),
+                                           ("block", OptimConfig(in_backward=True))])
+def test_the_replayed_step_is_the_real_step(policy, optim, tiny_model_config, exact_allocator):
+    """On exact counts the replay equals a real bf16 step measured on this CPU, plus its token batches (in the
+    backward, clipping: the first pass that takes the norms too, where the replay once stopped on a fake value)."""
     from fitgpt.activation_checkpoint import apply_activation_checkpointing
     from fitgpt.device import autocast
     from fitgpt.memory.timeline import measure_train_step
@@ -45,9 +48,9 @@ def test_the_replayed_step_is_the_real_step(policy, tiny_model_config, exact_all
     from fitgpt.optim import build_optimizer
 
     cfg, B, T = tiny_model_config(), 4, 32
-    replay = simulate_step(cfg, policy, B, T, 1, torch.bfloat16, OptimConfig(), Target("cpu"), allocator=exact_allocator())
+    replay = simulate_step(cfg, policy, B, T, 1, torch.bfloat16, optim, Target("cpu"), allocator=exact_allocator())
     model = Transformer(cfg)
-    opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
+    opt = build_optimizer(model, optim, torch.device("cpu"))
     apply_activation_checkpointing(model, policy)
     x = torch.zeros(B, T, dtype=torch.long)
     kw = {"amp": autocast(torch.device("cpu"), torch.bfloat16), "grad_clip": 1.0}
@@ -63,3 +66,59 @@ def test_replay_for_a_card_counts_blocks_segments_and_workspaces(tiny_model_conf
     assert r["max_allocated"] >= exact["max_allocated"]  # blocks are whole multiples of 512 bytes
     assert r["max_reserved"] >= r["max_allocated"] and r["max_reserved"] % (2 * MiB) == 0
     assert exact["max_allocated"] > target.workspace_bytes()  # the workspaces are in
+
+
+class _Log(CachingAllocatorModel):
+    """CUDA's allocator model, logging the measured step's allocations (their sizes) and frees (-1 - the index of the
+    allocation freed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log, self.names, self.repeated = [], {}, False
+
+    def malloc(self, key, nbytes):
+        self.repeated |= isinstance(key, tuple)  # the replay's repeated step names its keys so
+        self.names[key] = len(self.log)  # a storage's id may be taken again once it is freed: named by its allocation
+        self.log.append(nbytes)
+        super().malloc(key, nbytes)
+
+    def free(self, key):
+        if key in self.names:
+            self.log.append(-1 - self.names.pop(key))
+        super().free(key)
+
+    def reset_peaks(self):
+        super().reset_peaks()
+        self.log, self.names = [], {}
+
+
+@pytest.mark.parametrize("policy, accum, ranks, parallel, optim", [
+    ("none", 1, 1, None, OptimConfig()),
+    ("block+chunked-loss", 2, 1, None, OptimConfig(impl="foreach")),
+    ("selective", 3, 1, None, OptimConfig(name="adamw4bit")),
+    ("pointwise", 1, 1, None, OptimConfig(in_backward=True)),
+    ("blocks:0+selective:1", 2, 2, "fsdp", OptimConfig()),
+    ("none", 1, 2, "ddp", OptimConfig()),
+])
+def test_the_repeated_step_is_the_second_step_run(policy, accum, ranks, parallel, optim, tiny_model_config):
+    """The replay's measured step, repeated from the first step's allocations less the optimizer state, is the second
+    step run on fake tensors, allocation by allocation and free by free ."""
+    cfg, target = tiny_model_config(arch="llama", n_kv_head=2), Target("cuda", find_gpu("a100-80gb"))
+    runs = {}
+    for repeat in (False, True):
+        log = _Log()
+        kw = {"ranks": ranks, "parallel": parallel or "fsdp"}
+        peaks = simulate_step(cfg, policy, 4, 32, accum, torch.bfloat16, optim, target, allocator=log, repeat=repeat, **kw)
+        runs[repeat] = (peaks, log.log, log.repeated)
+    assert not runs[False][2] and runs[True][2]  # the second is repeated, not run
+    assert runs[True][1] == runs[False][1]
+    assert runs[True][0] == runs[False][0]
+
+
+def test_a_step_that_adds_into_kept_gradients_is_run_again(tiny_model_config):
+    """DDP with accumulation keeps its gradients (views of its buckets) zeroed between steps: the second step adds
+    into them, where the first made them, so its allocations differ and it is run, not repeated."""
+    log = _Log()
+    simulate_step(tiny_model_config(), "block", 4, 32, 2, torch.bfloat16, OptimConfig(impl="foreach"),
+                  Target("cuda", find_gpu("a100-80gb")), allocator=log, ranks=2, parallel="ddp")
+    assert not log.repeated

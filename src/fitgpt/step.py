@@ -97,11 +97,12 @@ def _step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None)
         optimizer.step()
 
 
-def _clip_first(model: nn.Module, optimizer, batch: Batch, amp: AmpFactory, max_norm: float) -> None:
+def _clip_first(model: nn.Module, optimizer, batch: Batch, amp: AmpFactory, max_norm: float, check: bool) -> None:
     """The first of the two passes that clip exactly when the optimizer steps in the backward (one micro-batch: it
     cannot accumulate): forward and backward taking each gradient's norm and dropping it, with the RNG put back for
     the second pass to draw the same dropout; then the clipping coefficient the second pass applies, computed as
-    ``clip_grad_norm_`` computes it (the parameters' norms stacked in the model's order)."""
+    ``clip_grad_norm_`` computes it (the parameters' norms stacked in the model's order). ``check=False`` (fake
+    tensors): the coefficient is computed, not read, and the second pass scales by 1."""
     x, y = batch
     order = [p for p in model.parameters() if p.requires_grad]  # clip_grad_norm_'s order
     with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), optimizer.collecting_norms(order) as norms:
@@ -110,7 +111,7 @@ def _clip_first(model: nn.Module, optimizer, batch: Batch, amp: AmpFactory, max_
         (loss / 1).backward()
     total = torch.linalg.vector_norm(norms)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    optimizer.clip_by(float(coefficient), float(total))
+    optimizer.clip_by(float(coefficient), float(total)) if check else optimizer.clip_by(1.0, 0.0)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch], *,
@@ -130,7 +131,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequ
     n = len(batches)
     total = None
     if getattr(optimizer, "steps_in_backward", False) and grad_clip > 0:
-        _clip_first(model, optimizer, batches[0], amp, grad_clip)
+        _clip_first(model, optimizer, batches[0], amp, grad_clip, check)
     for i, (x, y) in enumerate(batches):
         with sync(i == n - 1) if sync else contextlib.nullcontext():
             with amp():

@@ -16,6 +16,9 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+_DEVICE = torch.ops.prim.device.default
+_LIFT = torch.ops.aten.lift_fresh.default  # a view by its schema, but a fake mode makes a new fake tensor of a constant
+
 
 def round_up(nbytes: int, block: int) -> int:
     return -(-nbytes // block) * block
@@ -109,6 +112,8 @@ class LiveMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func is _DEVICE or (getattr(func, "is_view", False) and func is not _LIFT):
+            return out  # a tensor's device (asked for on most fake ops), or a view: nothing allocated, skipped for speed
         # Views and in-place results share an input's storage: nothing new was allocated
         # (this is what keeps views of parameters, such as a weight's transpose, out of the count).
         inputs = {id(st) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for st in storages(t)}
