@@ -181,7 +181,13 @@ class BudgetConfig(WorkloadConfig):
     @property
     def budget(self) -> int:
         """Bytes for the step's tensors out of the device budget (`Target.tensor_budget`)."""
-        return self.plan_target().tensor_budget(self.device_budget)
+        target = self.plan_target()
+        budget = target.tensor_budget(self.device_budget)
+        if budget <= 0:  # else the message that nothing fits names a negative budget
+            raise UserError(f"--memory-budget {self.memory_budget} leaves nothing for the step's tensors once the "
+                            f"cuBLAS workspaces ({format_bytes(target.workspace_bytes())}, modelled) are held: "
+                            f"raise it above {format_bytes(target.workspace_bytes())}")
+        return budget
 
 
 Flags = TypeVar("Flags", bound=WorkloadConfig)
