@@ -31,6 +31,9 @@ EXACT_TOKENS = 2**18
 
 def _fits(profile: StepProfile, policy: str, budget: int) -> bool:
     if policy == "auto":
+        if any(predict(profile, Plan.uniform(profile.n_blocks, o, h)).peak <= budget
+               for o in profile.blocks[0] for h in profile.heads):
+            return True  # one prediction each, where the search over plans grows with the depth probed
         try:
             solve(profile, budget)
             return True

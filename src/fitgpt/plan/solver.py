@@ -235,14 +235,31 @@ def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[float,
     return (cost[0] + head.time, cost[1] + head.recompute_flops, cost[2] + (head_name != "plain")), opts
 
 
+def _cheapest_options(p: StepProfile, head_name: str) -> tuple[tuple[float, int, int], tuple[str, ...]]:
+    """Each block's cheapest option with this head, and that plan's cost: no plan with this head costs less (costs add
+    up block by block). Where it fits it is the answer, found in one prediction: with room to spare (a deep model's
+    depth probed under a large budget) the search over plans, whose fronts grow with the depth, takes minutes."""
+    opts = tuple(min(b, key=lambda o: (b[o].time, b[o].recompute_flops, o != "none")) for b in p.blocks)
+    head, chosen = p.heads[head_name], [p.blocks[i][o] for i, o in enumerate(opts)]
+    # Added in the search's order, so that equal plans cost equal floats.
+    return (sum(b.time for b in chosen) + head.time, sum(b.recompute_flops for b in chosen) + head.recompute_flops,
+            sum(o != "none" for o in opts) + (head_name != "plain")), opts
+
+
 def _cheapest(profile: StepProfile, budget: int) -> Plan | None:
     room = budget - profile.baseline
-    found = []
-    for head in profile.heads:
-        r = _solve_head(profile, head, room) if room >= 0 else None
+    found = []  # (cost, the head's place in the profile, plan): ties go to the earlier head
+    bounds = sorted((*_cheapest_options(profile, head), i, head) for i, head in enumerate(profile.heads))
+    for bound, opts, i, head in bounds:
+        if found and bound > min(found)[0]:
+            break  # no plan with this head, or any later one, can cost less than one found
+        if predict(profile, Plan(opts, head)).peak <= budget:
+            r = (bound, opts)
+        else:
+            r = _solve_head(profile, head, room) if room >= 0 else None
         if r is not None:
-            found.append((r[0], Plan(r[1], head)))
-    return min(found, key=lambda cp: cp[0])[1] if found else None
+            found.append((r[0], i, Plan(r[1], head)))
+    return min(found)[2] if found else None
 
 
 def solve(profile: StepProfile, budget: int) -> tuple[Plan, Prediction]:
