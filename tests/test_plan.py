@@ -182,8 +182,10 @@ def test_auto_within_two_percent_of_measured_exhaustive_optimum(long_context, fr
     assert tiny_measured.peak(plan) <= budget
     plans = sorted((Plan(opts, head) for opts in itertools.product(BLOCK_OPTIONS, repeat=4) for head in HEAD_OPTIONS),
                    key=lambda p: predict(tiny_profile, p).recompute_flops)
+    # Measured only where predicted within 1% of the budget: predictions are within 0.2% of real steps (tested
+    # above), so a plan predicted further over cannot truly fit, and measuring each such plan took most of the time.
     best = next(predict(tiny_profile, p).recompute_flops + tiny_profile.step_flops for p in plans
-                if tiny_measured.peak(p) <= budget)
+                if predict(tiny_profile, p).peak <= 1.01 * budget and tiny_measured.peak(p) <= budget)
     assert pred.recompute_flops + tiny_profile.step_flops <= best * 1.02
     # and no fixed policy that fits does better
     for fixed in uniform_plans(4):
