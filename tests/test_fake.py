@@ -113,3 +113,22 @@ def test_a_3b_model_plans_without_memory(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["params"] > 12 * 2**30  # the whole model was planned
     assert result["rss"] < 2 * 2**30
+
+
+@pytest.mark.parametrize("size", [0, 1, 5, 127, 128, 129, 1000])
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 128])
+def test_fsdp_pieces_made_when_indexed_are_the_pieces_fsdp_makes(size, n):
+    """The planner's fake ranks make only the pieces of a parameter FSDP reads (its rank's and the first): each one is
+    the very view FSDP's own chunking gives (shape, strides, offset), empty pieces included."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from fitgpt.estimate.ranks import LazyChunks
+
+    for shape, dim in (((size, 3), 0), ((2, size), 1)):
+        t = torch.zeros(shape)
+        real, lazy = _chunk_with_empty(t, n, dim), LazyChunks(t, n, dim)
+        assert len(lazy) == len(real) == n
+        for i in [*range(n), -1]:
+            a, b = real[i], lazy[i]
+            assert (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset()), (shape, n, i)
+            assert a.numel() == 0 or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

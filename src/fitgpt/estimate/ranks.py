@@ -9,9 +9,10 @@ import pickle
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 
@@ -29,10 +30,55 @@ def fake_ranks(world: int) -> Iterator[object]:
         raise RanksBusy(f"a process group is already initialised; {world} fake ranks need a process of their own")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        # Made outside any fake tensor mode: the mesh's setup reads values.
-        yield init_device_mesh("cpu", (world,))
+        with _pieces_when_indexed():
+            # Made outside any fake tensor mode: the mesh's setup reads values.
+            yield init_device_mesh("cpu", (world,))
     finally:
         dist.destroy_process_group()
+
+
+class LazyChunks(Sequence):
+    """``torch.chunk(t, n, dim)`` made up to ``n`` pieces with empty ones, as FSDP2's ``_chunk_with_empty`` returns it,
+    each piece made only when it is indexed: the same view ``torch.chunk`` makes (``split`` narrows so)."""
+
+    def __init__(self, t: torch.Tensor, n: int, dim: int) -> None:
+        self.t, self.n, self.dim = t, n, dim
+        self.size = t.size(dim)
+        self.step = -(-self.size // n)  # torch.chunk's piece size; the last piece is shorter
+        self.made = -(-self.size // self.step) if self.size else n  # the pieces torch.chunk makes
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        i %= self.n
+        if i >= self.made:
+            return self[0].new_empty(0)
+        start = i * self.step
+        return self.t.narrow(self.dim, start, min(self.step, self.size - start))
+
+
+@contextlib.contextmanager
+def _pieces_when_indexed() -> Iterator[None]:
+    """FSDP2 chunks each parameter into one piece per rank to keep its own rank's (and the first's, for the padded
+    size). On fake tensors each piece costs a fake tensor: sharding an 8B model over 128 ranks made 88,000 of them, about
+    5 s a sharding, and planning shards it in the profile and in every replay. Here only the pieces read are made."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param
+    except ImportError:  # another layout of PyTorch's internals: every piece is made, as FSDP makes them
+        yield
+        return
+    original = getattr(_fsdp_param, "_chunk_with_empty", None)
+    if original is None:
+        yield
+        return
+    _fsdp_param._chunk_with_empty = LazyChunks
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = original
 
 
 def in_own_process(fn, *args, **kwargs):
