@@ -97,7 +97,10 @@ class _Log(CachingAllocatorModel):
     ("block+chunked-loss", 2, 1, None, OptimConfig(impl="foreach")),
     ("selective", 3, 1, None, OptimConfig(name="adamw4bit")),
     ("pointwise", 1, 1, None, OptimConfig(in_backward=True)),
+    ("block", 1, 1, None, OptimConfig(name="adamw8bit")),
+    ("none", 2, 1, None, OptimConfig(state_dtype="bf16")),
     ("blocks:0+selective:1", 2, 2, "fsdp", OptimConfig()),
+    ("torchtitan", 1, 2, "fsdp", OptimConfig(impl="foreach")),
     ("none", 1, 2, "ddp", OptimConfig()),
 ])
 def test_the_repeated_step_is_the_second_step_run(policy, accum, ranks, parallel, optim, tiny_model_config):
