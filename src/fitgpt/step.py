@@ -111,7 +111,10 @@ def _clip_first(model: nn.Module, optimizer, batch: Batch, amp: AmpFactory, max_
         (loss / 1).backward()
     total = torch.linalg.vector_norm(norms)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    optimizer.clip_by(float(coefficient), float(total)) if check else optimizer.clip_by(1.0, 0.0)
+    if check:
+        optimizer.clip_by(float(coefficient), float(total))
+    else:
+        optimizer.clip_by(1.0, 0.0)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch], *,

@@ -13,7 +13,6 @@ import contextlib
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._pytree import tree_leaves
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
@@ -24,6 +23,7 @@ from fitgpt.estimate.profile import fake_model
 from fitgpt.estimate.ranks import fake_ranks
 from fitgpt.estimate.source import ModelSource, as_source
 from fitgpt.memory.allocator import CachingAllocatorModel
+from fitgpt.memory.timeline import optimizer_state_tensors
 from fitgpt.memory.tracker import LiveMemory, storages
 from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
@@ -82,7 +82,8 @@ def _replay(source, policy, batch, context, grad_accum, dtype, optim, target, al
         live.allocator = alloc
         alloc.reset_peaks()
         cleared = all(p.grad is None for p in model.parameters())  # else the next step adds into them: not a repeat
-        if not (repeat and cleared and first.repeat(_state_keys(optimizer))):
+        state = {id(st) for t in optimizer_state_tensors(optimizer) for st in storages(t)}  # keyed as LiveMemory keys
+        if not (repeat and cleared and first.repeat(state)):
             train_step(step_model, optimizer, batches(micro), **step_kw)
     return {"max_allocated": alloc.peak_allocated, "max_reserved": alloc.peak_reserved}
 
@@ -118,12 +119,11 @@ class _Recorder:
             return False  # gradients kept between steps, say: the next step does not allocate them again
         kept = set(live.values())
         for i, (key, nbytes) in enumerate(self.events):
-            if i not in kept:
-                self.alloc.malloc(("again", key), nbytes) if nbytes is not None else self.alloc.free(("again", key))
+            if i in kept:
+                continue
+            if nbytes is None:
+                self.alloc.free(("again", key))
+            else:
+                self.alloc.malloc(("again", key), nbytes)
         return True
 
-
-def _state_keys(optimizer) -> set[int]:
-    """The keys (storage ids, as ``LiveMemory`` gives them) of every tensor in the optimizer's state."""
-    tensors = [t for s in optimizer.state.values() for t in tree_leaves(s) if isinstance(t, torch.Tensor)]
-    return {id(st) for t in tensors for st in storages(t)}

@@ -96,7 +96,8 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.grad is not None]
 
 
-def _optimizer_state(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Every tensor in the optimizer's state (none without an optimizer)."""
     if optimizer is None:
         return []
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
@@ -107,7 +108,7 @@ def grad_bytes(model: nn.Module, round_to: int = 1) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, round_to: int = 1) -> int:
-    return unique_bytes(_optimizer_state(optimizer), round_to)
+    return unique_bytes(optimizer_state_tensors(optimizer), round_to)
 
 
 class _Marks:
@@ -258,7 +259,7 @@ class PeakProbe:
             self._base = torch.cuda.memory_allocated(self.device)
         else:
             self._live = LiveMemory().__enter__()
-            self._live.hold([*self.model.parameters(), *_grads(self.model), *_optimizer_state(self.optimizer)])
+            self._live.hold([*self.model.parameters(), *_grads(self.model), *optimizer_state_tensors(self.optimizer)])
             self._live_held = self._live.current
         return self
 

@@ -240,10 +240,7 @@ def _cheapest_options(p: StepProfile, head_name: str) -> tuple[tuple[float, int,
     up block by block). Where it fits it is the answer, found in one prediction: with room to spare (a deep model's
     depth probed under a large budget) the search over plans, whose fronts grow with the depth, takes minutes."""
     opts = tuple(min(b, key=lambda o: (b[o].time, b[o].recompute_flops, o != "none")) for b in p.blocks)
-    head, chosen = p.heads[head_name], [p.blocks[i][o] for i, o in enumerate(opts)]
-    # Added in the search's order, so that equal plans cost equal floats.
-    return (sum(b.time for b in chosen) + head.time, sum(b.recompute_flops for b in chosen) + head.recompute_flops,
-            sum(o != "none" for o in opts) + (head_name != "plain")), opts
+    return _cost(p, Plan(opts, head_name)), opts
 
 
 def _cheapest(profile: StepProfile, budget: int) -> Plan | None:
