@@ -1,4 +1,5 @@
-"""Small helpers shared across the package: file hashes, processes (and searches run side by side in several), directory locks."""
+"""Small helpers shared across the package: file hashes, processes (searches run side by side in several; work forked
+beside this process), directory locks."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import fcntl
 import hashlib
 import multiprocessing
 import os
+import pickle
 import shutil
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from fitgpt.errors import UserError
 
@@ -118,3 +122,64 @@ def in_processes(fn, jobs: list[tuple], workers: int | None = None) -> list:
         return [fn(*job) for job in jobs]
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:  # fork is unsafe with torch
         return list(pool.map(fn, *zip(*jobs)))
+
+
+class Forked:
+    """``fn(*args)`` started in a forked copy of this process, to run beside what this process does next: a copy that
+    shares everything built so far (fake models, a fake process group) at no cost. ``result()`` waits for its
+    return value, or raises its error. Used as a context manager, a child whose result was not taken is stopped.
+
+    Where fork is missing or this process has one CPU, ``fn`` runs here, at once. For work on fake tensors: the child
+    computes with one intra-op thread, as DataLoader's forked workers do, because an OpenMP pool the parent started
+    does not survive a fork."""
+
+    def __init__(self, fn, *args) -> None:
+        self.pid = None
+        if not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2:
+            self._value = (True, fn(*args))
+            return
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its result, or its error, down the pipe; then gone without running exit handlers
+            os.close(read)
+            with os.fdopen(write, "wb") as out:
+                out.write(_outcome(fn, args))
+            os._exit(0)
+        os.close(write)
+        self.pid, self._read = pid, read
+
+    def result(self) -> Any:
+        if self.pid is not None:
+            with os.fdopen(self._read, "rb") as f:
+                data = f.read()
+            os.waitpid(self.pid, 0)
+            self.pid = None
+            self._value = pickle.loads(data) if data else (False, RuntimeError("a forked child ended without a result"))
+        ok, value = self._value
+        if not ok:
+            raise value
+        return value
+
+    def __enter__(self) -> Forked:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pid is not None:  # the parent failed before taking the result
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            os.close(self._read)
+            self.pid = None
+
+
+def _outcome(fn, args) -> bytes:
+    """``(True, fn(*args))`` pickled, or ``(False, its error)`` (its text where the error cannot be pickled)."""
+    import torch  # here, not at the top: this module stays light for the commands that need no torch
+
+    torch.set_num_threads(1)
+    try:
+        return pickle.dumps((True, fn(*args)))
+    except BaseException as e:  # noqa: BLE001 - whatever ended the child is the parent's to raise
+        try:
+            return pickle.dumps((False, e))
+        except Exception:  # noqa: BLE001
+            return pickle.dumps((False, RuntimeError(f"{type(e).__name__}: {e}")))

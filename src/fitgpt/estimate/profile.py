@@ -43,6 +43,7 @@ from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
 from fitgpt.parallel import fsdp_shard, precision_roles
 from fitgpt.step import optimizer_update
+from fitgpt.utils import Forked
 
 log = logging.getLogger(__name__)
 
@@ -263,8 +264,12 @@ def _deepen(run: _Subject, t0: float) -> StepProfile:
     # Under FSDP a block's gather is let go two blocks on: two blocks at each end differ from a middle one.
     shallow, ends = (SHALLOW + 2, 2) if run.mesh is not None else (SHALLOW, 1)
     k = shallow + 1
-    b = _fake_profile(dataclasses.replace(run, source=run.source.at(n_blocks=k), optimizer_step=False), t0)
-    return dataclasses.replace(b.with_blocks(n, ends), **_fixed_costs(run), seconds=time.perf_counter() - t0)
+    # The two are independent, so the shallow profile runs meanwhile in a forked copy of this process. The fixed costs
+    # stay here: they leave the optimizer's DTensor sharding rules cached for the replays that follow (2-3 s at 8B).
+    with Forked(_fake_profile, dataclasses.replace(run, source=run.source.at(n_blocks=k), optimizer_step=False), t0) as shallow:
+        costs = _fixed_costs(run)
+        b = shallow.result()
+    return dataclasses.replace(b.with_blocks(n, ends), **costs, seconds=time.perf_counter() - t0)
 
 
 def _fixed_costs(run: _Subject) -> dict[str, int | float]:
