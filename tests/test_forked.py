@@ -1,6 +1,7 @@
 """Work forked beside this process (``fitgpt.utils.Forked``): its result, its errors, and a child stopped when unwanted."""
 
 import os
+import signal
 import time
 
 import pytest
@@ -26,6 +27,10 @@ def _fails_unpicklably():
     raise _Unpicklable("the reason")
 
 
+def _killed():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _sleeps():
     time.sleep(60)
 
@@ -43,6 +48,11 @@ def test_the_childs_error_is_raised_here_as_it_was():
 
 def test_an_error_that_cannot_be_pickled_arrives_as_its_text():
     with Forked(_fails_unpicklably) as job, pytest.raises(RuntimeError, match="_Unpicklable: the reason"):
+        job.result()
+
+
+def test_a_child_that_dies_is_an_error_that_says_how():
+    with Forked(_killed) as job, pytest.raises(RuntimeError, match="exit code -9 .killed: out of memory"):
         job.result()
 
 

@@ -10,6 +10,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -129,13 +130,13 @@ class Forked:
     shares everything built so far (fake models, a fake process group) at no cost. ``result()`` waits for its
     return value, or raises its error. Used as a context manager, a child whose result was not taken is stopped.
 
-    Where fork is missing or this process has one CPU, ``fn`` runs here, at once. For work on fake tensors: the child
-    computes with one intra-op thread, as DataLoader's forked workers do, because an OpenMP pool the parent started
-    does not survive a fork."""
+    Only on Linux with two CPUs or more (elsewhere ``fn`` runs here, at once: macOS's system frameworks are not safe to
+    fork, which is why Python spawns there). For work on fake tensors: the child computes with one intra-op thread, as
+    DataLoader's forked workers do, because an OpenMP pool the parent started does not survive a fork."""
 
     def __init__(self, fn, *args) -> None:
         self.pid = None
-        if not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2:
+        if not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2:
             self._value = (True, fn(*args))
             return
         read, write = os.pipe()
@@ -152,9 +153,12 @@ class Forked:
         if self.pid is not None:
             with os.fdopen(self._read, "rb") as f:
                 data = f.read()
-            os.waitpid(self.pid, 0)
+            _, status = os.waitpid(self.pid, 0)
             self.pid = None
-            self._value = pickle.loads(data) if data else (False, RuntimeError("a forked child ended without a result"))
+            code = os.waitstatus_to_exitcode(status)
+            self._value = pickle.loads(data) if data else (False, RuntimeError(
+                f"a forked copy of this process ended without a result, exit code {code}"
+                f"{' (killed: out of memory?)' if code == -signal.SIGKILL else ''}"))
         ok, value = self._value
         if not ok:
             raise value
