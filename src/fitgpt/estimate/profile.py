@@ -266,6 +266,7 @@ def _deepen(run: _Subject, t0: float) -> StepProfile:
     k = shallow + 1
     # The two are independent, so the shallow profile runs meanwhile in a forked copy of this process. The fixed costs
     # stay here: they leave the optimizer's DTensor sharding rules cached for the replays that follow (2-3 s at 8B).
+    fake_mode()  # a first fake mode imports torch._dynamo (about 2 s): once, before the fork, not in both copies
     with Forked(_fake_profile, dataclasses.replace(run, source=run.source.at(n_blocks=k), optimizer_step=False), t0) as shallow:
         costs = _fixed_costs(run)
         b = shallow.result()
