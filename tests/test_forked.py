@@ -31,6 +31,11 @@ def _killed():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _slow():
+    time.sleep(0.5)
+    return 1
+
+
 def _sleeps():
     time.sleep(60)
 
@@ -42,8 +47,10 @@ def test_the_result_comes_from_another_process():
 
 
 def test_the_childs_error_is_raised_here_as_it_was():
-    with Forked(_fails) as job, pytest.raises(UserError, match="change --flag"):
+    with Forked(_fails) as job, pytest.raises(UserError, match="change --flag") as raised:
         job.result()
+    assert str(raised.value) == "change --flag"  # the one-line message the CLI prints
+    assert "in _fails" in raised.value.__notes__[0]  # the child's traceback, for --verbose
 
 
 def test_an_error_that_cannot_be_pickled_arrives_as_its_text():
@@ -70,3 +77,18 @@ def test_on_one_cpu_the_work_runs_here(monkeypatch):
     with Forked(_pid_and, 1) as job:
         assert job.pid is None
         assert job.result() == (os.getpid(), 2)
+
+
+def test_a_child_that_cannot_send_its_result_never_returns_into_the_callers_code(tmp_path):
+    parent = os.getpid()
+    try:
+        job = Forked(_slow)
+    except BaseException:
+        if os.getpid() != parent:  # a child that escaped its work: it would run the rest of this process's program
+            (tmp_path / "escaped").write_text("")
+            os._exit(0)
+        raise
+    os.close(job._read)  # the result has nowhere to go: the child's write fails
+    os.waitpid(job.pid, 0)
+    job.pid = None
+    assert not (tmp_path / "escaped").exists()

@@ -11,6 +11,7 @@ import pickle
 import shutil
 import signal
 import sys
+import traceback
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -142,10 +143,12 @@ class Forked:
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: its result, or its error, down the pipe; then gone without running exit handlers
-            os.close(read)
-            with os.fdopen(write, "wb") as out:
-                out.write(_outcome(fn, args))
-            os._exit(0)
+            try:
+                os.close(read)
+                with os.fdopen(write, "wb") as out:
+                    out.write(_outcome(fn, args))
+            finally:
+                os._exit(0)  # whatever happened: the child never returns into the parent's code
         os.close(write)
         self.pid, self._read = pid, read
 
@@ -183,6 +186,7 @@ def _outcome(fn, args) -> bytes:
     try:
         return pickle.dumps((True, fn(*args)))
     except BaseException as e:  # noqa: BLE001 - whatever ended the child is the parent's to raise
+        e.add_note(f"raised in a forked copy of the process:\n{traceback.format_exc()}")  # shown with --verbose
         try:
             return pickle.dumps((False, e))
         except Exception:  # noqa: BLE001
