@@ -122,7 +122,8 @@ def in_processes(fn, jobs: list[tuple], workers: int | None = None) -> list:
     n = min(len(jobs), workers or os.cpu_count() or 1)
     if n <= 1:
         return [fn(*job) for job in jobs]
-    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:  # fork is unsafe with torch
+    # Spawned, not forked: a forked worker is safe only for work like Forked's (fake tensors, one intra-op thread).
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
         return list(pool.map(fn, *zip(*jobs)))
 
 

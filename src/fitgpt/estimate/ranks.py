@@ -67,11 +67,10 @@ def _pieces_when_indexed() -> Iterator[None]:
     5 s a sharding, and planning shards it in the profile and in every replay. Here only the pieces read are made."""
     try:
         from torch.distributed.fsdp._fully_shard import _fsdp_param
-    except ImportError:  # another layout of PyTorch's internals: every piece is made, as FSDP makes them
-        yield
-        return
+    except ImportError:
+        _fsdp_param = None
     original = getattr(_fsdp_param, "_chunk_with_empty", None)
-    if original is None:
+    if original is None:  # another layout of PyTorch's internals: every piece is made, as FSDP makes them
         yield
         return
     _fsdp_param._chunk_with_empty = LazyChunks
