@@ -120,13 +120,16 @@ def _clip_first(model: nn.Module, optimizer, batch: Batch, amp: AmpFactory, max_
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch], *,
                amp: AmpFactory = contextlib.nullcontext, scaler: torch.amp.GradScaler | None = None, grad_clip: float = 0.0,
                sync: Callable[[bool], contextlib.AbstractContextManager] | None = None,
-               reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, check: bool = True) -> StepResult:
+               reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, check: bool = True,
+               update: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None) -> StepResult:
     """One optimizer step over ``batches`` (the micro-batches of gradient accumulation), with no host sync
     where the optimizer skips on the device (fused AdamW on CUDA).
 
     ``sync(is_last)``: the context each micro-batch runs in (DDP reduces gradients on the last one only).
     ``reduce``: the mean of the loss over ranks (a collective on the device), so that every rank decides alike.
     ``check=False``: never decide on values (fake tensors have none); the step is always taken.
+    ``update``: called as ``optimizer_update`` is (the default), in its place: the planner's replay wraps it to cut the
+    step's allocations into before, during and after the update.
     Ends with ``zero_grad(set_to_none=True)``: between steps no gradient memory is held. Under DDP with accumulation
     the gradients, views into DDP's buckets (held anyway), are zeroed in place instead: the micro-batches that skip
     the all-reduce then add into the buckets, rather than into a second whole set of gradients.
@@ -145,6 +148,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequ
         del loss, part  # from the second micro-batch on, one running total is held, no more
     if reduce is not None and check:
         total = reduce(total)
-    grad_norm, applied = optimizer_update(model, optimizer, total, scaler, grad_clip, check)
+    grad_norm, applied = (update or optimizer_update)(model, optimizer, total, scaler, grad_clip, check)
     optimizer.zero_grad(set_to_none=n == 1 or not getattr(model, "gradient_as_bucket_view", False))
     return StepResult(loss=total, grad_norm=grad_norm, applied=applied)

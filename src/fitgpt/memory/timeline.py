@@ -16,6 +16,7 @@ The optimizer segment is the trainer's own ``optimizer_update`` (clipping includ
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -142,6 +143,45 @@ def _hidden(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+@contextlib.contextmanager
+def block_marks(block_list: Sequence[nn.Module], mark: Callable[[str], None],
+                on_output: Callable[[int, torch.Tensor], None] | None = None):
+    """Call ``mark(name)`` at every block boundary of the forwards and backwards run inside: ``fwd_pre_i`` and
+    ``fwd_post_i`` around block i's forward, ``bwd_out_i`` as its backward begins, ``bwd_in_0`` as block 0's ends.
+    ``on_output(i, hidden)``: also given each block's output as its forward ends."""
+    def pre(i):
+        def hook(module, args):
+            if i == 0:
+                x = _hidden(args)
+                if isinstance(x, torch.Tensor) and x.requires_grad:
+                    x.register_hook(lambda g: mark("bwd_in_0"))
+            mark(f"fwd_pre_{i}")
+        return hook
+
+    def post(i):
+        def hook(module, args, out):
+            mark(f"fwd_post_{i}")
+            h = _hidden(out)
+            if on_output is not None:
+                on_output(i, h)
+            if isinstance(h, torch.Tensor) and h.requires_grad:
+                # grad of block i's output complete = block i's backward begins (= block i+1's ends)
+                h.register_hook(lambda g: mark(f"bwd_out_{i}"))
+        return hook
+
+    handles = []
+    for i, mod in enumerate(block_list):
+        # Outside any hooks already there (FSDP2's gather its weights before the block and free them after):
+        # what they allocate belongs to the block's segment, and segments stay contiguous.
+        handles.append(mod.register_forward_pre_hook(pre(i), prepend=True))
+        handles.append(mod.register_forward_hook(post(i)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer | None = None,
                  loss_fn: Callable[[], torch.Tensor] | None = None, blocks: str | nn.ModuleList | None = None,
                  zero_grad: bool = True, grad_clip: float = 0.0, round_to: int = 1, cost: OpCost | None = None,
@@ -158,35 +198,13 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
     n = len(block_list)
     outs = [0] * n
     baseline = param_bytes(model, round_to) + grad_bytes(model, round_to) + optimizer_state_bytes(optimizer, round_to)
-    handles = []
+
+    def output(i, h):
+        outs[i] = unique_bytes([h], round_to)
+
     with OpFlops(cost) as fc, LiveMemory(round_to) as live:
         mark = _Marks(live, fc)
-
-        def pre(i):
-            def hook(module, args):
-                if i == 0:
-                    x = _hidden(args)
-                    if isinstance(x, torch.Tensor) and x.requires_grad:
-                        x.register_hook(lambda g: mark("bwd_in_0"))
-                mark(f"fwd_pre_{i}")
-            return hook
-
-        def post(i):
-            def hook(module, args, out):
-                mark(f"fwd_post_{i}")
-                h = _hidden(out)
-                outs[i] = unique_bytes([h], round_to)
-                if isinstance(h, torch.Tensor) and h.requires_grad:
-                    # grad of block i's output complete = block i's backward begins (= block i+1's ends)
-                    h.register_hook(lambda g: mark(f"bwd_out_{i}"))
-            return hook
-
-        for i, mod in enumerate(block_list):
-            # Outside any hooks already there (FSDP2's gather its weights before the block and free them after):
-            # what they allocate belongs to the block's segment, and segments stay contiguous.
-            handles.append(mod.register_forward_pre_hook(pre(i), prepend=True))
-            handles.append(mod.register_forward_hook(post(i)))
-        try:
+        with block_marks(block_list, mark, output):
             mark("start")
             loss = loss_fn()
             mark("fwd_end")
@@ -197,9 +215,6 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
             model.zero_grad(set_to_none=zero_grad)  # False: zeroed in place, still allocated
             del loss
             mark("opt_end")
-        finally:
-            for h in handles:
-                h.remove()
     missing = [name for name in [f"bwd_out_{i}" for i in range(n)] + ["bwd_in_0"] if name not in mark.points]
     if missing:
         raise ValueError(f"the step did not pass through every block as a chain (no {missing[0]}): "
