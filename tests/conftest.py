@@ -10,6 +10,7 @@ import torch
 from fitgpt.config import load_config
 from fitgpt.data.config import DataConfig
 from fitgpt.data.prepare import prepare
+from fitgpt.memory.allocator import CachingAllocatorModel
 from fitgpt.model import ModelConfig
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -136,6 +137,43 @@ class Counting:
 
     def reset_peaks(self):
         self.peak_allocated = self.allocated
+
+
+class Logging(CachingAllocatorModel):
+    """CUDA's allocator model, logging every allocation (its size) and free (-1 - the index of the allocation freed: a
+    storage's id may be taken again once it is freed), and the kinds of key given (a replay names its repeated step's
+    allocations ``("again", ...)`` and a deepened step's blocks' ``("b", ...)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log, self.names, self.kinds, self.measured_from = [], {}, set(), 0
+
+    def malloc(self, key, nbytes):
+        self.kinds.add(key[0] if isinstance(key, tuple) else type(key).__name__)
+        self.names[key] = len(self.log)
+        self.log.append(nbytes)
+        super().malloc(key, nbytes)
+
+    def free(self, key):
+        if key in self.names:
+            self.log.append(-1 - self.names.pop(key))
+        super().free(key)
+
+    def reset_peaks(self):
+        super().reset_peaks()
+        self.measured_from = len(self.log)
+
+    @property
+    def measured(self) -> list[int]:
+        """The log of the measured step (from the last reset of the peaks), as if it began there: its frees of what it
+        allocated (indices from its start), not of what came before."""
+        start = self.measured_from
+        return [e if e >= 0 else e + start for e in self.log[start:] if e >= 0 or -1 - e >= start]
+
+
+@pytest.fixture
+def logging_allocator():
+    return Logging
 
 
 @pytest.fixture

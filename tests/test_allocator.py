@@ -68,30 +68,6 @@ def test_replay_for_a_card_counts_blocks_segments_and_workspaces(tiny_model_conf
     assert exact["max_allocated"] > target.workspace_bytes()  # the workspaces are in
 
 
-class _Log(CachingAllocatorModel):
-    """CUDA's allocator model, logging the measured step's allocations (their sizes) and frees (-1 - the index of the
-    allocation freed)."""
-
-    def __init__(self):
-        super().__init__()
-        self.log, self.names, self.repeated = [], {}, False
-
-    def malloc(self, key, nbytes):
-        self.repeated |= isinstance(key, tuple)  # the replay's repeated step names its keys so
-        self.names[key] = len(self.log)  # a storage's id may be taken again once it is freed: named by its allocation
-        self.log.append(nbytes)
-        super().malloc(key, nbytes)
-
-    def free(self, key):
-        if key in self.names:
-            self.log.append(-1 - self.names.pop(key))
-        super().free(key)
-
-    def reset_peaks(self):
-        super().reset_peaks()
-        self.log, self.names = [], {}
-
-
 @pytest.mark.parametrize("policy, accum, ranks, parallel, optim", [
     ("none", 1, 1, None, OptimConfig()),
     ("block+chunked-loss", 2, 1, None, OptimConfig(impl="foreach")),
@@ -103,25 +79,25 @@ class _Log(CachingAllocatorModel):
     ("torchtitan", 1, 2, "fsdp", OptimConfig(impl="foreach")),
     ("none", 1, 2, "ddp", OptimConfig()),
 ])
-def test_the_repeated_step_is_the_second_step_run(policy, accum, ranks, parallel, optim, tiny_model_config):
+def test_the_repeated_step_is_the_second_step_run(policy, accum, ranks, parallel, optim, tiny_model_config, logging_allocator):
     """The replay's measured step, repeated from the first step's allocations less the optimizer state, is the second
     step run on fake tensors, allocation by allocation and free by free ."""
     cfg, target = tiny_model_config(arch="llama", n_kv_head=2), Target("cuda", find_gpu("a100-80gb"))
     runs = {}
     for repeat in (False, True):
-        log = _Log()
-        kw = {"ranks": ranks, "parallel": parallel or "fsdp"}
+        log = logging_allocator()
+        kw = {"ranks": ranks, "parallel": parallel or "fsdp", "deep": False}
         peaks = simulate_step(cfg, policy, 4, 32, accum, torch.bfloat16, optim, target, allocator=log, repeat=repeat, **kw)
-        runs[repeat] = (peaks, log.log, log.repeated)
+        runs[repeat] = (peaks, log.measured, "again" in log.kinds)
     assert not runs[False][2] and runs[True][2]  # the second is repeated, not run
     assert runs[True][1] == runs[False][1]
     assert runs[True][0] == runs[False][0]
 
 
-def test_a_step_that_adds_into_kept_gradients_is_run_again(tiny_model_config):
+def test_a_step_that_adds_into_kept_gradients_is_run_again(tiny_model_config, logging_allocator):
     """DDP with accumulation keeps its gradients (views of its buckets) zeroed between steps: the second step adds
     into them, where the first made them, so its allocations differ and it is run, not repeated."""
-    log = _Log()
+    log = logging_allocator()
     simulate_step(tiny_model_config(), "block", 4, 32, 2, torch.bfloat16, OptimConfig(impl="foreach"),
                   Target("cuda", find_gpu("a100-80gb")), allocator=log, ranks=2, parallel="ddp")
-    assert not log.repeated
+    assert "again" not in log.kinds

@@ -117,6 +117,21 @@ class Policy:
             return regions
         return [Region(i, i + 1, recompute[i], i in offload) for i in range(n_blocks)]
 
+    def of_blocks(self, ids: list[int], n_blocks: int) -> str | None:
+        """The spec of this policy for a model of the blocks ``ids`` (in order) of an ``n_blocks`` one, each with its
+        option here, the loss as here; None where blocks run together as one region (a group)."""
+        regions = self.regions(n_blocks)
+        if len(regions) != n_blocks:
+            return None
+        terms = []
+        for option in (RECOMPUTE_BLOCK, *OP_LEVEL, "offload"):
+            kept = [str(j) for j, i in enumerate(ids) if (regions[i].offload if option == "offload" else regions[i].recompute == option)]
+            if kept:
+                terms.append(f"{'blocks' if option == RECOMPUTE_BLOCK else option}:{','.join(kept)}")
+        terms += [f"chunked-loss:{self.loss_chunk_rows}"] if self.loss_chunk_rows else []
+        terms += [f"fused-loss:{self.loss_fused_rows}"] if self.loss_fused_rows else []
+        return "+".join(terms) or "none"
+
     def describe(self, n_blocks: int) -> str:
         """A one-line account of which blocks the policy covers, for the training log."""
         if self.is_none:

@@ -5,4 +5,5 @@
     timing.py    each op's seconds: calibrated on the device at hand, or a card's roofline
     hardware.py  the devices planned for: GPU datasheets, and what differs on CUDA (modelled)
     replay.py    a step replayed through CUDA's caching allocator (modelled): reserved memory
+    deepen.py    a deep step's allocations and frees, from a shallow step's (for the replay)
 """

@@ -5,35 +5,54 @@ an allocator block. What the card reports also depends on the order of requests:
 whole because what would remain is too small to split (``max_memory_allocated``), and the segments
 taken from the driver (``max_memory_reserved``, which is what runs out). Both come from replaying the
 real sequence of allocations and frees of the plan's step, in seconds, with no GPU.
+
+A deep model's step is recorded at a shallow depth and deepened (``fitgpt.estimate.deepen``), with the weights and
+the optimizer's update taken at full depth; tested equal, allocation by allocation, to the full-depth step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
+from fitgpt.activation_checkpoint.apply import find_blocks
+from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
 from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
+from fitgpt.estimate.deepen import Event, NotAlike, Recording, deepen
 from fitgpt.estimate.hardware import Target
 from fitgpt.estimate.profile import fake_model
 from fitgpt.estimate.ranks import fake_ranks
 from fitgpt.estimate.source import ModelSource, as_source
 from fitgpt.memory.allocator import CachingAllocatorModel
-from fitgpt.memory.timeline import optimizer_state_tensors
+from fitgpt.memory.timeline import block_marks, optimizer_state_tensors
 from fitgpt.memory.tracker import LiveMemory, storages
 from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
 from fitgpt.parallel import ddp_wrap, fsdp_shard, precision_roles, sync_context
-from fitgpt.step import train_step
+from fitgpt.step import optimizer_update, train_step
+from fitgpt.utils import Forked
+
+log = logging.getLogger(__name__)
+
+SHALLOW = {None: (1, 1, 2), "fsdp": (4, 3, 2)}
+"""Blocks kept before the one repeated (in the model's first run; in the others) and after it, in each run of blocks
+alike (one process; FSDP): the repeated block's neighbours must run as it does. A block's backward frees what the
+blocks either side made; under FSDP a forward frees what the gathers two blocks back left. Where the option changes,
+the first block's forward (FSDP) and the backward of the block before it run otherwise, as do the model's first
+blocks under FSDP and its first and last backward (seen on the recordings; `deepen` checks what it relies on)."""
 
 
 def simulate_step(model: ModelConfig | ModelSource, policy: str, batch: int, context: int, grad_accum: int, dtype: torch.dtype | None,
                   optim: OptimConfig, target: Target, allocator=None, ranks: int = 1, parallel: str = "fsdp",
-                  repeat: bool = True) -> dict[str, int]:
+                  repeat: bool = True, deep: bool | None = None) -> dict[str, int]:
     """Peak allocated and reserved bytes of a steady-state step of ``policy`` on ``target``: one process, or one rank
     of ``ranks`` under ``parallel`` (fsdp or ddp), wrapped as the trainer wraps it (``fitgpt.parallel``), on fake ranks.
 
@@ -41,89 +60,267 @@ def simulate_step(model: ModelConfig | ModelSource, policy: str, batch: int, con
     the optimizer state; the second is measured, its token batches included. Each step runs up to two micro-batches
     (later ones repeat the second; DDP all-reduces the last one only). ``allocator``: the model replayed through (default:
     CUDA's). ``repeat``: the second step is the first's allocations replayed again, less the optimizer state, where
-    that is what it would do (``_Recorder.repeat``); False: run on fake tensors as the first.
+    that is what it would do (``_again``); False: run on fake tensors as the first. ``deep``: record a shallow step and
+    deepen it (None: where the model is deep enough to gain; False: never), else step the full depth.
     """
-    with fake_ranks(ranks) if ranks > 1 else contextlib.nullcontext() as mesh:
-        return _replay(as_source(model), policy, batch, context, grad_accum, dtype, optim, target, allocator,
-                       mesh, parallel if ranks > 1 else None, repeat)
-
-
-def _replay(source, policy, batch, context, grad_accum, dtype, optim, target, allocator, mesh, parallel,
-            repeat) -> dict[str, int]:
+    source = as_source(model)
     if context > source.context_length:
         source = source.at(context=context)
-    model, mode = fake_model(source, torch.device("cpu"))
-    apply_activation_checkpointing(model, policy)
-    if parallel == "fsdp":
-        with mode:
-            fsdp_shard(model, precision_roles(dtype, True)[1], mesh=mesh)
+    parallel = parallel if ranks > 1 else None
+    run = _Run(source, policy, batch, context, min(grad_accum, 2), dtype, optim, target, parallel)
     alloc = allocator if allocator is not None else CachingAllocatorModel()
-    for st in {id(st): st for p in model.parameters() for st in storages(p)}.values():
-        alloc.malloc(id(st), st.nbytes())
-    math_only = target.attention_backend(dtype, source.head_dim) == "math"
-    amp = autocast(torch.device("cpu"), precision_roles(dtype, parallel == "fsdp")[0])  # FSDP: pure half precision
-    rules = cuda_autocast_rules() if target.cuda and dtype else contextlib.nullcontext()  # CUDA's casts, on CPU tensors
-    with mode, rules, LiveMemory(allocator=alloc) as live, sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext():
-        step_model = ddp_wrap(model, fake=True) if parallel == "ddp" else model  # its buckets, made as it is built
-        for handle in range(target.workspace_bytes() and 2):
-            alloc.malloc(-1 - handle, target.workspace_bytes() // 2)
-        optimizer = build_optimizer(model, optim, torch.device(target.device))
-        step_kw = {"amp": amp, "grad_clip": optim.grad_clip, "check": False,
-                   "sync": lambda last: sync_context(step_model, last)}
+    with fake_ranks(ranks) if ranks > 1 else contextlib.nullcontext() as mesh:
+        run.mesh = mesh
+        if repeat and _deepens(run, deep):
+            try:
+                return _deep_replay(run, alloc)
+            except NotAlike as e:  # exact or not at all: the full depth is stepped instead
+                log.debug("replayed at full depth: %s", e)
+        return _replay(run, alloc, repeat)
 
-        def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-            return [(torch.zeros(batch, context, dtype=torch.long), torch.zeros(batch, context, dtype=torch.long))
-                    for _ in range(n)]
 
-        micro = min(grad_accum, 2)
-        first = _Recorder(alloc)
+@dataclass
+class _Run:
+    """One replay's step: the model, its plan and the step's shape, and the fake ranks it runs on."""
+
+    source: ModelSource
+    policy: str
+    batch: int
+    context: int
+    micro: int
+    """Micro-batches a step runs (later ones would repeat the second)."""
+    dtype: torch.dtype | None
+    optim: OptimConfig
+    target: Target
+    parallel: str | None
+    """fsdp or ddp over the fake ranks; None: one process."""
+    mesh: object = None
+
+    def build(self, source: ModelSource, policy: str | None) -> tuple[torch.nn.Module, object]:
+        """``source``'s fake model, its checkpointing applied (``policy``; None: none) and sharded as the trainer
+        shards it, and its fake mode."""
+        model, mode = fake_model(source, torch.device("cpu"))
+        if policy is not None:
+            apply_activation_checkpointing(model, policy)
+        if self.parallel == "fsdp":
+            with mode:
+                fsdp_shard(model, precision_roles(self.dtype, True)[1], mesh=self.mesh)
+        return model, mode
+
+    @contextlib.contextmanager
+    def stepping(self, model, mode, allocator, update: Callable | None = None):
+        """Inside it, ``step()`` runs a training step of ``model``; yields (step, optimizer, the LiveMemory feeding
+        ``allocator``). DDP's buckets are made as it is built, after the weights; then the cuBLAS workspaces.
+        ``update``: as ``train_step`` takes it."""
+        t, dtype = self.target, self.dtype
+        math_only = t.attention_backend(dtype, self.source.head_dim) == "math"
+        amp = autocast(torch.device("cpu"), precision_roles(dtype, self.parallel == "fsdp")[0])  # FSDP: pure half precision
+        rules = cuda_autocast_rules() if t.cuda and dtype else contextlib.nullcontext()  # CUDA's casts, on CPU tensors
+        with mode, rules, LiveMemory(allocator=allocator) as live, sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext():
+            step_model = ddp_wrap(model, fake=True) if self.parallel == "ddp" else model  # its buckets, made as it is built
+            _workspaces(allocator, t)
+            optimizer = build_optimizer(model, self.optim, torch.device(t.device))
+            kw = {"amp": amp, "grad_clip": self.optim.grad_clip, "check": False, "update": update,
+                  "sync": lambda last: sync_context(step_model, last)}
+
+            def step() -> None:
+                tokens = (self.batch, self.context)  # (B, T) ids and targets, two tensors
+                batches = [(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens, dtype=torch.long)) for _ in range(self.micro)]
+                train_step(step_model, optimizer, batches, **kw)
+
+            yield step, optimizer, live
+
+
+def _workspaces(alloc, target: Target) -> None:
+    """cuBLAS's workspaces, one per handle (two: the forward's stream and the autograd engine's)."""
+    for handle in range(target.workspace_bytes() and 2):
+        alloc.malloc(-1 - handle, target.workspace_bytes() // 2)
+
+
+def _weights(model: torch.nn.Module) -> list[int]:
+    """Bytes of the model's parameter storages (this rank's shards under FSDP), in order, each once."""
+    return [st.nbytes() for st in {id(st): st for p in model.parameters() for st in storages(p)}.values()]
+
+
+def _state_keys(optimizer) -> set[int]:
+    return {id(st) for t in optimizer_state_tensors(optimizer) for st in storages(t)}  # keyed as LiveMemory keys
+
+
+def _replay(run: _Run, alloc, repeat: bool) -> dict[str, int]:
+    model, mode = run.build(run.source, run.policy)
+    _feed(alloc, [(("w", i), nbytes) for i, nbytes in enumerate(_weights(model))])
+    first = _Recorder(alloc)
+    with run.stepping(model, mode, alloc) as (step, optimizer, live):
         live.allocator = first
-        train_step(step_model, optimizer, batches(micro), **step_kw)  # as every step: DDP then keeps its gradients
+        step()  # as every step: DDP then keeps its gradients
         live.allocator = alloc
         alloc.reset_peaks()
         cleared = all(p.grad is None for p in model.parameters())  # else the next step adds into them: not a repeat
-        state = {id(st) for t in optimizer_state_tensors(optimizer) for st in storages(t)}  # keyed as LiveMemory keys
-        if not (repeat and cleared and first.repeat(state)):
-            train_step(step_model, optimizer, batches(micro), **step_kw)
+        again = _again(first.events, _state_keys(optimizer)) if repeat and cleared else None
+        if again is None:
+            step()
+        else:
+            _feed(alloc, again)
     return {"max_allocated": alloc.peak_allocated, "max_reserved": alloc.peak_reserved}
 
 
+def _deepens(run: _Run, deep: bool | None) -> bool:
+    """Whether to record ``run`` shallow and deepen it: a model that changes depth, one process or FSDP, the optimizer
+    stepping after the backward on the device, and a shallow step shorter (``deep=None``: by 4 blocks at least)."""
+    o = run.optim
+    if deep is False or run.parallel not in SHALLOW or not run.source.resizable or o.in_backward or o.offload:
+        return False
+    shallow = _shallow(run)
+    return shallow is not None and len(shallow[1]) < run.source.n_blocks - (0 if deep else 3)
+
+
+def _shallow(run: _Run) -> tuple[str, list[int], list[int]] | None:
+    """The shallow step: its policy, its blocks (the full model's ids) and how many times each runs at full depth (a run
+    of blocks alike keeps SHALLOW's blocks either side of one repeated); None for a plan of groups of blocks."""
+    first, later, after = SHALLOW[run.parallel]
+    n, policy = run.source.n_blocks, parse_policy(run.policy)
+    regions = policy.regions(n)
+    if len(regions) != n:
+        return None
+    alike = [(r.recompute, r.offload) for r in regions]
+    ids, copies, a = [], [], 0
+    while a < n:
+        b = a
+        while b + 1 < n and alike[b + 1] == alike[a]:
+            b += 1
+        before = later if a else first
+        if b - a + 1 > before + 1 + after:
+            ids += [*range(a, a + before + 1), *range(b - after + 1, b + 1)]
+            copies += [1] * before + [b - a + 1 - before - after] + [1] * after
+        else:
+            ids += range(a, b + 1)
+            copies += [1] * (b - a + 1)
+        a = b + 1
+    return policy.of_blocks(ids, n), ids, copies
+
+
+def _deep_replay(run: _Run, alloc) -> dict[str, int]:
+    """``_replay``'s step recorded shallow (``_shallow``) and deepened, with the weights and the optimizer (built, and its
+    update, which runs over every parameter at once) taken from the full-depth model: recorded in a forked copy of this
+    process meanwhile, and kept for the next plan's replay."""
+    key = repr((run.source, run.optim, run.dtype, run.target, run.parallel, run.mesh and run.mesh.size()))
+    kept = _FULL_DEPTH.get(key)
+    with Forked(_record_full_depth, run) if kept is None else contextlib.nullcontext() as job:
+        rec, copies, out = _record_shallow(run)
+        weights, made, update, state, update_out = kept or job.result()
+    _FULL_DEPTH.clear()  # one model at a time
+    _FULL_DEPTH[key] = weights, made, update, state, update_out
+    if [n for _, n in out] != [n for _, n in update_out]:
+        raise NotAlike("the shallow and full-depth updates return different tensors")
+    events = deepen(rec, copies, update, [(t, k) for (t, _), (k, _) in zip(out, update_out)])
+    again = _again(events, state)
+    if again is None:
+        raise NotAlike("the deepened step leaves more than the optimizer state alive")
+    _feed(alloc, [(("w", i), nbytes) for i, nbytes in enumerate(weights)])
+    _workspaces(alloc, run.target)
+    _feed(alloc, made + events)  # the optimizer as it is built, then the first step
+    alloc.reset_peaks()
+    _feed(alloc, again)
+    return {"max_allocated": alloc.peak_allocated, "max_reserved": alloc.peak_reserved}
+
+
+_FULL_DEPTH: dict[str, tuple] = {}
+
+
+def _record_shallow(run: _Run) -> tuple[Recording, list[int], list[tuple[int, int]]]:
+    """The first step of ``run``'s shallow model, recorded block by block; how many times each of its blocks runs at full
+    depth; and (token, bytes) of what its update returned."""
+    policy, ids, copies = _shallow(run)
+    rec = Recording(len(ids))
+    model, mode = run.build(run.source.at(n_blocks=len(ids)), policy)
+
+    def marked_update(*args):
+        rec.mark("update")
+        out = optimizer_update(*args)
+        rec.mark("update_end")
+        return out
+
+    with run.stepping(model, mode, CachingAllocatorModel(), marked_update) as (step, optimizer, live):
+        live.allocator = rec  # the step's alone: the workspaces are fed apart
+        with block_marks(find_blocks(model)[1], rec.mark):
+            step()
+        out = _returned(rec, _state_keys(optimizer))
+        live.allocator = None  # the recording ends with the step, not as the model and optimizer are let go
+    if not all(p.grad is None for p in model.parameters()):
+        raise NotAlike("the step keeps its gradients: the next one adds into them")
+    return rec, copies, out
+
+
+def _returned(rec: Recording, state: set[int]) -> list[tuple[int, int]]:
+    """(token, bytes) of what the recorded update made and did not free besides the optimizer state (``state``: its
+    keys while alive), in order: what it returns (the gradient norm, whether it stepped)."""
+    update = next(events for label, events in rec.segments if label == ("update",))
+    made = {t: n for t, n in update if n is not None}
+    freed = {t for t, n in update if n is None}
+    kept = {rec.live[key] for key in state if key in rec.live}
+    return [(t, n) for t, n in made.items() if t not in freed and t not in kept]
+
+
+def _record_full_depth(run: _Run) -> tuple[list[int], list[Event], list[Event], set, list[Event]]:
+    """The full-depth model's weights (bytes, in order); its optimizer's allocations and frees as it is built and in its
+    first update; the keys of the state that creates; and (key, bytes) of what the update returns. The same for every
+    plan of a model, step and optimizer."""
+    model, mode = run.build(run.source, None)
+    rec = Recording(0)
+    with mode, LiveMemory(allocator=rec) as live:
+        optimizer = build_optimizer(model, run.optim, torch.device(run.target.device))  # what its construction allocates
+        live.allocator = None
+        for p in model.parameters():  # the gradients the backward made (not the update's)
+            p.grad = torch.zeros_like(p)
+        total = torch.zeros(())  # the step's loss, made before the update
+        live.allocator = rec
+        rec.mark("update")
+        returned = optimizer_update(model, optimizer, total, None, run.optim.grad_clip, False)
+        state = _state_keys(optimizer)
+        made, update = ([(("u", t), n) for t, n in events] for _, events in rec.segments)
+        out = [(("u", t), n) for t, n in _returned(rec, state)]
+        live.allocator = None
+        del returned  # the step lets it go after the update: not recorded here
+    return _weights(model), made, update, {("u", rec.live[k]) for k in state if k in rec.live}, out
+
+
+def _feed(alloc, events: list[Event]) -> None:
+    for key, nbytes in events:
+        if nbytes is None:
+            alloc.free(key)
+        else:
+            alloc.malloc(key, nbytes)
+
+
 class _Recorder:
-    """Passes a step's allocations and frees on to the allocator model, in order, to be repeated as the next step."""
+    """Passes a step's allocations and frees on to the allocator model, in order, and keeps them."""
 
     def __init__(self, alloc) -> None:
         self.alloc, self.events = alloc, []
 
-    def malloc(self, key: int, nbytes: int) -> None:
+    def malloc(self, key, nbytes: int) -> None:
         self.events.append((key, nbytes))
         self.alloc.malloc(key, nbytes)
 
-    def free(self, key: int) -> None:
+    def free(self, key) -> None:
         self.events.append((key, None))
         self.alloc.free(key)
 
-    def repeat(self, state: set[int]) -> bool:
-        """Replay the step again, less the optimizer state it created (``state``: its storages' keys), where nothing
-        else the step made outlives it and it freed nothing made before it; False (nothing replayed) otherwise.
 
-        The second step then runs the same ops on tensors of the same sizes, in the same order: it is the first
-        without the state's creation (tested equal, allocation by allocation). Skipping its fake ops halves the
-        replay's time."""
-        live: dict[int, int] = {}  # key -> the index of its allocation (a freed storage's id may be taken again)
-        for i, (key, nbytes) in enumerate(self.events):
-            if nbytes is not None:
-                live[key] = i
-            elif live.pop(key, None) is None:
-                return False  # freed what an earlier step made (DDP rebuilding its buckets, say)
-        if not live.keys() <= state:
-            return False  # gradients kept between steps, say: the next step does not allocate them again
-        kept = set(live.values())
-        for i, (key, nbytes) in enumerate(self.events):
-            if i in kept:
-                continue
-            if nbytes is None:
-                self.alloc.free(("again", key))
-            else:
-                self.alloc.malloc(("again", key), nbytes)
-        return True
+def _again(events: list[Event], state: set) -> list[Event] | None:
+    """The next step's allocations and frees: ``events`` (a first step's) less the optimizer state they created
+    (``state``: its keys), where nothing else the step made outlives it and it freed nothing made before it; None
+    otherwise.
 
+    The second step then runs the same ops on tensors of the same sizes, in the same order: it is the first without
+    the state's creation (tested equal, allocation by allocation). Skipping its fake ops halves the replay's time."""
+    live: dict = {}  # key -> the index of its allocation (a freed storage's id may be taken again)
+    for i, (key, nbytes) in enumerate(events):
+        if nbytes is not None:
+            live[key] = i
+        elif live.pop(key, None) is None:
+            return None  # freed what an earlier step made (DDP rebuilding its buckets, say)
+    if not live.keys() <= state:
+        return None  # gradients kept between steps, say: the next step does not allocate them again
+    kept = set(live.values())
+    return [(("again", key), nbytes) for i, (key, nbytes) in enumerate(events) if i not in kept]
