@@ -15,7 +15,9 @@ from fitgpt.cli.workload import BudgetConfig
 from fitgpt.config import OptimConfig, load_config
 from fitgpt.device import autocast
 from fitgpt.errors import UserError
+from fitgpt.estimate.hardware import Target, find_gpu
 from fitgpt.estimate.profile import BLOCK_OPTIONS, HEAD_OPTIONS, profile_model
+from fitgpt.estimate.timing import roofline
 from fitgpt.memory.timeline import measure_train_step
 from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer
@@ -147,6 +149,21 @@ def test_dynamic_programme_equals_exhaustive_search(tiny_profile):
     assert len(plans) >= 5 and "none" in plans
     with pytest.raises(PlanError):
         solve(tiny_profile, lowest - 1)
+
+
+def test_blocks_alike_get_their_options_in_runs(tiny_model_config):
+    """A deep model's middle blocks cost alike: which of them recompute is a tie, broken the same way every time (whole
+    nanoseconds, not float sums in different orders), so that the plan keeps runs of alike blocks, which the allocator
+    replay deepens from a shallow step. Float sums gave 6-9 runs at these budgets."""
+    h100 = find_gpu("h100-80gb")
+    cfg = tiny_model_config(arch="llama", n_blocks=24, n_embed=256, n_head=4, n_kv_head=2, ffn_hidden=512, vocab_size=512,
+                            context_length=256)
+    p = profile_model(cfg, 4, 256, fake=True, target=Target("cuda", h100), dtype=torch.bfloat16,
+                      cost=roofline(h100, torch.bfloat16))
+    none, low = (predict(p, Plan.uniform(p.n_blocks, o)).peak for o in ("none", "block"))
+    for between in (0.3, 0.5, 0.7):
+        plan, _ = solve(p, int(low + between * (none - low)))
+        assert sum(1 for i in range(p.n_blocks) if i == 0 or plan.blocks[i] != plan.blocks[i - 1]) <= 3, plan.spec()
 
 
 def test_a_budget_with_room_to_spare_needs_no_search_over_plans(tiny_profile, monkeypatch):

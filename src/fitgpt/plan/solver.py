@@ -211,8 +211,10 @@ def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[float,
     # state: (bytes saved for backward, bytes held in the forward, cost, options), the latter also holding
     # autocast's transient copies; pruned to the states no other beats on all three. Kept apart by the shared inputs
     # they hold (0, or all of them once an option recomputes a block: through the head's backward and the backward
-    # of every block from there on).
-    states: dict[int, list[tuple[int, int, tuple, tuple[str, ...]]]] = {0: [(p.embed_saved, p.embed_saved, (0.0, 0, 0), ())]}
+    # of every block from there on). Seconds are summed in whole nanoseconds: plans alike in cost (middle blocks are
+    # alike) tie exactly, rather than by floating-point rounding, and the first found is kept: runs of blocks alike,
+    # which the allocator replay deepens from a shallow step (the same plan, found in a third of the time).
+    states: dict[int, list[tuple[int, int, tuple, tuple[str, ...]]]] = {0: [(p.embed_saved, p.embed_saved, (0, 0, 0), ())]}
     for i in range(p.n_blocks):
         nxt: dict[int, dict[tuple[int, int], tuple[tuple, tuple[str, ...]]]] = {}
         for held_before, group in states.items():
@@ -221,7 +223,7 @@ def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[float,
                     held = p.shared_inputs if o in _HOLD_INPUTS else held_before
                     if u + b.fwd_rise > room or c_head - p.embed_saved + grads_after[i] + s + held + b.saved + b.bwd_rise > room:
                         continue
-                    key, c2 = (s + b.saved, u + b.saved + b.transient), (cost[0] + b.time, cost[1] + b.recompute_flops,
+                    key, c2 = (s + b.saved, u + b.saved + b.transient), (cost[0] + round(b.time * 1e9), cost[1] + b.recompute_flops,
                                                                          cost[2] + (o != "none"))
                     reached = nxt.setdefault(held, {})
                     if key not in reached or c2 < reached[key][0]:
@@ -232,7 +234,7 @@ def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[float,
     if not done:
         return None
     cost, opts = min(done)
-    return (cost[0] + head.time, cost[1] + head.recompute_flops, cost[2] + (head_name != "plain")), opts
+    return (cost[0] / 1e9 + head.time, cost[1] + head.recompute_flops, cost[2] + (head_name != "plain")), opts
 
 
 def _cheapest_options(p: StepProfile, head_name: str) -> tuple[tuple[float, int, int], tuple[str, ...]]:
