@@ -4,7 +4,8 @@ A step's allocations and frees, in order, are what the caching-allocator replay 
 blocks) they take a fake step of the whole model, seconds each, and the planner replays two or three plans. But a
 middle block allocates and frees as its neighbours do: the same sizes, in the same order, freeing what the blocks
 at the same distance made (FSDP lets a gather go two blocks on). So the step of a shallow model is recorded cut at
-every block boundary (`Recording`), and its middle block's segments are repeated to the full depth (`deepen`).
+every block boundary (`Recording`), and in each run of blocks alike one middle block's segments are repeated to the
+full depth (`deepen`).
 
 Keys name what a full-depth step allocates: ``("b", phase, micro-batch, block, n)`` the n-th allocation of a block's
 forward or backward segment, ``("g", token)`` one outside any block (embedding, head, loss, between steps), made once
@@ -40,13 +41,15 @@ class Recording:
         self.live: dict[object, int] = {}
         """key -> token, while allocated."""
         self._micro = 0
+        self._place = 0  # allocations so far in the current segment
 
     def malloc(self, key, nbytes: int) -> None:
         if nbytes == 0:
             return
         label, events = self.segments[-1]
         token = len(self.born)
-        self.born[token] = (label, sum(1 for _, n in events if n is not None))
+        self.born[token] = (label, self._place)
+        self._place += 1
         self.live[key] = token
         events.append((token, nbytes))
 
@@ -74,6 +77,7 @@ class Recording:
 
     def _begin(self, label: tuple) -> None:
         self.segments.append((label, []))
+        self._place = 0
 
 
 def deepen(rec: Recording, copies: list[int], update: list[Event], update_out: list[tuple[int, object]]) -> list[Event]:

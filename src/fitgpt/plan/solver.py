@@ -211,9 +211,9 @@ def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[float,
     # state: (bytes saved for backward, bytes held in the forward, cost, options), the latter also holding
     # autocast's transient copies; pruned to the states no other beats on all three. Kept apart by the shared inputs
     # they hold (0, or all of them once an option recomputes a block: through the head's backward and the backward
-    # of every block from there on). Seconds are summed in whole nanoseconds: plans alike in cost (middle blocks are
-    # alike) tie exactly, rather than by floating-point rounding, and the first found is kept: runs of blocks alike,
-    # which the allocator replay deepens from a shallow step (the same plan, found in a third of the time).
+    # of every block from there on). Seconds are summed in whole nanoseconds: plans of equal cost (middle blocks are
+    # alike) tie exactly, not by floating-point rounding, and the first found is kept. That gives runs of blocks with
+    # one option rather than a scatter, and the allocator replay records a run at a fraction of its depth.
     states: dict[int, list[tuple[int, int, tuple, tuple[str, ...]]]] = {0: [(p.embed_saved, p.embed_saved, (0, 0, 0), ())]}
     for i in range(p.n_blocks):
         nxt: dict[int, dict[tuple[int, int], tuple[tuple, tuple[str, ...]]]] = {}
