@@ -60,8 +60,8 @@ def simulate_step(model: ModelConfig | ModelSource, policy: str, batch: int, con
     the optimizer state; the second is measured, its token batches included. Each step runs up to two micro-batches
     (later ones repeat the second; DDP all-reduces the last one only). ``allocator``: the model replayed through (default:
     CUDA's). ``repeat``: the second step is the first's allocations replayed again, less the optimizer state, where
-    that is what it would do (``_again``); False: run on fake tensors as the first. ``deep``: record a shallow step and
-    deepen it (None: where the model is deep enough to gain; False: never), else step the full depth.
+    that is what it would do (``_again``); False: run on fake tensors as the first. ``deep``: with ``repeat``, record a
+    shallow step and deepen it (None: where the model is deep enough to gain; False: never), else step the full depth.
     """
     source = as_source(model)
     if context > source.context_length:
@@ -71,9 +71,10 @@ def simulate_step(model: ModelConfig | ModelSource, policy: str, batch: int, con
     alloc = allocator if allocator is not None else CachingAllocatorModel()
     with fake_ranks(ranks) if ranks > 1 else contextlib.nullcontext() as mesh:
         run.mesh = mesh
-        if repeat and _deepens(run, deep):
+        shallow = _deepened_from(run, deep) if repeat else None
+        if shallow is not None:
             try:
-                return _deep_replay(run, alloc)
+                return _deep_replay(run, shallow, alloc)
             except NotAlike as e:  # exact or not at all: the full depth is stepped instead
                 log.debug("replayed at full depth: %s", e)
         return _replay(run, alloc, repeat)
@@ -164,14 +165,16 @@ def _replay(run: _Run, alloc, repeat: bool) -> dict[str, int]:
     return {"max_allocated": alloc.peak_allocated, "max_reserved": alloc.peak_reserved}
 
 
-def _deepens(run: _Run, deep: bool | None) -> bool:
-    """Whether to record ``run`` shallow and deepen it: a model that changes depth, one process or FSDP, the optimizer
-    stepping after the backward on the device, and a shallow step shorter (``deep=None``: by 4 blocks at least)."""
+def _deepened_from(run: _Run, deep: bool | None) -> tuple[str, list[int], list[int]] | None:
+    """The shallow step (``_shallow``) to record ``run`` from and deepen, or None to step the full depth: a model that
+    changes depth, one process or FSDP, the optimizer stepping after the backward on the device, and a shallow step
+    shorter (``deep=None``: by 4 blocks at least)."""
     o = run.optim
     if deep is False or run.parallel not in SHALLOW or not run.source.resizable or o.in_backward or o.offload:
-        return False
+        return None
     shallow = _shallow(run)
-    return shallow is not None and len(shallow[1]) < run.source.n_blocks - (0 if deep else 3)
+    shorter = shallow is not None and len(shallow[1]) < run.source.n_blocks - (0 if deep else 3)
+    return shallow if shorter else None
 
 
 def _shallow(run: _Run) -> tuple[str, list[int], list[int]] | None:
@@ -199,14 +202,14 @@ def _shallow(run: _Run) -> tuple[str, list[int], list[int]] | None:
     return policy.of_blocks(ids, n), ids, copies
 
 
-def _deep_replay(run: _Run, alloc) -> dict[str, int]:
+def _deep_replay(run: _Run, shallow: tuple[str, list[int], list[int]], alloc) -> dict[str, int]:
     """``_replay``'s step recorded shallow (``_shallow``) and deepened, with the weights and the optimizer (built, and its
     update, which runs over every parameter at once) taken from the full-depth model: recorded in a forked copy of this
     process meanwhile, and kept for the next plan's replay."""
     key = repr((run.source, run.optim, run.dtype, run.target, run.parallel, run.mesh and run.mesh.size()))
     kept = _FULL_DEPTH.get(key)
     with Forked(_record_full_depth, run) if kept is None else contextlib.nullcontext() as job:
-        rec, copies, out = _record_shallow(run)
+        rec, copies, out = _record_shallow(run, shallow)
         weights, made, update, state, update_out = kept or job.result()
     _FULL_DEPTH.clear()  # one model at a time
     _FULL_DEPTH[key] = weights, made, update, state, update_out
@@ -227,10 +230,10 @@ def _deep_replay(run: _Run, alloc) -> dict[str, int]:
 _FULL_DEPTH: dict[str, tuple] = {}
 
 
-def _record_shallow(run: _Run) -> tuple[Recording, list[int], list[tuple[int, int]]]:
-    """The first step of ``run``'s shallow model, recorded block by block; how many times each of its blocks runs at full
-    depth; and (token, bytes) of what its update returned."""
-    policy, ids, copies = _shallow(run)
+def _record_shallow(run: _Run, shallow: tuple[str, list[int], list[int]]) -> tuple[Recording, list[int], list[tuple[int, int]]]:
+    """The first step of ``run``'s shallow model (``shallow``: as ``_shallow`` gives it), recorded block by block; how
+    many times each of its blocks runs at full depth; and (token, bytes) of what its update returned."""
+    policy, ids, copies = shallow
     rec = Recording(len(ids))
     model, mode = run.build(run.source.at(n_blocks=len(ids)), policy)
 

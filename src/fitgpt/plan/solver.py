@@ -214,6 +214,7 @@ def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[float,
     # of every block from there on). Seconds are summed in whole nanoseconds: plans of equal cost (middle blocks are
     # alike) tie exactly, not by floating-point rounding, and the first found is kept. That gives runs of blocks with
     # one option rather than a scatter, and the allocator replay records a run at a fraction of its depth.
+    nanoseconds = [{o: round(b.time * 1e9) for o, b in options.items()} for options in p.blocks]
     states: dict[int, list[tuple[int, int, tuple, tuple[str, ...]]]] = {0: [(p.embed_saved, p.embed_saved, (0, 0, 0), ())]}
     for i in range(p.n_blocks):
         nxt: dict[int, dict[tuple[int, int], tuple[tuple, tuple[str, ...]]]] = {}
@@ -223,7 +224,7 @@ def _solve_head(p: StepProfile, head_name: str, room: int) -> tuple[tuple[float,
                     held = p.shared_inputs if o in _HOLD_INPUTS else held_before
                     if u + b.fwd_rise > room or c_head - p.embed_saved + grads_after[i] + s + held + b.saved + b.bwd_rise > room:
                         continue
-                    key, c2 = (s + b.saved, u + b.saved + b.transient), (cost[0] + round(b.time * 1e9), cost[1] + b.recompute_flops,
+                    key, c2 = (s + b.saved, u + b.saved + b.transient), (cost[0] + nanoseconds[i][o], cost[1] + b.recompute_flops,
                                                                          cost[2] + (o != "none"))
                     reached = nxt.setdefault(held, {})
                     if key not in reached or c2 < reached[key][0]:
