@@ -14,9 +14,21 @@ class UserError(Exception):
     a box; this one reaches the CLI."""
 
 
-def require_finite(obj: object, section: str = "") -> None:
-    """Refuse NaN and infinities in every float field of a config dataclass, naming the flag."""
+def require_finite(obj: object, section: str = "", flags: str | None = None) -> None:
+    """Refuse NaN and infinities in every float field of a config dataclass, naming the flag (``flags``: the
+    command's prefix of them, default ``--{section}``)."""
     for f in fields(obj):
         value = getattr(obj, f.name)
         if isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"{section}{f.name} must be a finite number, got {value} (set --{section}{f.name.replace('_', '-')})")
+            flag = f"{f'--{section}' if flags is None else flags}{f.name.replace('_', '-')}"
+            raise UserError(f"{section}{f.name} must be a finite number, got {value} (set {flag})")
+
+
+def require_not_empty(obj: object, names: tuple[str, ...], prefix: str = "") -> None:
+    """Refuse an empty string where a path, a card or a size is named: ``--gpu "$CARD"`` with CARD unset means a
+    mistake, never "not given"."""
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, str) and not value.strip():
+            flag = f"--{prefix}{name.replace('_', '-')}"
+            raise UserError(f"{flag} is empty (an unset shell variable?): give a value, or drop {flag}")

@@ -12,6 +12,7 @@ from fitgpt.data.prepare import prepare
 
 @dataclass
 class PrepareConfig(DataConfig):
+    FLAGS = "--"  # prepare's flags are the settings' bare names: its errors name those
     resume: bool = False
     """Continue a preparation of the same inputs and settings that was interrupted (Ctrl-C, a kill, a full disk)
     from its last closed shard; without it an interrupted one is started over."""

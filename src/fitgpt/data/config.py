@@ -9,9 +9,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
-from fitgpt.errors import UserError, require_finite
+from fitgpt.errors import UserError, require_finite, require_not_empty
 from fitgpt.units import parse_bytes
 from fitgpt.utils import sha256_file
 
@@ -58,19 +58,23 @@ class DataConfig:
     """Tokens per output shard: a shard closes at the first document end past this, and a resumed preparation
     starts again from the last closed one."""
 
+    FLAGS: ClassVar[str] = "--data."
+    """How the command that takes these settings spells their flags (fitgpt train's; fitgpt prepare's are bare)."""
+
     def __post_init__(self) -> None:
-        require_finite(self, "data.")
+        flag = lambda name: self.FLAGS + name.replace("_", "-")  # noqa: E731
+        require_finite(self, "data.", self.FLAGS)
+        require_not_empty(self, ("dir", "text_field", "tokenizer", "tokenizer_sample"), self.FLAGS[2:])
         if not 0.0 < self.val_fraction < 0.5:
-            raise UserError(f"data.val_fraction must be in (0, 0.5), got {self.val_fraction} (set --data.val-fraction)")
+            raise UserError(f"{flag('val_fraction')} must be in (0, 0.5), got {self.val_fraction}")
         if self.tokenizer == "bpe" and not 258 <= self.vocab_size <= MAX_VOCAB:
-            raise UserError(f"data.vocab_size must be in [258, {MAX_VOCAB:,}] for bpe, got {self.vocab_size:,} "
-                             "(set --data.vocab-size; --vocab-size for fitgpt prepare)")
-        if parse_bytes(self.tokenizer_sample, flag="--tokenizer-sample") <= 0:
-            raise UserError("--tokenizer-sample must be positive, e.g. 200MB")
+            raise UserError(f"{flag('vocab_size')} must be in [258, {MAX_VOCAB:,}] for bpe, got {self.vocab_size:,}")
+        if parse_bytes(self.tokenizer_sample, flag=flag("tokenizer_sample")) <= 0:
+            raise UserError(f"{flag('tokenizer_sample')} must be positive, e.g. 200MB")
         if self.shard_tokens < 1:
-            raise UserError(f"--shard-tokens must be positive, got {self.shard_tokens}")
+            raise UserError(f"{flag('shard_tokens')} must be positive, got {self.shard_tokens}")
         if not self.inputs:
-            raise UserError("data.inputs is empty; name at least one file, directory or 'stdlib' (--data.inputs)")
+            raise UserError(f"{flag('inputs')} is empty; name at least one file, directory or 'stdlib'")
 
     @property
     def path(self) -> Path:

@@ -101,7 +101,10 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
         for m in matches:
             p = Path(m)
             if p.is_dir():
-                files += sorted(q for q in p.rglob("*") if q.is_file() and not _hidden(q.relative_to(p)))
+                if _written_by_fitgpt(p):
+                    raise UserError(f"input {item!r}: {m} is a folder fitgpt wrote (prepared data or a run), not text to "
+                                    "train on; name the text itself in --inputs")
+                files += _walk(p)
             elif p.is_file():
                 files.append(p)
             else:
@@ -111,6 +114,27 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
 
 def _hidden(relative: Path) -> bool:
     return any(part.startswith(".") for part in relative.parts)
+
+
+FITGPT_MARKERS = (".fitgpt-lock", ".fitgpt-run")
+"""Files in every folder fitgpt writes (prepared data, runs): such a folder is output, never input."""
+
+
+def _written_by_fitgpt(directory: Path) -> bool:
+    return any((directory / name).exists() for name in FITGPT_MARKERS)
+
+
+def _walk(root: Path) -> list[Path]:
+    """The files below ``root``, sorted: hidden names, symlinked directories and folders fitgpt wrote left out (a
+    corpus walked from ``.`` must not take in its own prepared data or a run's metrics)."""
+    files = []
+    for here, dirs, names in os.walk(root):  # never follows a symlinked directory
+        pruned = [d for d in dirs if not d.startswith(".") and not _written_by_fitgpt(Path(here, d))]
+        if len(pruned) < sum(not d.startswith(".") for d in dirs):
+            log.info("not reading folders fitgpt wrote under %s: %s", here, sorted(set(dirs) - set(pruned)))
+        dirs[:] = pruned
+        files += [Path(here, n) for n in names if not n.startswith(".") and Path(here, n).is_file()]
+    return sorted(files)
 
 
 def _glob(pattern: str) -> list[str]:
@@ -168,6 +192,10 @@ def _file_documents(path: Path, index: int, skip: int, stats: CorpusStats, text_
     st = path.stat()
     stats.seen[str(path)] = [st.st_size, st.st_mtime_ns]
     name = path.name.lower()
+    if not st.st_size:  # an empty record file too (a compressed one is not even gzip): no text, like an empty file
+        stats.sha256[str(path)] = hashlib.sha256(b"").hexdigest()
+        stats.skipped[str(path)] = "empty"
+        return
     if name.endswith(RECORD_SUFFIXES):
         yield from _record_documents(path, index, _records(path, text_field, skip), text_field, skip, stats)
         stats.sha256[str(path)] = sha256_file(path)  # a second read, from the page cache; hashing releases the GIL
@@ -185,8 +213,8 @@ def _file_documents(path: Path, index: int, skip: int, stats: CorpusStats, text_
     if not text.strip():
         stats.skipped[str(path)] = "empty"
         return
-    records = _json_array(text, text_field) if name.endswith(".json") else None
-    if records is not None:  # a .json array of records; any other .json is a text document like any file
+    records = _json_records(text) if name.endswith(".json") else None
+    if records is not None:  # a .json array of records; any other .json is a text document
         yield from _record_documents(path, index, ((r, 0) for r in records[skip:]), text_field, skip, stats)
     elif not skip:
         yield Document(str(path), text, (index + 1, 0), len(raw))
@@ -214,7 +242,12 @@ def _record_documents(path: Path, index: int, records: Iterator[tuple[dict, int]
         yield Document(f"{path}#{i}", text, (index, i + 1), size, dict(skips))
         size = 0
     if not used:
-        have = f"its records have: {', '.join(keys)}" if keys else "it has no records"
+        if skips["not_text"]:
+            have = f"{skips['not_text']:,} records hold a number, null or a list there, no string"
+        elif skips["empty"]:
+            have = "every record's text there is empty"
+        else:
+            have = f"its records have: {', '.join(keys)}" if keys else "it has no records of key-value pairs"
         raise UserError(f"{path}: no record has a text field {text_field!r} ({have}); set --text-field "
                          "(--data.text-field when training)")
 
@@ -244,15 +277,15 @@ def _records(path: Path, text_field: str, skip: int) -> Iterator[tuple[dict, int
                          f"({e})") from None
 
 
-def _json_array(text: str, text_field: str) -> list[dict] | None:
-    """The records of a .json file holding an array of objects with ``text_field``, else None (a text document)."""
+def _json_records(text: str) -> list[dict] | None:
+    """The records of a .json file holding an array of objects, else None (any other .json, a package.json or a list
+    of numbers, is a text document). A UTF-8 byte-order mark is allowed, as for JSON Lines; records without the text
+    field are counted, and a file none of whose records has text is refused, as there."""
     try:
-        data = json.loads(text)
+        data = json.loads(text.removeprefix("\ufeff"))
     except ValueError:
         return None
-    if isinstance(data, list) and data and all(isinstance(r, dict) for r in data) and any(text_field in r for r in data):
-        return data
-    return None
+    return data if isinstance(data, list) and data and all(isinstance(r, dict) for r in data) else None
 
 
 def _parquet_file(path: Path):
@@ -281,6 +314,10 @@ def _parquet_records(path: Path, text_field: str, skip: int) -> Iterator[tuple[d
         skip = 0
 
 
+GZIP_MIN = 20
+"""Bytes of the smallest gzip file: a 10-byte header, an empty deflate stream (2) and an 8-byte trailer."""
+
+
 def text_bytes(item: str | Path, text_field: str = "text") -> int:
     """About how many bytes of text an input holds, for progress and the tokenizer sample, without reading it:
     a file's size; a gzip file's recorded uncompressed size; a Parquet file's uncompressed text column."""
@@ -289,6 +326,8 @@ def text_bytes(item: str | Path, text_field: str = "text") -> int:
         return ds.data.column(column).nbytes
     name = item.name.lower()
     if name.endswith(".gz"):
+        if item.stat().st_size < GZIP_MIN:  # not even a gzip header and trailer: reading it says what it is
+            return 0
         with open(item, "rb") as f:  # the gzip trailer: the uncompressed size modulo 2**32
             f.seek(-4, os.SEEK_END)
             size = int.from_bytes(f.read(4), "little")

@@ -13,6 +13,14 @@ from fitgpt.data.prepared import FORMAT_VERSION, META_FILE
 from fitgpt.errors import UserError
 from fitgpt.utils import sha256_file
 
+FULL_SCAN_TOKENS = 1 << 28
+"""A split of at most this many tokens (512 MB of uint16) has every id checked at start."""
+
+
+def out_of_vocabulary(filename: str, token: int, vocab_size: int) -> str:
+    return (f"{filename} holds token id {token}, but meta.json says vocab_size {vocab_size}; the data and its tokenizer "
+            "do not match: re-run `fitgpt prepare`")
+
 
 class TokenData:
     """The prepared splits of one data directory, validated against meta.json."""
@@ -72,18 +80,21 @@ class TokenData:
                 f"{self.dir / META_FILE}); the data and its tokenizer do not match: re-run `fitgpt prepare --dir {self.dir}`"
             )
 
-    def _check_ids(self, samples: int = 64, window: int = 4096) -> None:
-        """Token ids must be below vocab_size: a scan of sampled windows and of each shard's end, cheap on any size."""
+    def _check_ids(self, samples: int = 64, window: int = 4096, whole: int = FULL_SCAN_TOKENS) -> None:
+        """Token ids must be below vocab_size: every id of a split up to ``whole`` tokens (a fraction of a second), of
+        a larger one sampled windows and each shard's end; the sampler checks every batch it draws besides. Every rank
+        runs this on the same files, so a bad id stops them all here, alike."""
         rng = np.random.default_rng(0)
         for shards in self.splits.values():
+            scan_all = sum(len(a) for a in shards) <= whole
             for arr in shards:
-                starts = rng.integers(0, max(1, len(arr) - window), size=max(1, samples // len(shards)))
-                top = max(max(int(arr[s : s + window].max()) for s in starts), int(arr[-window:].max()))
+                if scan_all:
+                    top = int(arr.max())
+                else:
+                    starts = rng.integers(0, max(1, len(arr) - window), size=max(1, samples // len(shards)))
+                    top = max(max(int(arr[s : s + window].max()) for s in starts), int(arr[-window:].max()))
                 if top >= self.vocab_size:
-                    raise UserError(
-                        f"{arr.filename} holds token id {top}, but meta.json says vocab_size {self.vocab_size}; "
-                        "the data and its tokenizer do not match: re-run `fitgpt prepare`"
-                    )
+                    raise UserError(out_of_vocabulary(arr.filename, top, self.vocab_size))
 
     def check_context(self, context_length: int) -> None:
         for split, shards in self.splits.items():
@@ -104,8 +115,12 @@ class BatchSampler:
     the draws are exactly those of a single token array.
     """
 
-    def __init__(self, tokens: np.ndarray | Sequence[np.ndarray], batch_size: int, context_length: int, seed: int) -> None:
+    def __init__(self, tokens: np.ndarray | Sequence[np.ndarray], batch_size: int, context_length: int, seed: int,
+                 vocab_size: int | None = None) -> None:
+        """``vocab_size``: every batch's ids are checked below it (an id the start's check did not read would index
+        past the embedding), naming the shard that holds one."""
         self.shards = [tokens] if isinstance(tokens, np.ndarray) else list(tokens)
+        self.vocab_size = vocab_size
         self.batch_size = batch_size
         self.context_length = context_length
         self.rng = np.random.Generator(np.random.PCG64(seed))
@@ -126,6 +141,10 @@ class BatchSampler:
         T = self.context_length
         ix = self.rng.integers(0, self._starts, size=self.batch_size)  # (B,) window starts in the stream
         xy = torch.from_numpy(np.stack([self._window(int(i), T + 1) for i in ix]))  # (B, T + 1)
+        if self.vocab_size is not None and int(xy.max()) >= self.vocab_size:
+            row, col = divmod(int(xy.argmax()), T + 1)
+            k = int(np.searchsorted(self._offsets, int(ix[row]) + col, side="right")) - 1
+            raise UserError(out_of_vocabulary(getattr(self.shards[k], "filename", "a shard"), int(xy.max()), self.vocab_size))
         x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()  # (B, T) each, as a model's .view() expects
         if torch.device(device).type == "cuda":
             return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 from fitgpt.data.config import BUILTIN, DataConfig
 from fitgpt.data.corpus import changed_inputs
 from fitgpt.errors import UserError
-from fitgpt.utils import DirLock
+from fitgpt.utils import DirLock, sha256_file
 
 META_FILE = "meta.json"
 FORMAT_VERSION = 2
@@ -27,9 +27,14 @@ def read_meta(cfg: DataConfig) -> dict | None:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"{meta_path} is unreadable ({e}); re-run `fitgpt prepare --dir {cfg.path}`") from None
-    if not isinstance(meta, dict):
-        raise UserError(f"{meta_path} is not fitgpt's; re-run `fitgpt prepare --dir {cfg.path}`")
+    if not _fitgpt_meta(meta):
+        raise UserError(f"{meta_path} is not a meta.json fitgpt prepare wrote (no format_version or tokenizer_sha256); "
+                        f"re-run `fitgpt prepare --dir {cfg.path} --inputs ...` into it, or choose another --data.dir")
     return meta
+
+
+def _fitgpt_meta(meta: object) -> bool:
+    return isinstance(meta, dict) and "format_version" in meta and "tokenizer_sha256" in meta
 
 
 def check_first_use(cfg: DataConfig) -> None:
@@ -48,7 +53,7 @@ def is_prepared(directory: Path) -> bool:
         meta = json.loads((directory / META_FILE).read_text())
     except (OSError, ValueError):
         return (directory / PARTIAL).is_dir()
-    return isinstance(meta, dict) and "format_version" in meta and "tokenizer_sha256" in meta
+    return _fitgpt_meta(meta)
 
 
 def _is_ours(directory: Path) -> bool:
@@ -88,11 +93,17 @@ def adopt_prepared(cfg: DataConfig, meta: dict) -> DataConfig:
     if not cfg.dir:
         return cfg
     fields = {f.name: f.default for f in dataclasses.fields(DataConfig)}
-    have = prepared_settings(meta)
-    if have["tokenizer"] not in ("bpe", "gpt2", None) and not Path(have["tokenizer"]).is_file():
-        del have["tokenizer"]  # a tokenizer file since moved: the data's own copy is what trains
+    have = prepared_settings(meta)  # a tokenizer file since removed is adopted too: the data's own copy is what trains
     return dataclasses.replace(cfg, **{k: v for k, v in have.items() if v is not None and getattr(cfg, k) == fields[k]})
 
+
+
+def _same_tokenizer_file(name: str, meta: dict) -> bool:
+    """--data.tokenizer naming a file with the very bytes the data was tokenized with (the data's own tokenizer.json,
+    or a copy of it): the same tokenizer, whatever the file is called."""
+    if name in ("bpe", "gpt2") or not Path(name).is_file():
+        return False
+    return sha256_file(Path(name)) == meta.get("tokenizer_sha256")
 
 
 def check_prepared(cfg: DataConfig, meta: dict, out: Path) -> None:
@@ -102,6 +113,8 @@ def check_prepared(cfg: DataConfig, meta: dict, out: Path) -> None:
     for key in have:
         value = list(getattr(cfg, key)) if key == "inputs" else getattr(cfg, key)
         recorded = list(have[key]) if key == "inputs" else have[key]
+        if key == "tokenizer" and _same_tokenizer_file(value, meta):
+            continue
         if recorded != value:
             raise UserError(
                 f"{meta_path} was prepared with {key}={recorded!r}, but this run asks for {value!r}; "

@@ -42,8 +42,12 @@ def identity(cfg: DataConfig, items: list) -> dict:
 
 def resumable(cfg: DataConfig, part: Path, items: list, strict: bool) -> dict | None:
     """The interrupted preparation's state, if there is one to continue; None to start over. One made with
-    other settings or inputs is refused if ``strict``, else started over."""
-    loaded = load_progress(part)
+    other settings or inputs, or one that cannot be read back, is refused if ``strict`` (--resume: nothing is
+    discarded), else started over."""
+    try:
+        loaded = load_progress(part)
+    except StaleProgress as e:
+        return _cannot_continue(part, str(e), strict)
     if loaded is None:
         if strict:
             log.info("no interrupted preparation in %s to resume; preparing from the start", part.parent)
@@ -63,9 +67,16 @@ def resumable(cfg: DataConfig, part: Path, items: list, strict: bool) -> dict | 
         for split, s in state["splits"].items():
             ShardWriter(part, split, dtype, cfg.shard_tokens, **s)  # checks the shards' sizes
     except (OSError, StaleProgress) as e:
-        log.warning("the interrupted preparation in %s cannot be continued (%s); starting over", part, e)
-        return None
+        return _cannot_continue(part, str(e), strict)
     return state
+
+
+def _cannot_continue(part: Path, why: str, strict: bool) -> None:
+    if strict:
+        raise UserError(f"--resume: the interrupted preparation in {part} cannot be continued ({why}); rerun without "
+                        "--resume to start it over")
+    log.warning("the interrupted preparation in %s cannot be continued (%s); starting over", part, why)
+    return None
 
 
 def _corpus(files: list[dict], current: dict | None) -> dict:

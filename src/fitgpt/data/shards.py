@@ -130,20 +130,25 @@ def save_progress(directory: Path, writers: dict[str, ShardWriter], state: dict,
 
 def load_progress(directory: Path) -> tuple[dict, list[dict]] | None:
     """The state ``save_progress`` committed last, its ``splits`` whole again from the journal, and the finished
-    files' records; None if there is none to read."""
+    files' records; None if there is none (no progress.json). Raises StaleProgress, naming the file, if one is
+    there but cannot be read back."""
+    if not (directory / PROGRESS_FILE).is_file():
+        return None
+    reading = directory / PROGRESS_FILE
     try:
-        state = json.loads((directory / PROGRESS_FILE).read_text())
+        state = json.loads(reading.read_text())
         logged = state["journaled"]
-        with open(directory / JOURNAL_FILE, "rb") as f:
+        reading = directory / JOURNAL_FILE
+        with open(reading, "rb") as f:
             lines = f.read(logged["bytes"]).decode().splitlines()
         entries = [json.loads(line) for line in lines]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    shards: dict[str, list[dict]] = {split: [] for split in SPLITS}
-    for e in entries:
-        if "shard" in e:
-            shards[e.pop("shard")].append(e)
+        shards: dict[str, list[dict]] = {split: [] for split in SPLITS}
+        for e in entries:
+            if "shard" in e:
+                shards[e.pop("shard")].append(e)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise StaleProgress(f"{reading} is unreadable ({type(e).__name__}: {e})") from None
     if any(len(shards[s]) != logged["shards"].get(s, 0) for s in SPLITS):
-        return None
+        raise StaleProgress(f"{directory / JOURNAL_FILE} lists other shards than {PROGRESS_FILE} records")
     state["splits"] = {s: {"shards": shards[s], **state["splits"].get(s, {})} for s in SPLITS}
     return state, [e["input"] for e in entries if "input" in e]
