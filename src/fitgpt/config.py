@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional
 
 from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.data.config import DataConfig
-from fitgpt.errors import UserError, require_finite
+from fitgpt.errors import UserError, require_finite, require_not_empty
 from fitgpt.model.config import ModelConfig, require_positive_ints
 from fitgpt.units import parse_bytes
 
@@ -144,7 +144,8 @@ class TrainConfig:
     process under torchrun)."""
     auto_config: bool = False
     """Before training, choose the fastest configuration that fits --memory-budget (micro-batch x --grad-accum for the
-    same tokens per step, precision, checkpointing plan), as fitgpt fit prints it. One process only."""
+    same tokens per step, precision, checkpointing plan), as fitgpt fit prints it, for the model's vocabulary as the
+    data gives it. A policy named in --activation-checkpointing (other than none) is kept. One process only."""
     out_dir: Optional[str] = None
     """Run directory; default runs/<preset>."""
     init_from: Optional[str] = None
@@ -163,6 +164,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         require_finite(self)
+        require_not_empty(self, ("preset", "config", "device", "activation_checkpointing", "memory_budget", "out_dir",
+                                 "init_from", "resume"))
         require_positive_ints(self, ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval",
                                      "checkpoint_interval", "keep_last"))
         if self.resume and self.overwrite:
@@ -235,6 +238,14 @@ IN_BACKWARD_ONE_PROCESS = ("--optim.in-backward steps each parameter during the 
 
 OFFLOAD_ONE_PROCESS = ("--optim.offload is one card's optimizer on its host; several processes shard theirs with "
                        "--parallel fsdp --fsdp-offload: drop --optim.offload (or train in one process, --world-size 1)")
+
+
+def lowbit_fsdp_refusal(optim: OptimConfig) -> str:
+    """Why FSDP cannot take a low-bit AdamW: its quantized moments have no sharded form, so no checkpoint could be
+    gathered (every save would fail); the refusal names what to change."""
+    return (f"--optim.name {optim.name} quantizes its moments in a form FSDP cannot shard or gather, so no checkpoint "
+            "could be saved: use --parallel ddp, or --optim.name adamw with --optim.state-dtype bf16 (2-byte moments) "
+            "under FSDP")
 
 
 def offload_refusal(device_type: str) -> str | None:

@@ -67,3 +67,8 @@ def loss_logits(logits: torch.Tensor) -> torch.Tensor:
     if logits.dtype in (torch.float16, torch.bfloat16) and not torch.is_autocast_enabled(logits.device.type):
         return logits.float()
     return logits
+
+
+def is_host_oom(e: BaseException) -> bool:
+    """PyTorch's CPU allocator failing (a RuntimeError, where CUDA raises torch.OutOfMemoryError)."""
+    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)

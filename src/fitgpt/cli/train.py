@@ -40,7 +40,10 @@ def _auto_config(cfg: TrainConfig) -> TrainConfig:
         raise UserError("--auto-config chooses a new run's configuration; to continue a run, resume with its config.json "
                          "(it records what was chosen): --config RUN/config.json --resume latest")
     from fitgpt.plan.fastest import for_training
+    from fitgpt.train.distributed import DistInfo
+    from fitgpt.train.setup import load_data
 
+    _, cfg = load_data(cfg, DistInfo())  # prepared on first use, as training would: the model's vocabulary is the data's
     chosen, c, _ = for_training(cfg)
     print(f"auto-config: micro-batch {c.micro_batch} x accumulation {c.grad_accum}, {c.precision}, checkpointing "
           f"'{c.plan.spec()}': predicted peak {format_bytes(c.peak)} of {cfg.memory_budget}, {c.tokens_per_s:,.0f} tokens/s")

@@ -7,8 +7,11 @@ planner's fake tensors) the same function eagerly, as written: no C++ toolchain 
 temporaries it makes are the ones a profile measures. MPS is not supported (refused).
 
 Checkpoints hold the moments dequantized to plain fp32 tensors on the host, a tensor at a time, so that a checkpoint
-resumes under any optimizer setting and loads with ``weights_only=True``; loading quantizes them again, a tensor at
-a time, never holding every fp32 moment on the device at once.
+resumes under any optimizer setting and loads with ``weights_only=True``; beside them, under ``EXACT``, each quantized
+moment as it is (its uint8 codes and fp32 block scales), which the same optimizer loads back bit for bit: quantizing
+the fp32 copy again would choose other scales, and a resumed run would drift from the uninterrupted one (by 1e-3 after
+12 steps). Any other optimizer ignores that entry and quantizes (or takes) the fp32 moments, a tensor at a time,
+never holding every fp32 moment on the device at once.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from fitgpt.errors import UserError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+EXACT = "lowbit_exact"
+"""The optimizer state dict's entry holding each quantized moment's codes and scales: {index: {moment: (codes, scale)}}."""
 
 
 def low_bit_adamw(name: str, groups: list[dict], lr: float, betas: tuple[float, float],
@@ -79,17 +84,20 @@ class _Portable:
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
+        exact: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for i, state in sd["state"].items():
             state = sd["state"][i] = dict(state)  # PyTorch's dict is the live state's: copied, not changed
             for k in MOMENTS:
-                if hasattr(state.get(k), "dequantize"):
+                if hasattr(state.get(k), "codes"):  # quantized (a moment under 4096 values is a plain tensor)
+                    exact.setdefault(i, {})[k] = (state[k].codes.cpu(), state[k].scale.cpu())
                     state[k] = state[k].dequantize().cpu()  # plain fp32, one tensor at a time
         for g in sd["param_groups"]:
             g["lr"] = float(g["lr"])
-        return sd
+        return {**sd, EXACT: exact}
 
     def load_state_dict(self, state_dict: dict) -> None:
         params = [p for g in self.param_groups for p in g["params"]]
+        exact = state_dict.get(EXACT) or {}
         state = {}
         for i, s in state_dict["state"].items():
             p = params[int(i)]
@@ -97,8 +105,20 @@ class _Portable:
             for k in MOMENTS:
                 if k in s:
                     buf = self._new_buffer(p, signed=k == "exp_avg")
-                    s[k] = buf.copy_(s[k].to(device=p.device, dtype=torch.float32))
+                    s[k] = _restore(buf, s[k], exact.get(i, {}).get(k))
             state[i] = s
-        super().load_state_dict({**state_dict, "state": state})
+        super().load_state_dict({key: v for key, v in state_dict.items() if key != EXACT} | {"state": state})
         for g in self.param_groups:  # PyTorch loads the saved lr as the float it was saved as
             g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32)
+
+
+def _restore(buf: torch.Tensor, fp32: torch.Tensor, exact: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``buf`` (a quantized moment, or a plain one under 4096 values) holding the saved moment: its own codes and
+    scales where they were saved for a buffer of this kind and size, else ``fp32`` quantized again."""
+    if exact is not None and hasattr(buf, "codes"):
+        codes, scale = exact
+        if codes.shape == buf.codes.shape and scale.shape == buf.scale.shape:
+            buf.codes.copy_(codes)
+            buf.scale.copy_(scale)
+            return buf
+    return buf.copy_(fp32.to(device=buf.device, dtype=torch.float32))

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from fitgpt.activation_checkpoint import Policy
 from fitgpt.config import TrainConfig, to_dict
 from fitgpt.data.loader import BatchSampler, TokenData
-from fitgpt.device import peak_memory
+from fitgpt.device import is_host_oom, peak_memory
 from fitgpt.memory.timeline import PeakProbe
 from fitgpt.optim import lr_at, set_lr
 from fitgpt.parallel import sync_context
@@ -43,7 +43,8 @@ def evaluate(model: nn.Module, data: TokenData, cfg: TrainConfig, device: torch.
     """Mean val loss over cfg.eval_batches fixed batches (the same windows at every evaluation)."""
     was_training = model.training
     model.eval()
-    sampler = BatchSampler(data.splits["val"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + 1)
+    sampler = BatchSampler(data.splits["val"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + 1,
+                           vocab_size=data.vocab_size)
     losses = []
     for _ in range(cfg.eval_batches):
         x, y = sampler.next_batch(device)
@@ -167,11 +168,13 @@ def _step(run: LoopState, step: int, probe: bool) -> StepResult:
                 sync=lambda last: sync_context(run.step_model, last),
                 reduce=lambda loss: dist_utils.all_mean_tensor(info, loss),
             )
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not isinstance(e, torch.OutOfMemoryError) and not is_host_oom(e):
+            raise
         raise TrainingError(
             f"out of memory at step {step} (batch {cfg.batch_size} x {cfg.model.context_length}, checkpointing "
             f"{run.policy.spec!r}). Run `fitgpt plan --preset {cfg.preset} --batch-size {cfg.batch_size} --context "
-            f"{cfg.model.context_length} --memory-budget <your GPU's memory>` for a plan that fits, or train with "
+            f"{cfg.model.context_length} --memory-budget <your device's memory>` for a plan that fits, or train with "
             "--activation-checkpointing auto --memory-budget <size>; a smaller --batch-size with a larger --grad-accum "
             "keeps the tokens per step"
         ) from None

@@ -16,6 +16,7 @@ from fitgpt.activation_checkpoint import Policy, apply_activation_checkpointing,
 from fitgpt.config import TrainConfig, to_dict
 from fitgpt.data.loader import TokenData
 from fitgpt.data.prepare import ensure_prepared
+from fitgpt.device import is_host_oom
 from fitgpt.errors import UserError
 from fitgpt.memory import measure_step_memory
 from fitgpt.memory.tracker import round_up
@@ -23,6 +24,8 @@ from fitgpt.model import Transformer
 from fitgpt.parallel import precision_roles
 from fitgpt.train import distributed as dist_utils
 from fitgpt.train.resume import rng_state, set_rng_state
+from fitgpt.units import format_bytes, format_count
+from fitgpt.utils import host_memory
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +34,34 @@ Planner = Callable[[TrainConfig, torch.device, int], dict]
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> Transformer:
-    torch.manual_seed(cfg.seed)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab_size)
-    return Transformer(model_cfg).to(device)
+    _check_weights_fit(cfg, model_cfg, device)
+    torch.manual_seed(cfg.seed)
+    try:
+        return Transformer(model_cfg).to(device)
+    except RuntimeError as e:
+        if not is_host_oom(e):
+            raise
+        raise UserError(f"out of host memory building the model: {too_large(cfg)}") from None
+
+
+def too_large(cfg: TrainConfig) -> str:
+    """What to do about a run larger than its device: the plan that says what fits."""
+    return (f"run `fitgpt plan --preset {cfg.preset} --batch-size {cfg.batch_size} --context {cfg.model.context_length} "
+            "--memory-budget <your memory>` for what fits, or use fewer blocks (--model.n-blocks) or a narrower model "
+            "(--model.n-embed)")
+
+
+def _check_weights_fit(cfg: TrainConfig, model_cfg, device: torch.device) -> None:
+    """Refused before anything is allocated: fp32 weights alone over the device's memory (a 52B model on a laptop
+    would otherwise allocate for half a minute, then fail in the allocator)."""
+    with torch.device("meta"):
+        params = Transformer(model_cfg).num_params()
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host_memory()
+    if 4 * params > memory:
+        raise UserError(f"the model has {format_count(params)} parameters, whose fp32 weights alone "
+                        f"({format_bytes(4 * params)}) exceed this {device.type} device's memory ({format_bytes(memory)}); "
+                        + too_large(cfg))
 
 
 def activation_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> int | None:

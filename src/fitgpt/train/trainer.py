@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from fitgpt.activation_checkpoint import Policy, remove_activation_checkpointing
-from fitgpt.config import IN_BACKWARD_ONE_PROCESS, OFFLOAD_ONE_PROCESS, TrainConfig, offload_refusal
+from fitgpt.config import IN_BACKWARD_ONE_PROCESS, OFFLOAD_ONE_PROCESS, TrainConfig, lowbit_fsdp_refusal, offload_refusal
 from fitgpt.data.loader import BatchSampler, TokenData
 from fitgpt.data.tokenizer import TOKENIZER_FILE
 from fitgpt.device import autocast, autocast_dtype, resolve_device
@@ -100,6 +100,8 @@ def _check_launch(cfg: TrainConfig, info: dist_utils.DistInfo) -> None:
     if cfg.parallel == "fsdp" and not info.enabled:
         raise UserError("--parallel fsdp shards the model across processes, and this is one: launch with torchrun "
                          "--nproc-per-node N (N >= 2), or use --parallel ddp (the default) to train in one process")
+    if info.enabled and cfg.parallel == "fsdp" and cfg.optim.name != "adamw":
+        raise UserError(lowbit_fsdp_refusal(cfg.optim))
     if info.enabled and cfg.parallel == "fsdp" and cfg.compile:
         raise UserError("--compile with --parallel fsdp is not supported yet; drop --compile or use --parallel ddp")
     if cfg.optim.in_backward and info.enabled:
@@ -134,7 +136,8 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     tied = ckpt.tied_names(model.state_dict())  # read before sharding hides which tensors are one
     scaler = grad_scaler(device, dtype)
     # Each rank samples its own windows; rank 0 draws exactly what a single process would.
-    sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + info.rank)
+    sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + info.rank,
+                           vocab_size=data.vocab_size)
     start_step, state = resume_run(cfg, info, model, scaler, sampler, device, data) if cfg.resume else (0, None)
     if info.is_main:
         write_run_files(cfg)
