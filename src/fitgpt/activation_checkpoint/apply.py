@@ -324,19 +324,22 @@ def apply_activation_checkpointing(model: nn.Module, policy: str | Policy, block
     or any model with a ModuleList of identical blocks). Re-applying replaces the earlier policy.
     """
     policy = parse_policy(policy)
-    if getattr(model, _STATE_ATTR, None) is not None:
-        remove_activation_checkpointing(model)
+    # Everything that can refuse runs before the earlier policy is removed: a refused call leaves the model as it was.
     path, block_list = find_blocks(model, blocks)
-    regions = policy.regions(len(block_list))  # validates the policy against this depth first
-    head_path = None
+    regions = policy.regions(len(block_list))  # validates the policy against this depth
+    head = getattr(model, "lm_head", None)
+    head = head.inner if isinstance(head, _LossHead) else head  # as it is once the earlier policy is removed
     if policy.loss_chunk_rows or policy.loss_fused_rows:
         term = "chunked-loss" if policy.loss_chunk_rows else "fused-loss"
-        head = getattr(model, "lm_head", None)
         if not _takes_targets(head):
             raise ValueError(
                 f"{term} needs a head that computes logits and loss in one call (model.lm_head with "
                 f"forward(x, targets)); {type(model).__name__} has {type(head).__name__}. Drop '+{term}'."
             )
+    if getattr(model, _STATE_ATTR, None) is not None:
+        remove_activation_checkpointing(model)  # the same ModuleList, its entries unwrapped in place
+    head_path = None
+    if policy.loss_chunk_rows or policy.loss_fused_rows:
         model.lm_head = (ChunkedLossHead(head, policy.loss_chunk_rows) if policy.loss_chunk_rows
                          else FusedLossHead(head, policy.loss_fused_rows))
         head_path = "lm_head"

@@ -37,12 +37,12 @@ class BenchConfig(WorkloadConfig):
     """As for fitgpt train: measure this policy beside none (short for --policies none POLICY)."""
 
     def __post_init__(self) -> None:
+        if self.target or self.gpu:  # before the shared checks, whose message (--device or --gpu) does not fit bench
+            raise UserError("fitgpt bench measures real steps on this machine (--device); to plan for another "
+                             "device use fitgpt plan --target/--gpu")
         super().__post_init__()
         if self.repeats < 1 or self.warmup < 0:
             raise UserError("--repeats must be at least 1 and --warmup at least 0")
-        if self.target or self.gpu:
-            raise UserError("fitgpt bench measures real steps on this machine (--device); to plan for another "
-                             "device use fitgpt plan --target/--gpu")
         if self.world_size != 1:
             raise UserError("fitgpt bench measures one process; for per-rank memory under DDP or FSDP use "
                              "fitgpt plan --world-size N --parallel ddp|fsdp")

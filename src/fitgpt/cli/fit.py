@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from fitgpt.cli.workload import BudgetConfig, parse_workload
 from fitgpt.config import train_command
 from fitgpt.errors import UserError
-from fitgpt.plan.family import largest_model
+from fitgpt.plan.family import LADDER_SETTINGS, largest_model
 from fitgpt.plan.fastest import fastest, format_choices
 from fitgpt.plan.largest import largest
+from fitgpt.plan.solver import solve
 from fitgpt.units import format_bytes, format_count
 
 
@@ -42,8 +43,21 @@ class FitConfig(BudgetConfig):
             raise UserError("--largest-model answers for one card: drop --world-size (FSDP shards what one card holds)")
         if self.largest_model and self.activation_checkpointing != "auto":
             raise UserError("--largest-model plans each size's checkpointing itself: drop --activation-checkpointing")
+        if self.largest_model:
+            self._check_ladder()
         if self.activation_checkpointing != "auto":
             self.check_policy(self.activation_checkpointing)
+
+
+    def _check_ladder(self) -> None:
+        """--largest-model's rows are each an optimizer setting of their own: one given for all would bend every row
+        and leave its label wrong."""
+        base = self._base.optim
+        for name in LADDER_SETTINGS:
+            if getattr(self.optim, name) != getattr(base, name):
+                flag = f"--optim.{name.replace('_', '-')}"
+                raise UserError(f"--largest-model compares the optimizer memory settings itself, a row each (AdamW, bf16 "
+                                f"moments, the step in the backward, 8-bit and 4-bit AdamW, on the host): drop {flag}")
 
 
 def run(args: list[str]) -> int:
@@ -62,6 +76,8 @@ def run(args: list[str]) -> int:
         print(f"| {label} | " + " | ".join(str(v) for v in vals) + " | " + " | ".join(ratios) + " |")
     print(f"\n({result['note']}; 0 means not even 1 fits)")
     best = fastest(cfg.workload, cfg.budget, top=cfg.top, policy=cfg.activation_checkpointing)
+    if not best["choices"] and not any(a[p][k] for p in policies for k in a[p]):
+        solve(cfg.workload.profile(batch_size=1), cfg.budget)  # nothing at all fits: raises, saying why and what to change
     print("\nThe fastest configurations for the same tokens a step:\n")
     print(format_choices(best, cfg.workload))
     result["fastest"] = [{"micro_batch": c.micro_batch, "grad_accum": c.grad_accum, "precision": c.precision,
@@ -106,7 +122,7 @@ def _largest_model(cfg: FitConfig) -> int:
     best = max((r for r in rows if r.model is not None), key=lambda r: r.params, default=None)
     if best is not None:
         train = dataclasses.replace(w.train, model=best.model, optim=best.optim, grad_accum=1,
-                                    activation_checkpointing=best.plan.spec())
+                                    activation_checkpointing=best.plan.spec(), precision=best.precision)
         print(f"train the largest: {train_command(train)}")
     print(json.dumps({"budget": cfg.budget, "rows": [
         {"setting": r.setting, "n_blocks": r.model and r.model.n_blocks, "n_embed": r.model and r.model.n_embed,

@@ -20,12 +20,13 @@ from fitgpt.config import (
     TrainConfig,
     load_config,
     load_config_named_in,
+    lowbit_fsdp_refusal,
     offload_refusal,
 )
 from fitgpt.device import resolve_device
-from fitgpt.errors import UserError
+from fitgpt.errors import UserError, require_not_empty
 from fitgpt.estimate.hardware import CUDA_CONTEXT, Target, find_gpu
-from fitgpt.estimate.source import read_hf_config
+from fitgpt.estimate.source import OwnModel, param_count, read_hf_config
 from fitgpt.estimate.workload import Workload, workload_for
 from fitgpt.model.config import ModelConfig, require_positive_ints
 from fitgpt.units import format_bytes, parse_bytes
@@ -70,6 +71,7 @@ class WorkloadConfig:
     """The optimizer, as fitgpt train takes it (its implementation, --optim.impl, sets the step's temporaries)."""
 
     def __post_init__(self) -> None:
+        require_not_empty(self, ("preset", "config", "gpu", "gpu_memory", "device", "hf_config"))
         self._base = load_config(self.preset, self.config)
         self.model = self.model or self._base.model
         self.optim = self.optim or self._base.optim
@@ -84,6 +86,8 @@ class WorkloadConfig:
         require_positive_ints(self, tuple(n for n in names if getattr(self, n) is not None))
         if self.optim.in_backward and (self.world_size or 1) > 1:
             raise UserError(IN_BACKWARD_ONE_PROCESS)
+        if self.optim.name != "adamw" and self.parallel == "fsdp" and self.world_size > 1:
+            raise UserError(lowbit_fsdp_refusal(self.optim))
         if self.device is not None and (self.target or self.gpu):
             raise UserError("--device measures on this machine and --target/--gpu plan for another; give one of them")
         if self.gpu_memory is not None and self.gpu is None:
@@ -94,12 +98,21 @@ class WorkloadConfig:
             if self.target == "cpu":
                 raise UserError("--gpu names a CUDA card: drop --target cpu (or --gpu)")
         if self.device is None:
-            self.plan_target().autocast_dtype(self.precision)  # a precision the target has (bf16 on a T4 is refused)
+            dtype = self.plan_target().autocast_dtype(self.precision)  # a precision the target has (bf16 on a T4 is refused)
+            self._check_fp16(dtype)
         if self.optim.offload:
             if (self.world_size or 1) > 1:
                 raise UserError(OFFLOAD_ONE_PROCESS)
             if why := offload_refusal(self.measured_device().type if self.device else self.plan_target().device):
                 raise UserError(why)
+
+    def _check_fp16(self, dtype: torch.dtype | None) -> None:
+        """What the trainer refuses in fp16, refused here: a plan it could not run (auto is fp16 on a card without bf16)."""
+        if dtype != torch.float16 or not (self.optim.in_backward or self.optim.offload):
+            return
+        flag = "--optim.in-backward" if self.optim.in_backward else "--optim.offload"
+        raise UserError(f"{flag} steps out of reach of fp16's loss scaler, and --precision {self.precision} is fp16 on "
+                        f"{'the ' + self.gpu if self.gpu else 'this target'}: add --precision fp32")
 
     @functools.cached_property
     def workload(self) -> Workload:
@@ -150,14 +163,15 @@ class WorkloadConfig:
 
 @dataclass
 class BudgetConfig(WorkloadConfig):
-    memory_budget: str = ""
+    memory_budget: Optional[str] = None
     """Peak memory of a training step to fit in, e.g. 6GiB, 512MiB, 8GB (default with --gpu: what the card leaves
     for tensors)."""
-    host_memory: str = ""
+    host_memory: Optional[str] = None
     """Host memory the optimizer may pin with --optim.offload (and fit --largest-model's rung on the host), e.g. 128GiB
     (default: this machine's, as its OS reports it: plan on the machine the card is in)."""
 
     def __post_init__(self) -> None:
+        require_not_empty(self, ("memory_budget", "host_memory"))
         super().__post_init__()
         if not self.memory_budget and not self.gpu:
             raise UserError("--memory-budget is required, e.g. --memory-budget 6GiB (or name the card: --gpu h100-80gb)")
@@ -165,6 +179,23 @@ class BudgetConfig(WorkloadConfig):
             parse_bytes(self.memory_budget)
         if self.host_memory:
             parse_bytes(self.host_memory, flag="--host-memory")
+        self._check_weights()
+
+    def _check_weights(self) -> None:
+        """Refused before anything is profiled or timed: the weights alone over the budget (a model 100,000 blocks
+        deep, or a learned position table of 10M rows, would otherwise be profiled for minutes to say so)."""
+        if self._base.fsdp_offload:  # the weights live in host memory
+            return
+        ranks = self.world_size if self.parallel == "fsdp" else 1
+        params = param_count(self._source or OwnModel(self.model))
+        weights = 4 * params // ranks  # fp32, as fitgpt trains (--precision is autocast over them)
+        if weights > self.budget:
+            shard = f" ({format_bytes(weights)} a rank of {ranks})" if ranks > 1 else f" ({format_bytes(weights)})"
+            raise UserError(f"the weights alone, {params:,} parameters in fp32{shard}, exceed the budget for the step's "
+                            f"tensors ({format_bytes(self.budget)}) before any gradient, optimizer state or activation: "
+                            "no checkpointing can help; use fewer blocks (--model.n-blocks), a narrower model "
+                            "(--model.n-embed), a shorter --context (a learned position table grows with it), or shard "
+                            "the weights over GPUs (--parallel fsdp --world-size N)")
 
     @property
     def host_budget(self) -> int:
@@ -184,7 +215,8 @@ class BudgetConfig(WorkloadConfig):
         target = self.plan_target()
         budget = target.tensor_budget(self.device_budget)
         if budget <= 0:  # else the message that nothing fits names a negative budget
-            raise UserError(f"--memory-budget {self.memory_budget} leaves nothing for the step's tensors once the "
+            given = f"--memory-budget {self.memory_budget}" if self.memory_budget else f"--gpu-memory {self.gpu_memory}"
+            raise UserError(f"{given} leaves nothing for the step's tensors once the "
                             f"cuBLAS workspaces ({format_bytes(target.workspace_bytes())}, modelled) are held: "
                             f"raise it above {format_bytes(target.workspace_bytes())}")
         return budget
@@ -203,4 +235,5 @@ def parse_workload(cls: type[Flags], args: list[str], prog: str) -> Flags:
     for f in dataclasses.fields(cls):
         setattr(default, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
     default.preset, default.config, default.model, default.optim = base.preset, base.config, base.model, base.optim
+    default.precision, default.parallel = base.precision, base.parallel  # a config file's, unless a flag says otherwise
     return tyro.cli(cls, default=default, args=args, prog=prog)

@@ -443,5 +443,8 @@ def _offload_option(none: BlockOption, out: int, run: _Subject) -> BlockOption:
     first. The copies run on the compute stream (``save_on_cpu`` does not overlap them), out in the forward
     and back in the backward, at the card's host-link bandwidth."""
     pcie = run.target.gpu.pcie if run.target.gpu else 32e9
-    return dataclasses.replace(none, saved=0, fwd_rise=none.fwd_rise + out, bwd_rise=none.bwd_rise + none.saved,
-                               time=none.time + 2 * none.saved / pcie)
+    # ``saved`` is the block's net bytes past its forward: negative where it frees more than it keeps (under FSDP at
+    # many ranks, the previous block's padded gathers). That part is no copy, and stays freed.
+    copied = max(0, none.saved)
+    return dataclasses.replace(none, saved=none.saved - copied, fwd_rise=none.fwd_rise + out,
+                               bwd_rise=none.bwd_rise + copied, time=none.time + 2 * copied / pcie)

@@ -32,7 +32,7 @@ from fitgpt.estimate.profile import fake_model
 from fitgpt.estimate.ranks import fake_ranks
 from fitgpt.estimate.source import ModelSource, as_source
 from fitgpt.memory.allocator import CachingAllocatorModel
-from fitgpt.memory.timeline import block_marks, optimizer_state_tensors
+from fitgpt.memory.timeline import block_marks, model_tensors, optimizer_state_tensors
 from fitgpt.memory.tracker import LiveMemory, storages
 from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
@@ -139,8 +139,8 @@ def _workspaces(alloc, target: Target) -> None:
 
 
 def _weights(model: torch.nn.Module) -> list[int]:
-    """Bytes of the model's parameter storages (this rank's shards under FSDP), in order, each once."""
-    return [st.nbytes() for st in {id(st): st for p in model.parameters() for st in storages(p)}.values()]
+    """Bytes of the model's parameter and buffer storages (this rank's shards under FSDP), in order, each once."""
+    return [st.nbytes() for st in {id(st): st for p in model_tensors(model) for st in storages(p)}.values()]
 
 
 def _state_keys(optimizer) -> set[int]:

@@ -90,6 +90,28 @@ def as_source(model: ModelConfig | ModelSource) -> ModelSource:
     return OwnModel(model) if isinstance(model, ModelConfig) else model
 
 
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _check_shape(config, path: str | Path) -> None:
+    """What the planner reads of a config: attention blocks, a positive whole number of them, their width."""
+    name = type(config).__name__
+    if not isinstance(getattr(config, "num_attention_heads", None), int):
+        raise UserError(f"--hf-config {path}: {name} has no attention heads (num_attention_heads): fitgpt plans "
+                        "transformers, whose blocks attend; a state-space or recurrent model is not one")
+    for key in SHAPE_KEYS:
+        _positive(getattr(config, key, None), key, path)
+
+
+SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+
+
+def _positive(value: object, key: str, path: str | Path) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"--hf-config {path}: {key} must be a positive whole number, got {value!r}; fix it in the config")
+
+
 @dataclass(frozen=True)
 class HFModel:
     """A ``transformers`` causal LM of ``config`` (a ``PretrainedConfig``); ``path``: where it was read."""
@@ -119,8 +141,7 @@ class HFModel:
         try:
             model = transformers_module().AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
         except (ImportError, ValueError) as e:  # an attention implementation this machine lacks, a config it refuses
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"--hf-config {self.path or 'the config'}: transformers cannot build this model here ({first}); "
+            raise UserError(f"--hf-config {self.path or 'the config'}: transformers cannot build this model here ({_first_line(e)}); "
                             "for another attention set attn_implementation to sdpa or eager") from None
         return CausalLM(model, hf=True)
 
@@ -163,11 +184,30 @@ def read_hf_config(path: str | Path) -> HFModel:
         raise UserError(f"--hf-config {path}: model_type {kind!r} is not one transformers {tf.__version__} knows; "
                         "give a causal LM's config.json")
     attn = values.pop("attn_implementation", None) or values.pop("_attn_implementation", None)
-    config = tf.AutoConfig.for_model(kind, **values)
+    for key in SHAPE_KEYS:
+        if key in values:
+            _positive(values[key], key, path)
+    try:
+        config = tf.AutoConfig.for_model(kind, **values)
+    except Exception as e:  # any of transformers' (and huggingface_hub's strict) checks of the file's fields
+        raise UserError(f"--hf-config {path}: {_first_line(e)}; fix that field of the config") from None
     if type(config) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise UserError(f"--hf-config {path}: {type(config).__name__} has no causal LM in transformers (AutoModelForCausalLM)")
+    _check_shape(config, path)
     config._attn_implementation = attn or "sdpa"
     return HFModel(config, str(path))
+
+
+def check_held_tensors(model: nn.Module) -> None:
+    """Refuse a tensor kept as a plain attribute: it is neither a parameter nor a buffer, so ``.to(device)`` (and the
+    planner's fake tensors) leave it where it was made, and the step mixes devices."""
+    for path, sub in model.named_modules():
+        for name, value in vars(sub).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                where = f"{type(model).__name__}{'.' + path if path else ''}"
+                raise UserError(f"{where} keeps a tensor in its attribute {name!r}, which is neither a parameter nor a "
+                                f"buffer and so does not move with the module: register it, self.register_buffer("
+                                f"{name!r}, tensor, persistent=False)")
 
 
 @dataclass(frozen=True)
@@ -184,7 +224,9 @@ class ModuleModel:
     chunked_head: ClassVar[bool] = False
 
     def build(self) -> nn.Module:
-        return CausalLM(self.builder())
+        model = self.builder()
+        check_held_tensors(model)
+        return CausalLM(model)
 
     def at(self, n_blocks=None, context=None, vocab_size=None) -> ModuleModel:
         if n_blocks not in (None, self.n_blocks):

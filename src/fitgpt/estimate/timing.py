@@ -20,8 +20,10 @@ their time, and a plan's step time is the sum of its segments. Where the per-op 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -36,7 +38,7 @@ from fitgpt.activation_checkpoint import apply_activation_checkpointing, remove_
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
 from fitgpt.estimate.hardware import GPU, GPUS
-from fitgpt.estimate.source import ModelSource, as_source
+from fitgpt.estimate.source import ModelSource, OwnModel, as_source, param_count
 from fitgpt.memory.flops import OpFlops, op_flops
 from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
@@ -53,6 +55,9 @@ laptop core, so that ops run at sizes near the real step's without calibration c
 CALIBRATION_SECONDS = 2.0
 """About how long calibration repeats its rounds for."""
 CALIBRATION_VOCAB = 2048
+CALIBRATION_PARAMS = 2**25
+"""The calibration model's parameters at most (with its gradients and AdamW state, about 0.5 GB): a wider model's
+block is timed on a narrower proxy of it."""
 """The calibration model's vocabulary at most: the head's matmul is costed at the rate of every matmul, and a
 50k vocabulary would make calibration cost more than the plan."""
 
@@ -247,10 +252,32 @@ RECOMPUTE_SPECS = {"pointwise": "pointwise", "selective": "selective", "block": 
 
 def _small(source: ModelSource, context: int | None = None, vocab: int = CALIBRATION_VOCAB) -> ModelSource:
     """One block of ``source`` with a small vocabulary: the ops of every block, timed in a fraction of the step
-    (a model that cannot be resized is timed whole)."""
+    (a model that cannot be resized is timed whole); fitgpt's own, narrowed where one block is too large to time in
+    bounded memory (`_narrowed`)."""
     if not source.resizable:
         return source
-    return source.at(n_blocks=1, context=context, vocab_size=min(source.vocab_size, vocab))
+    return _narrowed(source.at(n_blocks=1, context=context, vocab_size=min(source.vocab_size, vocab)))
+
+
+def _narrowed(block: ModelSource) -> ModelSource:
+    """A one-block model of fitgpt's over CALIBRATION_PARAMS parameters, as a narrower proxy: the same head size, MLP
+    ratio and key/value grouping, fewer heads. The rates fitted on it are per FLOP and per byte, so they cost the
+    real block's ops; timing the real one would hold 16 bytes a parameter (8192 wide: 13 GB) for a minute."""
+    if not isinstance(block, OwnModel) or (params := param_count(block)) <= CALIBRATION_PARAMS:
+        return block
+    m = block.cfg
+    group = m.n_head // m.kv_heads if m.n_kv_head else 1  # query heads per key/value head, kept
+
+    def with_heads(heads: int) -> OwnModel:
+        width = heads * m.head_dim
+        ffn = -(-m.mlp_hidden * width // m.n_embed // 64) * 64 if m.ffn_hidden else None
+        return OwnModel(dataclasses.replace(m, n_embed=width, n_head=heads, n_kv_head=heads // group if m.n_kv_head else None,
+                                            ffn_hidden=ffn))
+
+    heads = max(group, int(m.n_head * math.sqrt(CALIBRATION_PARAMS / params)) // group * group)
+    while heads > group and param_count(with_heads(heads)) > CALIBRATION_PARAMS:  # the embeddings grow linearly
+        heads -= group
+    return with_heads(heads)
 
 
 def calibrate(model: ModelConfig | ModelSource, batch: int, context: int, device: torch.device, dtype: torch.dtype | None,
@@ -287,11 +314,17 @@ def calibrate(model: ModelConfig | ModelSource, batch: int, context: int, device
         walls.append(step(sizes[1]))
     rates = _fit_rates(op_runs, walls)
     rates.recompute_overhead = _machinery(model, device, dtype, rates, seed)
-    rates.source = (f"measured on {device} (ops of a one-block step at {b * c} and {2 * b * c} tokens, medians of {rounds} "
-                    f"interleaved rounds; {time.perf_counter() - t0:.1f}s)")
+    real, timed_on = _width(model), _width(small)
+    proxy = f", a proxy {timed_on} wide for the model's {real}: rates per FLOP and per byte" if timed_on != real else ""
+    rates.source = (f"measured on {device} (ops of a one-block step at {b * c} and {2 * b * c} tokens{proxy}, medians of "
+                    f"{rounds} interleaved rounds; {time.perf_counter() - t0:.1f}s)")
     log.debug("calibrated op costs: %s; %.1f us overhead per op; recompute machinery per block %s", rates.source,
               rates.overhead * 1e6, {k: f"{v * 1e3:.2f} ms" for k, v in rates.recompute_overhead.items()})
     return rates
+
+
+def _width(source: ModelSource) -> int | None:
+    return source.cfg.n_embed if isinstance(source, OwnModel) else None
 
 
 def _sync(device: torch.device):

@@ -89,8 +89,14 @@ def unique_bytes(tensors, round_to: int = 1) -> int:
     return sum(seen.values())
 
 
+def model_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """What a model holds on its device: its parameters, then its buffers (a causal mask, rotary tables)."""
+    return [*model.parameters(), *model.buffers()]
+
+
 def param_bytes(model: nn.Module, round_to: int = 1) -> int:
-    return unique_bytes(model.parameters(), round_to)
+    """Bytes of the model's parameters and buffers, each storage once."""
+    return unique_bytes(model_tensors(model), round_to)
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:
@@ -274,7 +280,7 @@ class PeakProbe:
             self._base = torch.cuda.memory_allocated(self.device)
         else:
             self._live = LiveMemory().__enter__()
-            self._live.hold([*self.model.parameters(), *_grads(self.model), *optimizer_state_tensors(self.optimizer)])
+            self._live.hold([*model_tensors(self.model), *_grads(self.model), *optimizer_state_tensors(self.optimizer)])
             self._live_held = self._live.current
         return self
 

@@ -132,11 +132,12 @@ class LiveMemory(TorchDispatchMode):
 
 
 class SavedTensors:
-    """Unique storages autograd saves for backward, parameters excluded."""
+    """Unique storages autograd saves for backward, the model's parameters and buffers excluded."""
 
     def __init__(self, model: nn.Module | None = None) -> None:
         # Storages by identity (``_cdata``): fake storages have no data pointer.
-        self._exclude = {p.untyped_storage()._cdata for p in model.parameters()} if model is not None else set()
+        held = [*model.parameters(), *model.buffers()] if model is not None else []
+        self._exclude = {p.untyped_storage()._cdata for p in held}
         self.storages: dict[tuple, int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 

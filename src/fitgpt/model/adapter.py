@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from fitgpt.errors import UserError
+
 
 class CausalLM(nn.Module):
     """``model`` called with (idx, targets) and answering (logits, loss); ``hf``: a ``transformers`` causal LM."""
@@ -32,12 +34,27 @@ class CausalLM(nn.Module):
             with _unpacked() if isinstance(idx, FakeTensor) else contextlib.nullcontext():
                 out = self.model(input_ids=idx, labels=targets, shift_labels=targets, use_cache=False)
             return out.logits, out.loss
-        out = self.model(idx, targets)
-        if isinstance(out, torch.Tensor):
-            return None, out
-        if isinstance(out, tuple):
-            return out[0], out[1]
-        return getattr(out, "logits", None), out.loss
+        return logits_and_loss(self.model(idx, targets), type(self.model).__name__)
+
+
+def logits_and_loss(out: object, name: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(logits, loss) of what a module's forward gave: a loss, a tuple or list holding one (with or without the logits,
+    in either order), or an object with ``.loss``. The loss is the one-value tensor; anything without one is refused,
+    saying what came back."""
+    if isinstance(out, torch.Tensor):
+        parts = [out]
+    elif isinstance(out, (tuple, list)):
+        parts = list(out)
+    else:
+        parts = [getattr(out, "logits", None), getattr(out, "loss", None)]
+    tensors = [t for t in parts if isinstance(t, torch.Tensor)]
+    losses = [t for t in tensors if t.numel() == 1]
+    if len(losses) != 1:
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors) or type(out).__name__
+        raise UserError(f"{name}.forward(idx, targets) gave {shapes}: no one loss to train on; return the loss, "
+                        "(logits, loss) or an object with .loss")
+    logits = next((t for t in tensors if t.dim() >= 2), None)
+    return logits, losses[0]
 
 
 def _unpacked():

@@ -17,6 +17,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import torch
+
 from fitgpt.config import OptimConfig
 from fitgpt.errors import UserError
 from fitgpt.estimate.source import OwnModel, param_count
@@ -34,6 +36,8 @@ LADDER: tuple[tuple[str, dict], ...] = (
     ("8-bit AdamW, step in the backward", {"name": "adamw8bit", "in_backward": True}),
     ("4-bit AdamW, step in the backward", {"name": "adamw4bit", "in_backward": True}),
 )
+LADDER_SETTINGS = ("name", "state_dtype", "in_backward", "offload")
+"""The OptimConfig fields the ladder sets, a row each."""
 ON_THE_HOST = ("AdamW on the host, each gradient freed once copied", {"offload": True, "in_backward": True})
 """The last rung for a CUDA card (--optim.offload needs one): 4 bytes a parameter on the card."""
 MAX_BLOCKS = 256
@@ -64,6 +68,8 @@ class Largest:
     """Tokens a step."""
     host: int = 0
     """Host memory the optimizer holds (offloaded)."""
+    precision: str = "auto"
+    """--precision to train it with (fp32 where the card's auto, fp16, cannot run the setting)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -87,6 +93,9 @@ def largest_model(w: Workload, budget: int, ladder: tuple[tuple[str, dict], ...]
 
 
 def _rung(w: Workload, budget: int, name: str, optim: OptimConfig, host_budget: int | None) -> Largest:
+    if (optim.in_backward or optim.offload) and w.dtype == torch.float16:
+        # A step in the backward or on the host is out of reach of fp16's loss scaler: the trainer runs it in fp32.
+        w, name = w.vary(precision="fp32"), f"{name} (fp32: not with fp16's scaler)"
     try:
         return _largest_for(w, budget, name, optim, host_budget)
     except UserError as e:  # torchao missing: the row says so
@@ -129,7 +138,7 @@ def _largest_for(w: Workload, budget: int, name: str, optim: OptimConfig, host_b
     model = scaled(base, lo)
     plan, pred = solved[lo]
     return Largest(name, optim, model, param_count(OwnModel(model)), plan, pred, len(solved), tokens=w.train.batch_size * w.context,
-                   host=host[lo])
+                   host=host[lo], precision=w.train.precision)
 
 
 def _first_guess(base: ModelConfig, budget: int, optim: OptimConfig, host_budget: int | None) -> int:

@@ -111,6 +111,8 @@ def _layouts(w: Workload) -> list[Layout]:
     cuda = w.target.cuda
     if w.world_size == 1:  # FSDP (and its offload) shards across processes: the trainer runs it under torchrun, N >= 2
         return [Layout("single")]
+    if w.train.optim.name != "adamw":  # low-bit moments cannot be sharded (config.lowbit_fsdp_refusal)
+        return [Layout("ddp")]
     return [Layout("ddp"), Layout("fsdp")] + ([Layout("fsdp", True)] if cuda else [])
 
 
@@ -265,7 +267,9 @@ def for_training(cfg: TrainConfig) -> tuple[TrainConfig, Choice, dict]:
     --memory-budget, on the device it trains on (fake tensors on CPU; measured on an accelerator), as the
     training config to run (every choice written into it, so config.json records what ran)."""
     w = workload_for(cfg, device=resolve_device(cfg.device))
-    result = fastest(w, w.target.tensor_budget(parse_bytes(cfg.memory_budget)), top=1)
+    given = cfg.activation_checkpointing  # a policy named is kept; none (the default) or auto is planned
+    result = fastest(w, w.target.tensor_budget(parse_bytes(cfg.memory_budget)), top=1,
+                     policy="auto" if given in ("none", "auto") else given)
     if not result["choices"]:
         raise PlanError(f"no configuration of {result['tokens_per_step']:,} tokens a step fits --memory-budget "
                         f"{cfg.memory_budget}; fitgpt fit --memory-budget {cfg.memory_budget} says what does")

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from fitgpt.activation_checkpoint.apply import find_blocks
 from fitgpt.config import OptimConfig, load_config
+from fitgpt.errors import UserError
 from fitgpt.estimate.hardware import CUDA_CONTEXT, Target, find_gpu
 from fitgpt.estimate.profile import BLOCK_OPTIONS, StepProfile
 from fitgpt.estimate.source import ModuleModel
@@ -61,7 +62,13 @@ def plan_module(build_model: Callable[[], nn.Module], batch: tuple[int, int], *,
     b, t = batch
     target = Target("cuda", find_gpu(gpu)) if gpu else Target("cpu")
     with torch.device("meta"):
-        n_blocks = len(find_blocks(build_model())[1])
+        model = build_model()
+    try:
+        n_blocks = len(find_blocks(model)[1])
+    except ValueError:
+        raise UserError(f"plan_module cuts the step at the model's blocks, found as apply_activation_checkpointing "
+                        f"finds them: the longest nn.ModuleList of one module type; {type(model).__name__} has none: "
+                        "keep its blocks in an nn.ModuleList") from None
     source = ModuleModel(build_model, vocab_size, t, n_blocks)
     base = load_config("tiny")
     cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, context_length=t, vocab_size=vocab_size),
