@@ -52,8 +52,9 @@ def test_fit_prints_the_fastest_configurations_and_train_runs_one(tmp_path, caps
 def test_auto_config_errors_name_what_to_change(tmp_path, capsys, cli_train_args, monkeypatch):
     assert main(cli_train_args(tmp_path / "a") + ["--auto-config"]) == 2
     assert "--memory-budget" in capsys.readouterr().err
-    assert main(cli_train_args(tmp_path / "b") + ["--auto-config", "--memory-budget", "1MiB", "--precision", "fp32"]) == 2
-    assert "no configuration of 128 tokens a step fits --memory-budget 1MiB" in capsys.readouterr().err
+    # 256 KiB: the model planned at the data's vocabulary (512) fits in 1 MiB (the preset's 2048 did not)
+    assert main(cli_train_args(tmp_path / "b") + ["--auto-config", "--memory-budget", "256KiB", "--precision", "fp32"]) == 2
+    assert "no configuration of 128 tokens a step fits --memory-budget 256KiB" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(cli_train_args(tmp_path / "c") + ["--auto-config", "--memory-budget", "1GiB"]) == 2
     assert "fitgpt fit --world-size N" in capsys.readouterr().err

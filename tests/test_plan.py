@@ -336,7 +336,9 @@ def test_plan_command_errors_name_the_flag(capsys):
     assert main(["plan", "--device", "cpu"]) == 2
     assert "--memory-budget is required" in capsys.readouterr().err
     assert main(["plan", "--device", "cpu", "--batch-size", "4", "--context", "32", "--memory-budget", "1MiB"]) == 2
-    assert "nothing fits in 1.0 MiB" in capsys.readouterr().err
+    assert "the weights alone" in capsys.readouterr().err  # refused before anything is profiled
+    assert main(["plan", "--device", "cpu", "--batch-size", "4", "--context", "32", "--memory-budget", "8MiB"]) == 2
+    assert "nothing fits in 8.0 MiB" in capsys.readouterr().err
     # A budget under a card's cuBLAS workspaces (16 MiB on an A100, modelled): named so, not as a negative budget
     assert main(["plan", "--gpu", "a100-80gb", "--preset", "tiny", "--memory-budget", "10MiB"]) == 2
     assert "--memory-budget 10MiB leaves nothing for the step's tensors" in capsys.readouterr().err
