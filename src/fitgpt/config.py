@@ -152,7 +152,8 @@ class TrainConfig:
     """Start from the weights of a local Hugging Face folder (GPT-2 or Llama, written by save_pretrained or fitgpt
     export); its config replaces --model.*, and the data must be tokenized with its tokenizer."""
     resume: Optional[str] = None
-    """'latest' or a checkpoint directory to continue from."""
+    """'latest' or a checkpoint directory to continue from; 'auto': latest if the run has a checkpoint, else start it
+    (every restart of `torchrun --max-restarts N` runs the same command: the first starts, the others continue)."""
     overwrite: bool = False
     """Start over in an --out-dir that holds an earlier run: removes that run's checkpoints, metrics and config (nothing else)."""
     progress: bool = True

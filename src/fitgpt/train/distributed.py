@@ -49,7 +49,13 @@ def init_distributed(device_name: str, timeout_s: float) -> DistInfo:
         torch.cuda.set_device(info.local_rank)
     if not dist.is_initialized():
         # The timeout bounds every collective: a rank that died never leaves the others waiting forever.
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store, _, _ = next(dist.rendezvous("env://", info.rank, world, timeout=timeout))
+        # A group restarted by torchrun (--max-restarts) meets in the same store: under a prefix of its attempt, so
+        # that gloo never reads the addresses of the group it replaces (its full mesh timed out connecting to them).
+        attempt = dist.PrefixStore(f"fitgpt/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=attempt, rank=info.rank, world_size=world,
+                                timeout=timeout)
     return info
 
 

@@ -70,9 +70,25 @@ def _check_not_foreign(run_dir: Path, data_dir: Path | None) -> None:
                          "--out-dir (--overwrite only ever removes a fitgpt run's own files)")
 
 
-def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool, data_dir: Path | None = None) -> None:
-    """Refuse to start a fresh run over an earlier one, unless told to start over (then remove only what it wrote),
-    and refuse any directory fitgpt did not make a run. A run that never trained a step blocks nothing."""
+def claim_run_dir(run_dir: Path, resume: str | None, overwrite: bool, data_dir: Path | None = None) -> str | None:
+    """`prepare_run_dir` for this invocation, with --resume auto decided: 'latest' where the run has a checkpoint
+    (every one corrupt is refused there, never removed), else a fresh start that may remove an earlier attempt
+    killed before its first checkpoint (its metrics and config: nothing it could continue from). Returns the
+    --resume to run with."""
+    if resume != "auto":
+        prepare_run_dir(run_dir, resume, overwrite, data_dir)
+        return resume
+    resume = "latest" if run_dir.is_dir() and list_checkpoints(run_dir) else None
+    prepare_run_dir(run_dir, resume, resume is None, data_dir, reason="--resume auto (no checkpoint to continue from)")
+    log.info("--resume auto: %s", f"continuing the run in {run_dir}" if resume else f"starting the run in {run_dir}")
+    return resume
+
+
+def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool, data_dir: Path | None = None,
+                    reason: str = "--overwrite") -> None:
+    """Refuse to start a fresh run over an earlier one, unless told to start over (then remove only what it wrote,
+    saying why: ``reason``), and refuse any directory fitgpt did not make a run. A run that never trained a step
+    blocks nothing."""
     root = run_dir / CKPT_DIR
     strays = [p for p in root.iterdir() if step_of(p) is not None and not p.is_dir()] if root.is_dir() else []
     if strays:
@@ -88,7 +104,7 @@ def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool, data_dir
         raise UserError(f"{run_dir} already holds a run ({what}); continue it with --resume latest, or start over with "
                          "--overwrite (removes that run's checkpoints, metrics and config) or another --out-dir")
     if is_run_dir(run_dir):
-        _remove_run(run_dir, why="--overwrite" if trained else "a run that never trained a step")
+        _remove_run(run_dir, why=reason if trained else "a run that never trained a step")
     _mark(run_dir)
 
 

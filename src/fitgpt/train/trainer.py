@@ -30,7 +30,7 @@ from fitgpt.train import distributed as dist_utils
 from fitgpt.train.loop import LoopState, run_loop, tokens_per_step
 from fitgpt.train.metrics import MetricsWriter, plot_loss_curve
 from fitgpt.train.resume import resume_run
-from fitgpt.train.rundir import prepare_run_dir
+from fitgpt.train.rundir import claim_run_dir
 from fitgpt.train.setup import (
     Planner,
     activation_bytes,
@@ -57,11 +57,12 @@ def train(cfg: TrainConfig, planner: Planner | None = None) -> dict:
     try:
         _check_launch(cfg, info)
         with contextlib.ExitStack() as held:
-            def claim() -> None:  # one process writes a run directory: rank 0 holds its lock for the whole run
+            def claim() -> str | None:  # one process writes a run directory: rank 0 holds its lock for the whole run
                 held.enter_context(DirLock(cfg.run_dir, "--out-dir"))
-                prepare_run_dir(cfg.run_dir, cfg.resume, cfg.overwrite, cfg.data.path)
+                return claim_run_dir(cfg.run_dir, cfg.resume, cfg.overwrite, cfg.data.path)
 
-            dist_utils.from_main(info, claim)
+            # --resume auto is decided once, by rank 0 under the lock, for every rank.
+            cfg = dataclasses.replace(cfg, resume=dist_utils.from_main(info, claim))
             summary = _train(cfg, info, planner)
             dist_utils.leave_together(info)
             return summary
