@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from fitgpt.activation_checkpoint.apply import ActivationCheckpointWrapper, find_blocks
+from fitgpt.model.transformer import fill_whole
 
 
 def precision_roles(dtype: torch.dtype | None, fsdp: bool) -> tuple[torch.dtype | None, torch.dtype | None]:
@@ -84,3 +85,43 @@ def sync_context(step_model: nn.Module, last_micro_batch: bool) -> contextlib.Ab
     if last_micro_batch or not hasattr(step_model, "no_sync"):
         return contextlib.nullcontext()
     return step_model.no_sync()
+
+
+@torch.no_grad()
+def fill_shard(p: torch.Tensor, std: float | None) -> None:
+    """A `Transformer.init_weights` fill for a model sharded by ``fsdp_shard``: the whole parameter drawn on the CPU,
+    as one process draws it, and this rank's shard of it kept (every rank draws alike, so no rank sends anything).
+    One parameter whole at a time, never the model."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(p, DTensor):
+        fill_whole(p, std)
+        return
+    whole = torch.empty(p.shape, dtype=p.dtype)
+    fill_whole(whole, std)
+    p.to_local().copy_(distribute_tensor(whole.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local())
+
+
+def materialise(model: nn.Module, device: torch.device, seed: int) -> None:
+    """A model built on the meta device and sharded: each rank's shards allocated on ``device`` and filled with the
+    initial weights one process would draw from ``seed`` (its ``init_weights``)."""
+    ties = _ties(model)
+    model.to_empty(device=device)
+    for module, name, (first, first_name) in ties:  # FSDP2 keeps a tied weight one; a plain to_empty makes it two
+        if getattr(module, name) is not getattr(first, first_name):
+            setattr(module, name, getattr(first, first_name))
+    torch.manual_seed(seed)
+    model.init_weights(fill_shard)
+
+
+def _ties(model: nn.Module) -> list[tuple[nn.Module, str, tuple[nn.Module, str]]]:
+    """Each parameter registered a second time (a tied head), with where it was first."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    ties = []
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and id(p) in first:
+                ties.append((module, name, first[id(p)]))
+            elif p is not None:
+                first[id(p)] = (module, name)
+    return ties

@@ -11,6 +11,7 @@ checkpointing is applied from outside, by the checkpointing package. Generation 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -91,31 +92,31 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         llama = config.arch == "llama"
-        self.token_embed = nn.Embedding(config.vocab_size, config.n_embed)
-        # Llama's positions are rotary, inside attention.
-        self.position_embed = None if llama else nn.Embedding(config.context_length, config.n_embed)
-        self.embed_dropout = nn.Dropout(config.dropout)
-        block = LlamaBlock if llama else Block
-        self.attn_blocks = nn.ModuleList([block(config) for _ in range(config.n_blocks)])
-        self.layer_norm = nn.RMSNorm(config.n_embed, eps=config.norm_eps) if llama else nn.LayerNorm(config.n_embed, bias=config.has_bias)
-        self.lm_head = LMHead(config.n_embed, config.vocab_size, bias=False)
+        # PyTorch's own init as the modules are made draws from the RNG; init_weights replaces every value, and its
+        # draws must not depend on whether those were made (on the meta device they are not).
+        with torch.random.fork_rng(devices=[]):
+            self.token_embed = nn.Embedding(config.vocab_size, config.n_embed)
+            # Llama's positions are rotary, inside attention.
+            self.position_embed = None if llama else nn.Embedding(config.context_length, config.n_embed)
+            self.embed_dropout = nn.Dropout(config.dropout)
+            block = LlamaBlock if llama else Block
+            self.attn_blocks = nn.ModuleList([block(config) for _ in range(config.n_blocks)])
+            self.layer_norm = (nn.RMSNorm(config.n_embed, eps=config.norm_eps) if llama
+                               else nn.LayerNorm(config.n_embed, bias=config.has_bias))
+            self.lm_head = LMHead(config.n_embed, config.vocab_size, bias=False)
         if config.tied:  # the head reuses the token embedding matrix (GPT-2 does)
             self.lm_head.weight = self.token_embed.weight
-        self.apply(self._init_weights)
-        # GPT-2 scales the init of the projections that write into the residual stream by 1/sqrt(2N),
-        # so that the residual's variance does not grow with depth.
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.proj.weight", "mlp.proj.weight", "o_proj.weight", "down_proj.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_blocks))
+        if not any(p.is_meta for p in self.parameters()):  # on the meta device: nothing to fill until materialised
+            self.init_weights()
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    def init_weights(self, fill: Fill | None = None) -> None:
+        """Every parameter's initial value, drawn from the global RNG in one fixed order, each parameter whole, and
+        written by ``fill(param, std)`` (std 0: zeros, None: ones; default: in place). The draws do not depend on how
+        the parameters are stored, so a model sharded over N processes, each filling only its shard, starts from the
+        very weights one process does (``fitgpt.parallel.fill_shard``)."""
+        fill = fill or fill_whole
+        for name, p in self.named_parameters():  # a tied weight once
+            fill(p, init_std(name, p, self.config.n_blocks))
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -193,3 +194,26 @@ class Transformer(nn.Module):
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
             idx = torch.cat((idx, next_id), dim=1)
         return idx
+
+
+Fill = Callable[[nn.Parameter, "float | None"], None]
+
+
+def init_std(name: str, p: torch.Tensor, n_blocks: int) -> float | None:
+    """GPT-2's init: matrices and embeddings N(0, 0.02), biases zero, norm weights one; the projections that write
+    into the residual stream scaled by 1/sqrt(2N), so that the residual's variance does not grow with depth."""
+    if p.dim() == 1:
+        return 0.0 if name.endswith("bias") else None
+    if name.endswith(("attn.proj.weight", "mlp.proj.weight", "o_proj.weight", "down_proj.weight")):
+        return 0.02 / math.sqrt(2 * n_blocks)
+    return 0.02
+
+
+@torch.no_grad()
+def fill_whole(p: torch.Tensor, std: float | None) -> None:
+    if std is None:
+        p.fill_(1.0)
+    elif std == 0:
+        p.zero_()
+    else:
+        p.normal_(mean=0.0, std=std)

@@ -71,6 +71,15 @@ def tied_names(state_dict: dict[str, torch.Tensor]) -> list[str]:
     return sorted(name for names in groups.values() for name in sorted(names)[1:])
 
 
+def tied_parameter_names(model: nn.Module) -> list[str]:
+    """``tied_names`` of the model's weights, read from which parameters are one object: so also of a model on the
+    meta device (built to be sharded), whose tensors have no storage to compare."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return sorted(name for names in groups.values() for name in sorted(names)[1:])
+
+
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 

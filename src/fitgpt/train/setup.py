@@ -33,9 +33,14 @@ log = logging.getLogger(__name__)
 Planner = Callable[[TrainConfig, torch.device, int], dict]
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> Transformer:
+def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, shards: int = 1) -> Transformer:
+    """The model of ``cfg`` with its initial weights from --seed; ``shards`` above 1 (FSDP over that many ranks): on
+    the meta device, for `fitgpt.parallel.materialise` to fill each rank's shards once sharded, never whole."""
     model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab_size)
-    _check_weights_fit(cfg, model_cfg, device)
+    _check_weights_fit(cfg, model_cfg, device, shards)
+    if shards > 1:
+        with torch.device("meta"):
+            return Transformer(model_cfg)
     torch.manual_seed(cfg.seed)
     try:
         return Transformer(model_cfg).to(device)
@@ -52,16 +57,17 @@ def too_large(cfg: TrainConfig) -> str:
             "(--model.n-embed)")
 
 
-def _check_weights_fit(cfg: TrainConfig, model_cfg, device: torch.device) -> None:
-    """Refused before anything is allocated: fp32 weights alone over the device's memory (a 52B model on a laptop
-    would otherwise allocate for half a minute, then fail in the allocator)."""
+def _check_weights_fit(cfg: TrainConfig, model_cfg, device: torch.device, shards: int) -> None:
+    """Refused before anything is allocated: fp32 weights alone (a rank's shard of them) over the device's memory (a
+    52B model on a laptop would otherwise allocate for half a minute, then fail in the allocator)."""
     with torch.device("meta"):
-        params = Transformer(model_cfg).num_params()
+        params = Transformer(model_cfg).num_params(non_embedding=False)
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host_memory()
-    if 4 * params > memory:
-        raise UserError(f"the model has {format_count(params)} parameters, whose fp32 weights alone "
-                        f"({format_bytes(4 * params)}) exceed this {device.type} device's memory ({format_bytes(memory)}); "
-                        + too_large(cfg))
+    if 4 * params // shards > memory:
+        whose = f"fp32 weights alone (a rank's shard of {shards}: {format_bytes(4 * params // shards)})" if shards > 1 \
+            else f"fp32 weights alone ({format_bytes(4 * params)})"
+        raise UserError(f"the model has {format_count(params)} parameters, whose {whose} exceed this {device.type} "
+                        f"device's memory ({format_bytes(memory)}); " + too_large(cfg))
 
 
 def activation_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> int | None:

@@ -23,7 +23,7 @@ from fitgpt.device import autocast, autocast_dtype, resolve_device
 from fitgpt.errors import UserError
 from fitgpt.hf import check_tokenizer, import_config, import_weights
 from fitgpt.optim import build_optimizer, describe_optimizer
-from fitgpt.parallel import precision_roles
+from fitgpt.parallel import materialise, precision_roles
 from fitgpt.step import grad_scaler
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as dist_utils
@@ -129,12 +129,15 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     if cfg.init_from and not cfg.resume:  # a resumed run's config.json already holds the imported model
         cfg = dataclasses.replace(cfg, model=import_config(cfg.init_from))
     data, cfg = load_data(cfg, info)
-    model = build_model(cfg, cfg.model.vocab_size, device)
+    # Under FSDP a fresh run's model is built on the meta device and each rank fills only its shards, once sharded;
+    # weights read from a file (--resume, --init-from) are still loaded whole before sharding, one rank at a time each.
+    shards = info.world if info.enabled and cfg.parallel == "fsdp" and not (cfg.resume or cfg.init_from) else 1
+    model = build_model(cfg, cfg.model.vocab_size, device, shards)
     if cfg.init_from and not cfg.resume:
         check_tokenizer(cfg.init_from, cfg.data.path / TOKENIZER_FILE)
         import_weights(cfg.init_from, model)
         log.info("initialised from %s (%s, %d blocks x %d)", cfg.init_from, cfg.model.arch, cfg.model.n_blocks, cfg.model.n_embed)
-    tied = ckpt.tied_names(model.state_dict())  # read before sharding hides which tensors are one
+    tied = ckpt.tied_parameter_names(model)  # read before sharding hides which tensors are one
     scaler = grad_scaler(device, dtype)
     # Each rank samples its own windows; rank 0 draws exactly what a single process would.
     sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + info.rank,
@@ -143,8 +146,14 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     if info.is_main:
         write_run_files(cfg)
     policy, planned = choose_policy(cfg, planner, device, info)
-    act = _measure_activations(model, policy, cfg, data, device, info)
+    act = _measure_activations(model, policy, cfg, data, device, info) if shards == 1 else None
+    if shards > 1:
+        log.info("activation memory: not measured before sharding (the model is never whole on a rank); "
+                 "metrics.jsonl records each logged step's peak, and with --activation-checkpointing auto every rank's "
+                 "measured peak is logged beside the plan's")
     step_model = prepare_model(model, policy, cfg, info, device, dtype, inspect=act and act.inspect)
+    if shards > 1:
+        materialise(model, torch.device("cpu") if cfg.fsdp_offload else device, cfg.seed)
     # Built after sharding: under FSDP the optimizer holds only this rank's shard of every state.
     # Offloaded, the parameters live in host memory and the optimizer steps there.
     optimizer = build_optimizer(model, cfg.optim, torch.device("cpu") if cfg.fsdp_offload else device)
