@@ -112,8 +112,8 @@ def nan_model(monkeypatch):
 
     real_build = trainer.build_model
 
-    def poisoned(cfg, vocab_size, device):
-        model = real_build(cfg, vocab_size, device)
+    def poisoned(cfg, vocab_size, device, *shards):
+        model = real_build(cfg, vocab_size, device, *shards)
         with torch.no_grad():
             model.layer_norm.weight.fill_(float("nan"))
         return model

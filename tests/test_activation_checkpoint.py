@@ -72,9 +72,11 @@ def test_policy_is_exact_fp32(spec, dropout, arch, tiny_model_config):
         for name in ref:
             assert torch.equal(grads[name], ref[name]), name
     else:
+        # The chunked or fused loss sums the head's gradient in another order: fp32 rounding, a few 1e-8 on elements
+        # near zero (2.98e-8 at worst at this seed's init, of gradients up to 0.24).
         torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
         for name in ref:
-            torch.testing.assert_close(grads[name], ref[name], rtol=1e-5, atol=1e-8, msg=name)
+            torch.testing.assert_close(grads[name], ref[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

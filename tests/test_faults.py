@@ -111,8 +111,8 @@ def test_out_of_memory_names_the_plan_command(data_dir, corpus_dir, tmp_path, mo
 
     real_build = trainer.build_model
 
-    def oom_model(cfg, vocab_size, device):
-        model = real_build(cfg, vocab_size, device)
+    def oom_model(cfg, vocab_size, device, *shards):
+        model = real_build(cfg, vocab_size, device, *shards)
 
         def boom(*a, **kw):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -92,14 +92,28 @@ def fill_shard(p: torch.Tensor, std: float | None) -> None:
     """A `Transformer.init_weights` fill for a model sharded by ``fsdp_shard``: the whole parameter drawn on the CPU,
     as one process draws it, and this rank's shard of it kept (every rank draws alike, so no rank sends anything).
     One parameter whole at a time, never the model."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     if not isinstance(p, DTensor):
         fill_whole(p, std)
         return
     whole = torch.empty(p.shape, dtype=p.dtype)
     fill_whole(whole, std)
-    p.to_local().copy_(distribute_tensor(whole.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local())
+    assign_whole(p, whole)
+
+
+@torch.no_grad()
+def assign_whole(p: torch.Tensor, whole: torch.Tensor) -> None:
+    """``p`` (a parameter, or this rank's shard of one) set from the whole tensor ``whole``, which every rank holds
+    alike: a shard keeps its own piece, so no rank sends anything."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if tuple(whole.shape) != tuple(p.shape):
+        raise ValueError(f"shape {tuple(whole.shape)}, the model's {tuple(p.shape)}")
+    if isinstance(p, DTensor):
+        whole = distribute_tensor(whole.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()
+        p = p.to_local()
+    p.copy_(whole)
 
 
 def materialise(model: nn.Module, device: torch.device, seed: int) -> None:

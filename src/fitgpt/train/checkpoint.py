@@ -23,10 +23,11 @@ from typing import TypeVar
 
 import torch
 import torch.nn as nn
-from safetensors import SafetensorError
-from safetensors.torch import load_model, save_file, save_model
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file, save_model
 
 from fitgpt.errors import UserError
+from fitgpt.parallel import assign_whole
 from fitgpt.utils import pid_alive, sha256_file, write_error
 
 log = logging.getLogger(__name__)
@@ -241,14 +242,32 @@ def resolve_resume(run_dir: Path, resume: str, load: Callable[[Path], T] = verif
 
 
 def load_weights(path: Path, model: nn.Module) -> None:
+    """The checkpoint's weights into ``model``, a tensor at a time from the memory-mapped file: whole, or under FSDP
+    into this rank's shards (the model is never whole on a rank). A tied name the file leaves out is filled through
+    the name it keeps."""
+    f = Path(path) / MODEL_FILE
+    own = model.state_dict(keep_vars=True)  # the tensors themselves, under the names a checkpoint uses
+    same: dict[int, list[str]] = {}
+    for name, t in own.items():
+        same.setdefault(id(t), []).append(name)
+    tied = {name for names in same.values() for name in sorted(names)[1:]}
     try:
-        missing, unexpected = load_model(model, str(Path(path) / MODEL_FILE), strict=False)
-    except Exception as e:  # safetensors raises several types for a bad file or a shape mismatch
-        raise CheckpointError(f"{Path(path) / MODEL_FILE} does not fit this model: {e}") from None
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{Path(path) / MODEL_FILE} does not fit this model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-        )
+        with safe_open(str(f), framework="pt") as weights:
+            names = set(weights.keys())
+            missing = set(own) - names - tied
+            unexpected = names - set(own)
+            if missing or unexpected:
+                raise CheckpointError(f"{f} does not fit this model: missing {sorted(missing)[:5]}, unexpected "
+                                      f"{sorted(unexpected)[:5]}")
+            for name in sorted(names):
+                try:
+                    assign_whole(own[name], weights.get_tensor(name))
+                except ValueError as e:
+                    raise CheckpointError(f"{f} does not fit this model: {name} has {e}") from None
+    except CheckpointError:
+        raise
+    except Exception as e:  # safetensors raises several types for a bad file
+        raise CheckpointError(f"{f} does not fit this model: {e}") from None
 
 
 def load_state(path: Path, param_shapes: list[torch.Size] | None = None) -> dict:

@@ -62,7 +62,7 @@ def load_for_resume(path: Path, cfg: TrainConfig, model: nn.Module, tok_hash: st
     check_same_model(path, ck_meta["config"]["model"], cfg)
     if ck_meta.get("data", {}).get("tokenizer_sha256") not in (None, tok_hash):
         raise UserError(f"--resume {path}: the checkpoint was trained with another tokenizer than {cfg.data.path}")
-    ckpt.load_weights(path, model)  # full weights, on every rank, before any sharding
+    ckpt.load_weights(path, model)  # a tensor at a time; under FSDP each rank keeps its shard
     state = ckpt.load_state(path, [p.shape for p in optimizer_params(model)])
     return ck_meta, state
 

@@ -129,9 +129,9 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     if cfg.init_from and not cfg.resume:  # a resumed run's config.json already holds the imported model
         cfg = dataclasses.replace(cfg, model=import_config(cfg.init_from))
     data, cfg = load_data(cfg, info)
-    # Under FSDP a fresh run's model is built on the meta device and each rank fills only its shards, once sharded;
-    # weights read from a file (--resume, --init-from) are still loaded whole before sharding, one rank at a time each.
-    shards = info.world if info.enabled and cfg.parallel == "fsdp" and not (cfg.resume or cfg.init_from) else 1
+    # Under FSDP the model is built on the meta device; once sharded, each rank fills only its shards, and a resumed
+    # run's weights are read into them. A Hugging Face model (--init-from) is still loaded whole, then sharded.
+    shards = info.world if info.enabled and cfg.parallel == "fsdp" and not (cfg.init_from and not cfg.resume) else 1
     model = build_model(cfg, cfg.model.vocab_size, device, shards)
     if cfg.init_from and not cfg.resume:
         check_tokenizer(cfg.init_from, cfg.data.path / TOKENIZER_FILE)
@@ -142,8 +142,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     # Each rank samples its own windows; rank 0 draws exactly what a single process would.
     sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + info.rank,
                            vocab_size=data.vocab_size)
-    start_step, state = resume_run(cfg, info, model, scaler, sampler, device, data) if cfg.resume else (0, None)
-    if info.is_main:
+    if info.is_main and not cfg.resume:  # a fresh run's, before planning (its retry after a failed plan is not blocked)
         write_run_files(cfg)
     policy, planned = choose_policy(cfg, planner, device, info)
     act = _measure_activations(model, policy, cfg, data, device, info) if shards == 1 else None
@@ -154,6 +153,10 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     step_model = prepare_model(model, policy, cfg, info, device, dtype, inspect=act and act.inspect)
     if shards > 1:
         materialise(model, torch.device("cpu") if cfg.fsdp_offload else device, cfg.seed)
+    # Weights, data positions and RNG: read into the model as it trains (under FSDP, each rank's shards).
+    start_step, state = resume_run(cfg, info, model, scaler, sampler, device, data) if cfg.resume else (0, None)
+    if info.is_main and cfg.resume:  # only once the checkpoint is known good: a refused resume changes nothing
+        write_run_files(cfg)
     # Built after sharding: under FSDP the optimizer holds only this rank's shard of every state.
     # Offloaded, the parameters live in host memory and the optimizer steps there.
     optimizer = build_optimizer(model, cfg.optim, torch.device("cpu") if cfg.fsdp_offload else device)
