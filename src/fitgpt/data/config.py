@@ -62,7 +62,7 @@ class DataConfig:
     """How the command that takes these settings spells their flags (fitgpt train's; fitgpt prepare's are bare)."""
 
     def __post_init__(self) -> None:
-        flag = lambda name: self.FLAGS + name.replace("_", "-")  # noqa: E731
+        flag = self.flag
         require_finite(self, "data.", self.FLAGS)
         require_not_empty(self, ("dir", "text_field", "tokenizer", "tokenizer_sample"), self.FLAGS[2:])
         if not 0.0 < self.val_fraction < 0.5:
@@ -75,6 +75,10 @@ class DataConfig:
             raise UserError(f"{flag('shard_tokens')} must be positive, got {self.shard_tokens}")
         if not self.inputs:
             raise UserError(f"{flag('inputs')} is empty; name at least one file, directory or 'stdlib'")
+
+    def flag(self, name: str) -> str:
+        """The flag that sets field ``name``, as this command spells it."""
+        return self.FLAGS + name.replace("_", "-")
 
     @property
     def path(self) -> Path:
