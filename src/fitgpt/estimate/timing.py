@@ -55,11 +55,11 @@ laptop core, so that ops run at sizes near the real step's without calibration c
 CALIBRATION_SECONDS = 2.0
 """About how long calibration repeats its rounds for."""
 CALIBRATION_VOCAB = 2048
+"""The calibration model's vocabulary at most: the head's matmul is costed at the rate of every matmul, and a
+50k vocabulary would make calibration cost more than the plan."""
 CALIBRATION_PARAMS = 2**25
 """The calibration model's parameters at most (with its gradients and AdamW state, about 0.5 GB): a wider model's
 block is timed on a narrower proxy of it."""
-"""The calibration model's vocabulary at most: the head's matmul is costed at the rate of every matmul, and a
-50k vocabulary would make calibration cost more than the plan."""
 
 
 def _is_free(func) -> bool:

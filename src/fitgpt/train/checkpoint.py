@@ -73,11 +73,12 @@ def tied_names(state_dict: dict[str, torch.Tensor]) -> list[str]:
 
 
 def tied_parameter_names(model: nn.Module) -> list[str]:
-    """``tied_names`` of the model's weights, read from which parameters are one object: so also of a model on the
-    meta device (built to be sharded), whose tensors have no storage to compare."""
+    """``tied_names`` of the model's weights, read from which of its state dict's tensors are one object: so also of
+    a model on the meta device (built to be sharded), whose tensors have no storage to compare, and under the names
+    a checkpoint uses whatever wraps the blocks."""
     groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
+    for name, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(name)
     return sorted(name for names in groups.values() for name in sorted(names)[1:])
 
 
@@ -247,10 +248,7 @@ def load_weights(path: Path, model: nn.Module) -> None:
     the name it keeps."""
     f = Path(path) / MODEL_FILE
     own = model.state_dict(keep_vars=True)  # the tensors themselves, under the names a checkpoint uses
-    same: dict[int, list[str]] = {}
-    for name, t in own.items():
-        same.setdefault(id(t), []).append(name)
-    tied = {name for names in same.values() for name in sorted(names)[1:]}
+    tied = set(tied_parameter_names(model))
     try:
         with safe_open(str(f), framework="pt") as weights:
             names = set(weights.keys())
