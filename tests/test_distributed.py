@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors.torch import load_file
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
@@ -29,6 +28,7 @@ from fitgpt.parallel import sync_context
 from fitgpt.plan import Plan, predict
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as du
+from fitgpt.train.load import load_run
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
 OPTIM = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=0)
@@ -230,12 +230,19 @@ def test_torchrun_ddp_trains_and_resumes_exactly(data_dir, corpus_dir, tmp_path)
     assert out.count('"run_dir"') == 1  # rank 0 alone reports
     finish(torchrun(train_flags(data_dir, corpus_dir, resumed, 3, "--activation-checkpointing", "block"), tmp_path))
     finish(torchrun(train_flags(data_dir, corpus_dir, resumed, 6, "--activation-checkpointing", "block", "--resume", "latest"), tmp_path))
-    a = load_file(str(straight / "checkpoints/step_00000006" / ckpt.MODEL_FILE))
-    b = load_file(str(resumed / "checkpoints/step_00000006" / ckpt.MODEL_FILE))
+    a, b = weights(straight, 6), weights(resumed, 6)
     for k in a:
         assert torch.equal(a[k], b[k]), k
     meta = json.loads((straight / "checkpoints/step_00000006/meta.json").read_text())
     assert meta["world_size"] == 2 and len(meta["sampler_ranks"]) == 2 and meta["sampler_ranks"][0] != meta["sampler_ranks"][1]
+    # A distributed checkpoint: both ranks wrote shards (DDP's replicas are split between them), all checksummed.
+    assert meta["format"] == "dcp" and {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata"} <= set(meta["files"])
+
+
+def weights(run, step):
+    """A checkpoint's weights, whole, as `fitgpt generate` loads them (either layout, any world size)."""
+    model, _, _ = load_run(run, str(run / "checkpoints" / ckpt.checkpoint_name(step)))
+    return model.state_dict()
 
 
 @pytest.mark.slow
@@ -248,7 +255,7 @@ def test_torchrun_fsdp_checkpoints_move_to_one_process_and_back(data_dir, corpus
     plan = json.loads(out.strip().splitlines()[-1])["memory_plan"]
     # Each rank measured its own second step (the tracker); the plan for one rank of two predicted it.
     assert len(plan["measured_peaks"]) == 2 and all(abs(m - plan["predicted_peak"]) <= 0.001 * m for m in plan["measured_peaks"]), plan
-    assert load_file(str(run / "checkpoints/step_00000003" / ckpt.MODEL_FILE))["lm_head.weight"].dtype == torch.float32
+    assert weights(run, 3)["lm_head.weight"].dtype == torch.float32
     ckpt.verify_checkpoint(run / "checkpoints/step_00000003")
     # One process picks up the sharded run's checkpoint ...
     single = subprocess.run([sys.executable, "-m", "fitgpt", *train_flags(data_dir, corpus_dir, run, 6, "--resume", "latest")],

@@ -12,15 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from test_distributed import _free_port, finish, torchrun, train_flags
 
 from fitgpt.cli import main
 from fitgpt.train import checkpoint as ckpt
+from fitgpt.train.load import load_run
 
 
 def _weights(run: Path, step: int) -> dict:
-    return load_file(str(run / ckpt.CKPT_DIR / f"step_{step:08d}" / ckpt.MODEL_FILE))
+    """A checkpoint's weights, whole, in either layout (one process's file, or torchrun's distributed checkpoint)."""
+    return load_run(run, str(run / ckpt.CKPT_DIR / ckpt.checkpoint_name(step)))[0].state_dict()
 
 
 def test_resume_auto_starts_a_run_then_continues_it_exactly(cli_train_args, tmp_path, capsys):

@@ -122,6 +122,10 @@ class TrainConfig:
     """Save a checkpoint (weights and training state, on disk) every this many steps (and at the end)."""
     keep_last: int = 3
     """Checkpoints to keep; older ones are deleted."""
+    async_checkpoint: bool = True
+    """Under torchrun, write each checkpoint in the background: each rank's state is copied to host memory, then
+    written while training goes on (the next save, the end of the run and a stop wait for it). One process always
+    writes synchronously."""
     seed: int = 1337
     device: str = "auto"
     """auto (CUDA, then MPS, then CPU), or a torch device such as cpu, cuda, cuda:1, mps."""

@@ -26,7 +26,8 @@ from fitgpt.errors import UserError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 EXACT = "lowbit_exact"
-"""The optimizer state dict's entry holding each quantized moment's codes and scales: {index: {moment: (codes, scale)}}."""
+"""The optimizer state dict's entry holding each quantized moment's codes and scales: {index: {moment: {"codes": t,
+"scale": t}}} (tensors in dicts, which a distributed checkpoint stores as tensors; older checkpoints hold a tuple)."""
 
 
 def low_bit_adamw(name: str, groups: list[dict], lr: float, betas: tuple[float, float],
@@ -84,12 +85,12 @@ class _Portable:
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        exact: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        exact: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
         for i, state in sd["state"].items():
             state = sd["state"][i] = dict(state)  # PyTorch's dict is the live state's: copied, not changed
             for k in MOMENTS:
                 if hasattr(state.get(k), "codes"):  # quantized (a moment under 4096 values is a plain tensor)
-                    exact.setdefault(i, {})[k] = (state[k].codes.cpu(), state[k].scale.cpu())
+                    exact.setdefault(i, {})[k] = {"codes": state[k].codes.cpu(), "scale": state[k].scale.cpu()}
                     state[k] = state[k].dequantize().cpu()  # plain fp32, one tensor at a time
         for g in sd["param_groups"]:
             g["lr"] = float(g["lr"])
@@ -112,11 +113,11 @@ class _Portable:
             g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32)
 
 
-def _restore(buf: torch.Tensor, fp32: torch.Tensor, exact: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+def _restore(buf: torch.Tensor, fp32: torch.Tensor, exact: dict | tuple | None) -> torch.Tensor:
     """``buf`` (a quantized moment, or a plain one under 4096 values) holding the saved moment: its own codes and
     scales where they were saved for a buffer of this kind and size, else ``fp32`` quantized again."""
     if exact is not None and hasattr(buf, "codes"):
-        codes, scale = exact
+        codes, scale = (exact["codes"], exact["scale"]) if isinstance(exact, dict) else exact
         if codes.shape == buf.codes.shape and scale.shape == buf.scale.shape:
             buf.codes.copy_(codes)
             buf.scale.copy_(scale)

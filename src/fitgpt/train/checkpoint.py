@@ -1,11 +1,13 @@
 """Crash-safe checkpoints: written to a temporary directory, checksummed, then renamed into place.
 
-A checkpoint is a directory ``step_00000100/`` holding ``model.safetensors`` (weights),
-``state.pt`` (optimizer, scaler, RNG tensors; loaded with ``weights_only=True``) and ``meta.json``
-(step, config, sampler state and a sha256 of each file). ``meta.json`` is written last and the
-directory is renamed only when complete, so a process killed mid-save never leaves a checkpoint
-that ``latest`` could pick. Checkpoints are ordered by the step number in their names (checked
-against ``meta.json``), never by text, so step 1,000,000 sorts after step 999,999.
+A checkpoint is a directory ``step_00000100/`` in one of two layouts. One process writes ``model.safetensors``
+(weights), ``state.pt`` (optimizer, scaler, RNG tensors; loaded with ``weights_only=True``) and ``meta.json``.
+DDP and FSDP write a distributed checkpoint (`fitgpt.train.dist_checkpoint`): ``dcp/`` (PyTorch's DCP, each rank's
+shards of the weights and optimizer state in its own ``__R_0.distcp`` file, and ``.metadata``),
+``train_state.pt`` (scaler, every rank's RNG) and ``meta.json``. ``meta.json`` (step, config, sampler states, a
+sha256 and size of every file) is written last and the directory is renamed only when complete, so a process
+killed mid-save never leaves a checkpoint that ``latest`` could pick. Checkpoints are ordered by the step number in
+their names (checked against ``meta.json``), never by text, so step 1,000,000 sorts after step 999,999.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import pickle
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file, save_model
@@ -34,6 +38,8 @@ log = logging.getLogger(__name__)
 
 CKPT_DIR = "checkpoints"
 MODEL_FILE, STATE_FILE, META_FILE = "model.safetensors", "state.pt", "meta.json"
+# The distributed layout: DCP's directory, and what is not sharded (the scaler, and each rank's RNG).
+DCP_DIR, TRAIN_STATE_FILE, DCP_FORMAT = "dcp", "train_state.pt", "dcp"
 # Eight digits sort for people up to step 99,999,999; ordering itself always uses the number.
 _NAME = re.compile(r"step_(\d+)")
 _TMP = re.compile(r"\.tmp_step_\d+_(\d+)")
@@ -104,6 +110,24 @@ def _remove_dead_temps(root: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def file_records(directory: Path, names: list[str]) -> dict[str, dict]:
+    """Each file's sha256 and size, for meta.json, once it is on disk for good (fsynced)."""
+    records = {}
+    for name in names:
+        with open(directory / name, "rb") as f:
+            os.fsync(f.fileno())
+        records[name] = {"sha256": sha256_file(directory / name), "bytes": (directory / name).stat().st_size}
+    return records
+
+
+def write_meta(tmp: Path, meta: dict, step: int, files: dict[str, dict]) -> None:
+    """meta.json, the last file a checkpoint gets: without it a directory is never taken for a checkpoint."""
+    with open(tmp / META_FILE, "w") as f:
+        json.dump({**meta, "step": step, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _write(tmp: Path, model: nn.Module | dict, state: dict, meta: dict, step: int) -> None:
     tmp.mkdir()
     if isinstance(model, dict):
@@ -111,21 +135,12 @@ def _write(tmp: Path, model: nn.Module | dict, state: dict, meta: dict, step: in
     else:
         save_model(model, str(tmp / MODEL_FILE))
     torch.save(state, tmp / STATE_FILE)
-    files = {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size} for name in (MODEL_FILE, STATE_FILE)}
-    with open(tmp / META_FILE, "w") as f:
-        json.dump({**meta, "step": step, "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    for name in (MODEL_FILE, STATE_FILE):
-        with open(tmp / name, "rb") as f:
-            os.fsync(f.fileno())
+    write_meta(tmp, meta, step, file_records(tmp, [MODEL_FILE, STATE_FILE]))
 
 
-def save_checkpoint(run_dir: Path, step: int, model: nn.Module | dict, state: dict, meta: dict, keep_last: int) -> Path:
-    """Write checkpoint ``step`` atomically, then delete all but the newest ``keep_last``.
-
-    ``model``: the module, or its full weights already gathered (sharded training), tied names left out.
-    """
+def temp_dir(run_dir: Path, step: int) -> tuple[Path, Path]:
+    """(where checkpoint ``step`` is written, where it goes once complete); temporary directories left by dead writers
+    are removed."""
     root = Path(run_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
@@ -133,30 +148,52 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module | dict, state: di
         raise CheckpointSaveError(errno.EEXIST, f"{final} is a file, not a checkpoint, and stands where checkpoint step {step} "
                                   "goes; move it out of the run directory, then resume with --resume latest")
     _remove_dead_temps(root)
-    tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
-    try:
-        _write(tmp, model, state, meta, step)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-    except (OSError, RuntimeError, SafetensorError) as e:
-        # torch.save reports a full disk as a RuntimeError from its zip writer, safetensors as its own error.
-        shutil.rmtree(tmp, ignore_errors=True)
-        good = list_checkpoints(run_dir)
-        reason = write_error(e, root)
-        raise CheckpointSaveError(
-            getattr(e, "errno", None) or errno.EIO, f"could not write checkpoint step {step} to {root}: {reason}. Nothing older "
-            f"was touched (newest intact: {good[-1] if good else 'none'}). Free disk space or use another --out-dir, then resume "
-            "with --resume latest"
-        ) from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # The new checkpoint and the keep_last - 1 before it stay; nothing newer than it is ever deleted here.
+    return root / f".tmp_step_{step:08d}_{os.getpid()}", final
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """The complete checkpoint renamed into place (a step saved again replaces the older one)."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def save_failed(e: BaseException, run_dir: Path, step: int) -> CheckpointSaveError:
+    """The one-line error of a write that failed: what, why, and that nothing older was touched."""
+    root = Path(run_dir) / CKPT_DIR
+    good = list_checkpoints(run_dir)
+    return CheckpointSaveError(
+        getattr(e, "errno", None) or errno.EIO, f"could not write checkpoint step {step} to {root}: {write_error(e, root)}. "
+        f"Nothing older was touched (newest intact: {good[-1] if good else 'none'}). Free disk space or use another "
+        "--out-dir, then resume with --resume latest")
+
+
+def prune(run_dir: Path, step: int, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last``: checkpoint ``step`` and the ones before it stay, nothing newer than it
+    is ever deleted here."""
     older = [p for p in list_checkpoints(run_dir) if step_of(p) < step]
     for old in older[: max(0, len(older) - (keep_last - 1))]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module | dict, state: dict, meta: dict, keep_last: int) -> Path:
+    """Write checkpoint ``step`` atomically, then delete all but the newest ``keep_last``.
+
+    ``model``: the module, or its full weights already gathered, tied names left out.
+    """
+    tmp, final = temp_dir(run_dir, step)
+    try:
+        _write(tmp, model, state, meta, step)
+        publish(tmp, final)
+    except (OSError, RuntimeError, SafetensorError) as e:
+        # torch.save reports a full disk as a RuntimeError from its zip writer, safetensors as its own error.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise save_failed(e, run_dir, step) from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune(run_dir, step, keep_last)
     return final
 
 
@@ -183,10 +220,14 @@ def _check_meta(meta: object, meta_path: Path, path: Path) -> dict:
     files = meta.get("files")
     if not isinstance(files, dict):
         raise bad("no 'files' table")
-    for name in (MODEL_FILE, STATE_FILE):
+    if meta.get("format", "safetensors") not in ("safetensors", DCP_FORMAT):
+        raise bad(f"format {meta.get('format')!r}, which this fitgpt does not read")
+    for name in set(required_files(meta)) | set(files):
         rec = files.get(name)
         if not isinstance(rec, dict) or not isinstance(rec.get("bytes"), int) or not isinstance(rec.get("sha256"), str):
             raise bad(f"no size and sha256 for {name}")
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise bad(f"a file named {name!r}, outside the checkpoint")
     config = meta.get("config")
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise bad("no model config")
@@ -196,6 +237,11 @@ def _check_meta(meta: object, meta_path: Path, path: Path) -> dict:
         if key in meta and not isinstance(meta[key], dict):
             raise bad(f"'{key}' is not an object")
     return meta
+
+
+def required_files(meta: dict) -> tuple[str, ...]:
+    """The files a checkpoint of ``meta``'s layout cannot be read without (its DCP shards are listed in meta.json)."""
+    return (f"{DCP_DIR}/.metadata", TRAIN_STATE_FILE) if meta.get("format") == DCP_FORMAT else (MODEL_FILE, STATE_FILE)
 
 
 def verify_checkpoint(path: Path) -> dict:
@@ -209,7 +255,7 @@ def verify_checkpoint(path: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{meta_path} is corrupt ({e})") from None
     files = _check_meta(meta, meta_path, path)["files"]
-    for name in (MODEL_FILE, STATE_FILE):
+    for name in files:
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{f} is missing")
@@ -243,9 +289,12 @@ def resolve_resume(run_dir: Path, resume: str, load: Callable[[Path], T] = verif
 
 
 def load_weights(path: Path, model: nn.Module) -> None:
-    """The checkpoint's weights into ``model``, a tensor at a time from the memory-mapped file: whole, or under FSDP
-    into this rank's shards (the model is never whole on a rank). A tied name the file leaves out is filled through
-    the name it keeps."""
+    """The checkpoint's weights into ``model``: whole, or under FSDP into this rank's shards (the model is never whole
+    on a rank), from either layout. A tied name the checkpoint leaves out is filled through the name it keeps.
+    Under torchrun every rank calls it (reading a distributed checkpoint is a collective)."""
+    if not (Path(path) / MODEL_FILE).is_file() and (Path(path) / DCP_DIR).is_dir():
+        _load_dcp_weights(Path(path), model)
+        return
     f = Path(path) / MODEL_FILE
     own = model.state_dict(keep_vars=True)  # the tensors themselves, under the names a checkpoint uses
     tied = set(tied_parameter_names(model))
@@ -268,30 +317,66 @@ def load_weights(path: Path, model: nn.Module) -> None:
         raise CheckpointError(f"{f} does not fit this model: {e}") from None
 
 
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights a distributed checkpoint holds: the model's state dict (under FSDP, this rank's shards), tied names
+    left out as the weight file leaves them."""
+    tied = set(tied_parameter_names(model))
+    return {k: v for k, v in model.state_dict().items() if k not in tied}
+
+
+def _load_dcp_weights(path: Path, model: nn.Module) -> None:
+    """Each rank reads the pieces of the shards it holds, whatever world size wrote them (one process: every piece)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load({"model": model_state(model)}, checkpoint_id=str(path / DCP_DIR), no_dist=not dist.is_initialized())
+    except Exception as e:  # DCP wraps a rank's failure (missing key, other shape) in its own exception, on every rank
+        raise CheckpointError(f"{path / DCP_DIR} does not fit this model: {str(e).strip().splitlines()[-1][:300]}") from None
+
+
+@dataclass(frozen=True)
+class SavedOptimizer:
+    """A distributed checkpoint's optimizer state, read once the optimizer exists (`dist_checkpoint.load_optimizer`)."""
+
+    path: Path
+
+
 def load_state(path: Path, param_shapes: list[torch.Size] | None = None) -> dict:
-    """``state.pt``, checked for the keys resume reads and, given the optimizer's parameter shapes, the moments' shapes.
+    """The training state, checked for the keys resume reads: ``state.pt`` (with, given the optimizer's parameter
+    shapes, the moments' shapes checked), or a distributed checkpoint's ``train_state.pt``, whose optimizer state is
+    read from ``dcp/`` once the optimizer exists (DCP checks each shape as it reads).
 
     The file is memory-mapped, not read: a tensor's bytes come into memory when it is used, once per machine
     (the page cache is shared), so N processes resuming one checkpoint do not each hold the whole optimizer
     state; under FSDP each keeps only its shard."""
-    f = Path(path) / STATE_FILE
+    dcp_layout = not (Path(path) / STATE_FILE).is_file() and (Path(path) / TRAIN_STATE_FILE).is_file()
+    f = Path(path) / (TRAIN_STATE_FILE if dcp_layout else STATE_FILE)
     try:
         state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{f} holds objects other than tensors and plain data; refusing to load it ({e})") from None
     except (RuntimeError, EOFError, OSError) as e:
         raise CheckpointError(f"{f} is unreadable ({str(e).splitlines()[0]})") from None
-    opt = state.get("optimizer") if isinstance(state, dict) else None
-    if not isinstance(opt, dict) or not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
-        raise CheckpointError(f"{f} is corrupt (no optimizer state)")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{f} is corrupt (not a dict)")
+    if dcp_layout:
+        state["optimizer"] = SavedOptimizer(Path(path))
+    else:
+        _check_optimizer_state(f, state.get("optimizer"), param_shapes)
     if not isinstance(state.get("scaler"), dict) or not isinstance(state.get("rng"), dict) or "torch" not in state["rng"]:
         raise CheckpointError(f"{f} is corrupt (no scaler or RNG state)")
-    if param_shapes is not None:
-        for i, s in opt["state"].items():
-            if not isinstance(i, int) or not 0 <= i < len(param_shapes) or not isinstance(s, dict):
-                raise CheckpointError(f"{f} is corrupt (optimizer state for parameter {i!r}, the model has {len(param_shapes)})")
-            for key, v in s.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != param_shapes[i]:
-                    raise CheckpointError(f"{f} is corrupt (optimizer {key} of parameter {i} has shape {tuple(v.shape)}, "
-                                          f"the parameter {tuple(param_shapes[i])})")
     return state
+
+
+def _check_optimizer_state(f: Path, opt: object, param_shapes: list[torch.Size] | None) -> None:
+    if not isinstance(opt, dict) or not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
+        raise CheckpointError(f"{f} is corrupt (no optimizer state)")
+    if param_shapes is None:
+        return
+    for i, s in opt["state"].items():
+        if not isinstance(i, int) or not 0 <= i < len(param_shapes) or not isinstance(s, dict):
+            raise CheckpointError(f"{f} is corrupt (optimizer state for parameter {i!r}, the model has {len(param_shapes)})")
+        for key, v in s.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != param_shapes[i]:
+                raise CheckpointError(f"{f} is corrupt (optimizer {key} of parameter {i} has shape {tuple(v.shape)}, "
+                                      f"the parameter {tuple(param_shapes[i])})")

@@ -2,8 +2,8 @@
 
 Launched by ``torchrun --nproc-per-node N -m fitgpt train ...`` the trainer finds RANK, WORLD_SIZE
 and LOCAL_RANK in the environment; without them everything here is a no-op for one process.
-Checkpoints keep one format whatever the world size: full weights in safetensors and a full
-optimizer state, written by rank 0, so a run can move between 1, 2 or N processes and back.
+Checkpoints under torchrun are distributed (`fitgpt.train.dist_checkpoint`): every rank writes its own shards,
+and any world size, one process included, reads them back.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The training loop: the shared ``train_step`` on each rank's next micro-batches, results read in one host
-sync at each log, evaluation or save point, bad steps skipped or stopped at, and checkpoints written by rank 0
-after the collectives every rank joins."""
+sync at each log, evaluation or save point, bad steps skipped or stopped at, and checkpoints written (under
+torchrun, every rank its shards, in the background by default)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from fitgpt.parallel import sync_context
 from fitgpt.step import StepResult, train_step
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as dist_utils
+from fitgpt.train.dist_checkpoint import DistributedSaver
 from fitgpt.train.metrics import MetricsWriter
 from fitgpt.train.resume import rng_state
 from fitgpt.train.signals import StopFlag
@@ -74,8 +75,8 @@ class LoopState:
     policy: Policy
     planned: dict | None
     metrics: MetricsWriter | None
-    tied: list[str]
-    """Names of tensors the weight file leaves out, because another name holds the same tensor."""
+    saver: DistributedSaver | None
+    """Under torchrun, what writes every rank's shards of a checkpoint; one process writes its own."""
 
 
 @dataclass
@@ -132,11 +133,12 @@ def run_loop(run: LoopState, start_step: int) -> Progress:
                     run.metrics.write({"step": p.step, "val_loss": p.val_loss})
                 log.info("step %d: train loss %.4f, val loss %.4f", p.step, p.loss, p.val_loss)
             if save_due or stopping:
-                p.checkpoint = _save(run, p.step)
+                p.checkpoint = _save(run, p.step) or p.checkpoint
             if stopping:
                 p.interrupted = stop.signal or ("SIGNAL" if p.step < cfg.max_steps else None)
                 log.warning("stopped by %s at step %d; resume with --resume latest", stop.signal or "a signal on another rank", p.step)
                 break
+        finish_saves(run, p)
     bar.close()
     return p
 
@@ -218,26 +220,31 @@ def _log_metrics(run: LoopState, p: Progress, lr: float, bar: tqdm, t_log: float
 
 
 def _save(run: LoopState, step: int) -> Path | None:
-    """Write checkpoint ``step``: collectives first, on every rank (full weights under FSDP, the optimizer
-    state, every rank's data position and RNG); then rank 0 writes. A failed write stops every rank."""
+    """Write checkpoint ``step``; returns the newest checkpoint known to be written (a background save's is known
+    at the next). Every rank's data position and RNG are gathered first (collectives every rank joins). One process
+    writes its own; under torchrun every rank writes its shards (`dist_checkpoint`). A failed write stops every rank."""
     cfg, info = run.cfg, run.info
-    weights = None
-    if info.enabled and cfg.parallel == "fsdp":  # gathered to rank 0 only: the others never hold the whole state
-        weights = {k: v for k, v in dist_utils.full_model_state(run.model, keep=info.is_main).items() if k not in run.tied}
-    opt_state = (dist_utils.full_optimizer_state(run.optimizer, keep=info.is_main) if info.enabled
-                 else run.optimizer.state_dict())
     samplers = dist_utils.gather_objects(info, run.sampler.state_dict())
     rngs = dist_utils.gather_objects(info, rng_state(run.device))
-    path, error = None, None
-    if info.is_main:
-        state = {"optimizer": opt_state, "scaler": run.scaler.state_dict(), "rng": rngs[0], "rng_ranks": rngs}
-        meta = {"config": to_dict(cfg), "sampler": samplers[0], "sampler_ranks": samplers, "world_size": info.world,
-                "data": {"dir": str(cfg.data.path), "tokenizer_sha256": run.data.tokenizer_sha256}}
-        try:
-            path = ckpt.save_checkpoint(cfg.run_dir, step, weights if weights is not None else run.model, state, meta, cfg.keep_last)
-            log.info("saved %s", path)
-        except ckpt.CheckpointSaveError as e:
-            error = e
-    if dist_utils.any_rank(info, error is not None, run.device):
-        raise TrainingError(str(error) if error else "rank 0 could not write a checkpoint (see its log)") from error
+    state = {"scaler": run.scaler.state_dict(), "rng": rngs[0], "rng_ranks": rngs}
+    meta = {"config": to_dict(cfg), "sampler": samplers[0], "sampler_ranks": samplers, "world_size": info.world,
+            "data": {"dir": str(cfg.data.path), "tokenizer_sha256": run.data.tokenizer_sha256}}
+    try:
+        if run.saver is not None:
+            return run.saver.save(step, run.model, run.optimizer, state, meta)
+        path = ckpt.save_checkpoint(cfg.run_dir, step, run.model, {**state, "optimizer": run.optimizer.state_dict()}, meta,
+                                    cfg.keep_last)
+    except ckpt.CheckpointSaveError as e:
+        raise TrainingError(e.strerror or str(e)) from e
+    log.info("saved %s", path)
     return path
+
+
+def finish_saves(run: LoopState, p: Progress) -> None:
+    """The save still being written in the background, finished before the run ends (or stops on a signal)."""
+    if run.saver is None:
+        return
+    try:
+        p.checkpoint = run.saver.close() or p.checkpoint
+    except ckpt.CheckpointSaveError as e:
+        raise TrainingError(e.strerror or str(e)) from e

@@ -25,8 +25,8 @@ from fitgpt.hf import check_tokenizer, import_config, import_weights
 from fitgpt.optim import build_optimizer, describe_optimizer
 from fitgpt.parallel import materialise, precision_roles
 from fitgpt.step import grad_scaler
-from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as dist_utils
+from fitgpt.train.dist_checkpoint import DistributedSaver, load_optimizer
 from fitgpt.train.loop import LoopState, run_loop, tokens_per_step
 from fitgpt.train.metrics import MetricsWriter, plot_loss_curve
 from fitgpt.train.resume import resume_run
@@ -137,7 +137,6 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
         check_tokenizer(cfg.init_from, cfg.data.path / TOKENIZER_FILE)
         import_weights(cfg.init_from, model)
         log.info("initialised from %s (%s, %d blocks x %d)", cfg.init_from, cfg.model.arch, cfg.model.n_blocks, cfg.model.n_embed)
-    tied = ckpt.tied_parameter_names(model)  # read before sharding hides which tensors are one
     scaler = grad_scaler(device, dtype)
     # Each rank samples its own windows; rank 0 draws exactly what a single process would.
     sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + info.rank,
@@ -161,15 +160,20 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     # Offloaded, the parameters live in host memory and the optimizer steps there.
     optimizer = build_optimizer(model, cfg.optim, torch.device("cpu") if cfg.fsdp_offload else device)
     if state is not None:
-        dist_utils.load_full_optimizer_state(optimizer, state["optimizer"])
+        load_optimizer(optimizer, state["optimizer"], info)
     _log_start(cfg, info, model, device, dtype, start_step)
     metrics = MetricsWriter(cfg.run_dir, cfg.tensorboard, resume_step=start_step) if info.is_main else None
     amp_dtype, _ = precision_roles(dtype, cfg.parallel == "fsdp" and info.enabled)  # FSDP: pure half precision, no autocast
+    saver = DistributedSaver(info, cfg.run_dir, cfg.keep_last, cfg.async_checkpoint, cfg.dist_timeout) if info.enabled else None
     run = LoopState(cfg, info, device, data, model, step_model, optimizer, scaler, sampler, autocast(device, amp_dtype), policy,
-                    planned, metrics, tied)
+                    planned, metrics, saver)
     t_start = time.perf_counter()
     try:
         progress = run_loop(run, start_step)
+    except BaseException:
+        if saver:
+            saver.close_after_failure()
+        raise
     finally:
         if metrics:
             metrics.close()
