@@ -19,6 +19,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -327,11 +328,16 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def _load_dcp_weights(path: Path, model: nn.Module) -> None:
     """Each rank reads the pieces of the shards it holds, whatever world size wrote them (one process: every piece)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load({"model": model_state(model)}, checkpoint_id=str(path / DCP_DIR), no_dist=not dist.is_initialized())
-    except Exception as e:  # DCP wraps a rank's failure (missing key, other shape) in its own exception, on every rank
-        raise CheckpointError(f"{path / DCP_DIR} does not fit this model: {str(e).strip().splitlines()[-1][:300]}") from None
+        with warnings.catch_warnings():  # DCP warns that one process reads alone, which is what is meant here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": model_state(model)}, checkpoint_id=str(path / DCP_DIR), no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:  # DCP wraps a rank's failure (a missing key, another shape), on every rank
+        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+        why = (str(cause).strip().splitlines() or [type(cause).__name__])[-1][:300]
+        raise CheckpointError(f"{path / DCP_DIR} does not fit this model: {why}") from None
 
 
 @dataclass(frozen=True)

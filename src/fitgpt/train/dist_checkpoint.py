@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as dist_utils
@@ -104,8 +105,8 @@ class DistributedSaver:
         try:
             dcp.save(state, checkpoint_id=str(tmp / ckpt.DCP_DIR), process_group=self.group)
             files = ckpt.file_records(tmp, _own_files(tmp, self.info.rank))
-        except Exception as e:  # DCP raises on every rank when one rank's write fails
-            error = ckpt.save_failed(e, self.run_dir, step).strerror
+        except (Exception, CheckpointException) as e:  # DCP raises on every rank when one rank's write fails
+            error = ckpt.save_failed(first_failure(e), self.run_dir, step).strerror
         results: list = [None] * self.info.world
         dist.all_gather_object(results, (files, error), group=self.group)
         outcome = [None]
@@ -132,6 +133,16 @@ class DistributedSaver:
             return errors[0]
         ckpt.prune(self.run_dir, step, self.keep_last)
         return None
+
+
+def _one_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
+
+
+def first_failure(e: BaseException) -> BaseException:
+    """What went wrong on the first rank that failed, out of DCP's exception for all of them."""
+    failures = getattr(e, "failures", None) if isinstance(e, CheckpointException) else None
+    return next(iter(failures.values()))[0] if failures else e
 
 
 def _own_files(tmp: Path, rank: int) -> list[str]:
@@ -170,8 +181,8 @@ def load_optimizer(optimizer, saved, info: dist_utils.DistInfo) -> None:
         else:  # one process holds the whole state: read it as saved, whatever wraps the optimizer
             template = _read_whole(where, "optimizer")
         optimizer.load_state_dict(template)
-    except Exception as e:
-        raise ckpt.CheckpointError(f"{where} does not fit this optimizer: {str(e).strip().splitlines()[-1][:300]}") from None
+    except (Exception, CheckpointException) as e:
+        raise ckpt.CheckpointError(f"{where} does not fit this optimizer: {_one_line(first_failure(e))}") from None
 
 
 def _read_whole(where: str, key: str) -> dict:
