@@ -130,3 +130,50 @@ def test_two_nodes_train_checkpoint_and_continue_on_one(data_dir, corpus_dir, tm
     one = subprocess.run([sys.executable, "-m", "fitgpt", *train_flags(data_dir, corpus_dir, run, 9, "--resume", "auto")],
                          cwd=tmp_path, capture_output=True, text=True, env=env)
     assert one.returncode == 0 and "resuming a 2-process run on 1 processes" in one.stderr, one.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_node_lost_mid_run_stops_the_other_with_one_line_naming_it(data_dir, corpus_dir, tmp_path):
+    """Node 2 (its launcher and its rank) killed mid-run: the rank on node 1 names the lost rank in one line, with no
+    traceback of its own, well within --dist-timeout; every checkpoint left is whole."""
+    run = tmp_path / "run"
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{_free_port()}", "--rdzv-id", "lost-node"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", *rdzv, "-m", "fitgpt",
+           *train_flags(data_dir, corpus_dir, run, 100000, "--checkpoint-interval", "2", "--dist-timeout", "60")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    nodes = []
+    for _ in range(2):  # the first launch hosts the rendezvous store (node 1), the second is the node lost
+        nodes.append(subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                      start_new_session=True))
+        time.sleep(2)
+    try:
+        metrics = run / "metrics.jsonl"
+        deadline = time.time() + 240
+        while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count('"loss"') >= 6):
+            time.sleep(0.1)
+        survivor, victim = nodes
+        lost = _rank_of(_workers(victim.pid))
+        for pid in [*_workers(victim.pid), victim.pid]:
+            os.kill(pid, signal.SIGKILL)
+        killed = time.time()
+        out, err = survivor.communicate(timeout=120)
+        took = time.time() - killed
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+    assert survivor.returncode != 0
+    lines = [ln for ln in out.splitlines() if ln.startswith("fitgpt train:")]
+    assert len(lines) == 1 and f"lost rank {lost} of 2" in lines[0] and "--resume auto" in lines[0], out[-2000:] + err[-2000:]
+    assert "]: Traceback" not in err and took < 60, (took, err[-3000:])
+    for c in ckpt.list_checkpoints(run):
+        ckpt.verify_checkpoint(c)
+
+
+def _rank_of(workers: list[int]) -> int | None:
+    """The RANK torchrun gave the (one) worker in ``workers``."""
+    for pid in workers:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        return next(int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"RANK="))
+    return None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -57,6 +59,76 @@ def init_distributed(device_name: str, timeout_s: float) -> DistInfo:
         dist.init_process_group("nccl" if use_cuda else "gloo", store=attempt, rank=info.rank, world_size=world,
                                 timeout=timeout)
     return info
+
+
+# ---- a rank lost ----------------------------------------------------------------------------------
+
+HEARTBEAT_S = 1.0
+# What gloo and NCCL say when the rank at the other end of a collective is gone, or silent past --dist-timeout.
+_LOST_PEER = ("connection reset by peer", "connection closed by peer", "connection refused", "broken pipe", "timed out",
+              "timeout", "communicator was aborted", "socket closed")
+
+
+class Heartbeat:
+    """Each rank counts up in the rendezvous store every second, on a connection of its own. A rank whose collective
+    failed marks itself as a survivor and reads the counts twice: the ranks whose counts stood still, and that are not
+    survivors, are the ones lost (no two machines' clocks are compared)."""
+
+    def __init__(self, info: DistInfo, timeout_s: float = 10.0):
+        self.info = info
+        self.prefix = f"fitgpt/liveness/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                   timeout=timedelta(seconds=timeout_s))
+        self._stop = threading.Event()
+        threading.Thread(target=self._beat, name="fitgpt-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        count = 0
+        while not self._stop.wait(HEARTBEAT_S):
+            count += 1
+            try:
+                self.store.set(f"{self.prefix}beat/{self.info.rank}", str(count))
+            except Exception:  # the store's machine is gone: lost_ranks will say so
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def lost_ranks(self) -> list[int] | None:
+        """The ranks lost, read over three heartbeats; None if the store itself is unreachable (its machine is lost)."""
+        try:
+            self.store.set(f"{self.prefix}survivor/{self.info.rank}", "1")
+            first = self._counts()
+            time.sleep(3 * HEARTBEAT_S)
+            second = self._counts()
+            survivors = {r for r in range(self.info.world) if self.store.check([f"{self.prefix}survivor/{r}"])}
+        except Exception:
+            return None
+        return [r for r in range(self.info.world) if r != self.info.rank and first[r] == second[r] and r not in survivors]
+
+    def _counts(self) -> list[bytes | None]:
+        keys = [f"{self.prefix}beat/{r}" for r in range(self.info.world)]
+        return [self.store.get(k) if self.store.check([k]) else None for k in keys]
+
+
+def is_lost_peer(e: BaseException) -> bool:
+    """Whether ``e`` is a collective failing because another rank is gone (or silent past --dist-timeout)."""
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or isinstance(e, RuntimeError) and any(s in text for s in _LOST_PEER)
+
+
+def describe_lost(info: DistInfo, heartbeat: Heartbeat | None, e: BaseException) -> str:
+    """One line: which rank was lost, that every rank stops, and how to go on."""
+    lost = heartbeat.lost_ranks() if heartbeat else []
+    if lost is None:
+        who = (f"lost the rendezvous store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} (its machine, "
+               "the first node, stopped or is unreachable)")
+    elif lost:
+        who = f"lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} of {info.world} (its process or machine stopped)"
+    else:
+        who = f"a collective failed between the {info.world} ranks ({(str(e).strip().splitlines() or [''])[0][:200]})"
+    return (f"{who}, so rank {info.rank} stops too, leaving every checkpoint whole. Continue with the same command and "
+            "--resume auto (torchrun --max-restarts N does that by itself)")
 
 
 def leave_together(info: DistInfo) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from fitgpt.parallel import materialise, precision_roles
 from fitgpt.step import grad_scaler
 from fitgpt.train import distributed as dist_utils
 from fitgpt.train.dist_checkpoint import DistributedSaver, load_optimizer
-from fitgpt.train.loop import LoopState, run_loop, tokens_per_step
+from fitgpt.train.loop import LoopState, TrainingError, run_loop, tokens_per_step
 from fitgpt.train.metrics import MetricsWriter, plot_loss_curve
 from fitgpt.train.resume import resume_run
 from fitgpt.train.rundir import claim_run_dir
@@ -54,6 +55,7 @@ def train(cfg: TrainConfig, planner: Planner | None = None) -> dict:
     runs this function; rank 0 alone logs, writes metrics and checkpoints.
     """
     info = dist_utils.init_distributed(cfg.device, cfg.dist_timeout)
+    heartbeat = dist_utils.Heartbeat(info) if info.enabled and "MASTER_ADDR" in os.environ else None
     try:
         _check_launch(cfg, info)
         with contextlib.ExitStack() as held:
@@ -66,7 +68,13 @@ def train(cfg: TrainConfig, planner: Planner | None = None) -> dict:
             summary = _train(cfg, info, planner)
             dist_utils.leave_together(info)
             return summary
+    except Exception as e:
+        if info.enabled and not isinstance(e, (TrainingError, UserError)) and dist_utils.is_lost_peer(e):
+            raise TrainingError(dist_utils.describe_lost(info, heartbeat, e)) from e
+        raise
     finally:
+        if heartbeat:
+            heartbeat.stop()
         dist_utils.shutdown(info)
 
 
