@@ -21,7 +21,7 @@ from fitgpt.errors import UserError
 from fitgpt.memory import measure_step_memory
 from fitgpt.memory.tracker import round_up
 from fitgpt.model import Transformer
-from fitgpt.parallel import precision_roles
+from fitgpt.parallel import compile_blocks, precision_roles
 from fitgpt.train import distributed as dist_utils
 from fitgpt.train.resume import rng_state, set_rng_state
 from fitgpt.units import format_bytes, format_count
@@ -126,12 +126,15 @@ def choose_policy(cfg: TrainConfig, planner: Planner | None, device: torch.devic
 def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist_utils.DistInfo, device: torch.device,
                   dtype: torch.dtype | None, inspect: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """The one place a model is made ready to train, in this order on every rank: activation checkpointing
-    (in place), then torch.compile, then DDP or FSDP. Returns the module the steps call. ``inspect`` sees the
+    (in place), then torch.compile (the whole model; under FSDP each block, as torchtitan does), then DDP or FSDP. Returns the module the steps call. ``inspect`` sees the
     checkpointed model before it is compiled or sharded (the trainer measures its activations there)."""
     apply_activation_checkpointing(model, policy)
     log.info("checkpointing %s", policy.describe(cfg.model.n_blocks))
     if inspect is not None:
         inspect(model)
-    step_model = torch.compile(model) if cfg.compile else model
+    sharded = info.enabled and cfg.parallel == "fsdp"
+    if cfg.compile and sharded:  # each block, before sharding: FSDP's hooks stay outside the compiled code
+        compile_blocks(model)
+    step_model = torch.compile(model) if cfg.compile and not sharded else model
     _, param_dtype = precision_roles(dtype, cfg.parallel == "fsdp")
     return dist_utils.wrap(step_model, info, cfg.parallel, device, param_dtype, cfg.fsdp_offload)

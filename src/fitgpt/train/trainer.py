@@ -111,8 +111,6 @@ def _check_launch(cfg: TrainConfig, info: dist_utils.DistInfo) -> None:
                          "--nproc-per-node N (N >= 2), or use --parallel ddp (the default) to train in one process")
     if info.enabled and cfg.parallel == "fsdp" and cfg.optim.name != "adamw":
         raise UserError(lowbit_fsdp_refusal(cfg.optim))
-    if info.enabled and cfg.parallel == "fsdp" and cfg.compile:
-        raise UserError("--compile with --parallel fsdp is not supported yet; drop --compile or use --parallel ddp")
     if cfg.optim.in_backward and info.enabled:
         raise UserError(IN_BACKWARD_ONE_PROCESS)
     device = resolve_device(cfg.device)
