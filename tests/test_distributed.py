@@ -17,7 +17,6 @@ import torch.multiprocessing as mp
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
-from fitgpt.errors import UserError
 from fitgpt.estimate.hardware import Target
 from fitgpt.estimate.profile import profile_model
 from fitgpt.estimate.replay import simulate_step

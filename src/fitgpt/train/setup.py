@@ -126,8 +126,9 @@ def choose_policy(cfg: TrainConfig, planner: Planner | None, device: torch.devic
 def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist_utils.DistInfo, device: torch.device,
                   dtype: torch.dtype | None, inspect: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """The one place a model is made ready to train, in this order on every rank: activation checkpointing
-    (in place), then torch.compile (the whole model; under FSDP each block, as torchtitan does), then DDP or FSDP. Returns the module the steps call. ``inspect`` sees the
-    checkpointed model before it is compiled or sharded (the trainer measures its activations there)."""
+    (in place), then torch.compile (the whole model; under FSDP each block, as torchtitan does), then DDP or FSDP.
+    Returns the module the steps call. ``inspect`` sees the checkpointed model before it is compiled or sharded (the
+    trainer measures its activations there)."""
     apply_activation_checkpointing(model, policy)
     log.info("checkpointing %s", policy.describe(cfg.model.n_blocks))
     if inspect is not None:
