@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from test_distributed import finish, torchrun
 
 from fitgpt.config import load_config
+from fitgpt.hf import import_config, import_weights
 from fitgpt.model import ModelConfig, Transformer
 from fitgpt.parallel import materialise
 from fitgpt.train.setup import build_model
@@ -82,3 +83,58 @@ def test_tied_names_read_from_a_meta_model_are_the_real_ones(tiny_model_config):
     with torch.device("meta"):
         meta = Transformer(cfg)
     assert tied_parameter_names(meta) == tied_names(Transformer(cfg).state_dict()) == ["token_embed.weight"]
+
+
+INIT_FROM = textwrap.dedent('''
+    """--init-from under FSDP: rank 0 reads the Hugging Face folder, every rank keeps its pieces; gathered and saved."""
+    import dataclasses
+    import os
+    import sys
+    import torch
+    from fitgpt.config import load_config
+    from fitgpt.hf import import_config
+    from fitgpt.parallel import materialise
+    from fitgpt.train import distributed as du
+    from fitgpt.train.setup import build_model, init_from_hf, prepare_model
+
+    info = du.init_distributed("cpu", 120)
+    cpu = torch.device("cpu")
+    cfg = load_config("tiny", overrides={"parallel": "fsdp", "init_from": sys.argv[2], "data": {"dir": sys.argv[3]}})
+    cfg = dataclasses.replace(cfg, model=import_config(cfg.init_from))
+    model = build_model(cfg, cfg.model.vocab_size, cpu, info.world)
+    assert all(p.is_meta for p in model.parameters())
+    prepare_model(model, cfg.policy, cfg, info, cpu, None)
+    materialise(model, cpu, cfg.seed)
+    init_from_hf(cfg, model, info, cpu, sharded=True)
+    full = du.full_model_state(model, keep=info.is_main)
+    if info.is_main:
+        torch.save(full, sys.argv[1])
+    du.leave_together(info)
+    sys.stdout.flush()
+    os._exit(0)
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_init_from_under_fsdp_fills_each_ranks_shards_with_the_folders_weights(arch, tmp_path):
+    """The model is never whole on a rank but rank 0 (which reads the folder): gathered, the weights are the ones one
+    process imports (main built the whole model on every rank, then sharded it)."""
+    transformers = pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    if arch == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=512, n_positions=32)
+        transformers.GPT2LMHeadModel(config).save_pretrained(hf)
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                          intermediate_size=64, vocab_size=512, max_position_embeddings=32, tie_word_embeddings=False)
+        transformers.LlamaForCausalLM(config).save_pretrained(hf)
+    script, out = tmp_path / "init_from.py", tmp_path / "w.pt"
+    script.write_text(INIT_FROM)
+    finish(torchrun([str(out), str(hf), str(tmp_path / "data")], tmp_path, script=str(script)))
+    sharded = torch.load(out, weights_only=True)
+    one = Transformer(import_config(hf))
+    import_weights(hf, one)
+    for k, v in one.state_dict().items():
+        assert torch.equal(sharded[k], v), k

@@ -162,6 +162,12 @@ def import_config(hf_dir: str | Path) -> ModelConfig:
 
 def import_weights(hf_dir: str | Path, model: Transformer) -> None:
     """Load a Hugging Face folder's weights into ``model`` (built from ``import_config`` of it)."""
+    model.load_state_dict(hf_weights(hf_dir, model), strict=False)  # every name checked; a tied head is the embedding
+
+
+def hf_weights(hf_dir: str | Path, model: Transformer) -> dict[str, torch.Tensor]:
+    """A Hugging Face folder's weights, whole, under ``model``'s names, checked against its shapes (``model`` may be on
+    the meta device, or sharded: only its names and shapes are read). A tied head is left to the embedding."""
     tf = transformers_module()
     hf = _loaded(Path(hf_dir), lambda: tf.AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True,
                                                                            torch_dtype=torch.float32))
@@ -174,11 +180,10 @@ def import_weights(hf_dir: str | Path, model: Transformer) -> None:
         if w.shape != own[name].shape:
             raise UserError(f"{hf_dir}: {hf_name} has shape {tuple(theirs[hf_name].shape)}, fitgpt's model "
                              f"{tuple(own[name].shape)}")
-        ours[name] = w
-    missing, unexpected = model.load_state_dict(ours, strict=False)
-    missing = [m for m in missing if m != "lm_head.weight" or not model.config.tied]
-    if missing or unexpected:
-        raise UserError(f"{hf_dir}: weights do not map onto the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        ours[name] = w.contiguous()
+    if set(own) - set(ours) - ({"lm_head.weight"} if model.config.tied else set()):
+        raise UserError(f"{hf_dir}: weights do not map onto the model (missing {sorted(set(own) - set(ours))[:3]})")
+    return ours
 
 
 def check_tokenizer(hf_dir: str | Path, data_tokenizer: Path) -> None:

@@ -210,6 +210,22 @@ def wrap(model: nn.Module, info: DistInfo, parallel: str, device: torch.device, 
     return fsdp_shard(model, param_dtype, offload, pin_memory=device.type == "cuda")
 
 
+@torch.no_grad()
+def broadcast_weights(info: DistInfo, model: nn.Module, weights: dict[str, torch.Tensor] | None, device: torch.device,
+                      skip: set[str]) -> None:
+    """Rank 0's whole ``weights`` into every rank's ``model``, a tensor at a time (a collective): under FSDP each rank
+    keeps its shard of each, so no rank ever holds the whole model but rank 0. ``skip``: tied names, filled through
+    the name each shares."""
+    from fitgpt.parallel import assign_whole
+
+    own = model.state_dict(keep_vars=True)
+    for name in sorted(set(own) - skip):  # one order on every rank
+        p = own[name]
+        t = weights[name].to(device) if info.is_main else torch.empty(p.shape, dtype=p.dtype, device=device)
+        dist.broadcast(t, src=0)
+        assign_whole(p, t)
+
+
 # ---- full state for checkpoints ---------------------------------------------------------------------
 
 

@@ -16,13 +16,16 @@ from fitgpt.activation_checkpoint import Policy, apply_activation_checkpointing,
 from fitgpt.config import TrainConfig, to_dict
 from fitgpt.data.loader import TokenData
 from fitgpt.data.prepare import ensure_prepared
+from fitgpt.data.tokenizer import TOKENIZER_FILE
 from fitgpt.device import is_host_oom
 from fitgpt.errors import UserError
+from fitgpt.hf import check_tokenizer, hf_weights, import_weights
 from fitgpt.memory import measure_step_memory
 from fitgpt.memory.tracker import round_up
 from fitgpt.model import Transformer
 from fitgpt.parallel import compile_blocks, precision_roles
 from fitgpt.train import distributed as dist_utils
+from fitgpt.train.checkpoint import tied_parameter_names
 from fitgpt.train.resume import rng_state, set_rng_state
 from fitgpt.units import format_bytes, format_count
 from fitgpt.utils import host_memory
@@ -48,6 +51,20 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, shards:
         if not is_host_oom(e):
             raise
         raise UserError(f"out of host memory building the model: {too_large(cfg)}") from None
+
+
+def init_from_hf(cfg: TrainConfig, model: nn.Module, info: dist_utils.DistInfo, device: torch.device, sharded: bool) -> None:
+    """--init-from: a Hugging Face folder's weights into the model. Under FSDP (``sharded``: the model built on the
+    meta device and sharded) rank 0 reads them and every rank keeps its pieces, a tensor at a time; otherwise each
+    process loads them whole."""
+    check_tokenizer(cfg.init_from, cfg.data.path / TOKENIZER_FILE)
+    if not sharded:
+        import_weights(cfg.init_from, model)
+    else:
+        held: dict = {}
+        dist_utils.from_main(info, lambda: held.update(hf_weights(cfg.init_from, model)))  # a bad folder: one line, every rank
+        dist_utils.broadcast_weights(info, model, held, device, set(tied_parameter_names(model)))
+    log.info("initialised from %s (%s, %d blocks x %d)", cfg.init_from, cfg.model.arch, cfg.model.n_blocks, cfg.model.n_embed)
 
 
 def too_large(cfg: TrainConfig) -> str:

@@ -19,10 +19,9 @@ import torch.nn as nn
 from fitgpt.activation_checkpoint import Policy, remove_activation_checkpointing
 from fitgpt.config import IN_BACKWARD_ONE_PROCESS, OFFLOAD_ONE_PROCESS, TrainConfig, lowbit_fsdp_refusal, offload_refusal
 from fitgpt.data.loader import BatchSampler, TokenData
-from fitgpt.data.tokenizer import TOKENIZER_FILE
 from fitgpt.device import autocast, autocast_dtype, resolve_device
 from fitgpt.errors import UserError
-from fitgpt.hf import check_tokenizer, import_config, import_weights
+from fitgpt.hf import import_config
 from fitgpt.optim import build_optimizer, describe_optimizer
 from fitgpt.parallel import materialise, precision_roles
 from fitgpt.step import grad_scaler
@@ -37,6 +36,7 @@ from fitgpt.train.setup import (
     activation_bytes,
     build_model,
     choose_policy,
+    init_from_hf,
     load_data,
     log_activation_memory,
     prepare_model,
@@ -135,14 +135,12 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     if cfg.init_from and not cfg.resume:  # a resumed run's config.json already holds the imported model
         cfg = dataclasses.replace(cfg, model=import_config(cfg.init_from))
     data, cfg = load_data(cfg, info)
-    # Under FSDP the model is built on the meta device; once sharded, each rank fills only its shards, and a resumed
-    # run's weights are read into them. A Hugging Face model (--init-from) is still loaded whole, then sharded.
-    shards = info.world if info.enabled and cfg.parallel == "fsdp" and not (cfg.init_from and not cfg.resume) else 1
+    # Under FSDP the model is built on the meta device; once sharded, each rank fills only its shards: with the
+    # initial weights, a resumed run's, or a Hugging Face model's (--init-from).
+    shards = info.world if info.enabled and cfg.parallel == "fsdp" else 1
     model = build_model(cfg, cfg.model.vocab_size, device, shards)
-    if cfg.init_from and not cfg.resume:
-        check_tokenizer(cfg.init_from, cfg.data.path / TOKENIZER_FILE)
-        import_weights(cfg.init_from, model)
-        log.info("initialised from %s (%s, %d blocks x %d)", cfg.init_from, cfg.model.arch, cfg.model.n_blocks, cfg.model.n_embed)
+    if cfg.init_from and not cfg.resume and shards == 1:
+        init_from_hf(cfg, model, info, device, sharded=False)
     scaler = grad_scaler(device, dtype)
     # Each rank samples its own windows; rank 0 draws exactly what a single process would.
     sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + info.rank,
@@ -158,6 +156,8 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     step_model = prepare_model(model, policy, cfg, info, device, dtype, inspect=act and act.inspect)
     if shards > 1:
         materialise(model, torch.device("cpu") if cfg.fsdp_offload else device, cfg.seed)
+        if cfg.init_from and not cfg.resume:
+            init_from_hf(cfg, model, info, device, sharded=True)
     # Weights, data positions and RNG: read into the model as it trains (under FSDP, each rank's shards).
     start_step, state = resume_run(cfg, info, model, scaler, sampler, device, data) if cfg.resume else (0, None)
     if info.is_main and cfg.resume:  # only once the checkpoint is known good: a refused resume changes nothing
