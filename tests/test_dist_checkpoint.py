@@ -265,3 +265,31 @@ def test_a_rank_killed_while_writing_leaves_no_checkpoint_that_looks_complete(da
     assert [c.name for c in ckpt.list_checkpoints(run)] == ["step_00000003"], err[-3000:]
     ckpt.verify_checkpoint(run / "checkpoints/step_00000003")
     assert not any((t / ckpt.META_FILE).exists() for t in (run / "checkpoints").glob(".tmp_*"))
+
+
+# ---- planned --------------------------------------------------------------------------------------
+
+def _plan(capsys, *flags):
+    from fitgpt.cli import main
+
+    assert main(["plan", "--preset", "tiny", "--gpu", "h100-80gb", "--parallel", "fsdp", *flags]) == 0
+    out = capsys.readouterr().out
+    return out, json.loads(out.strip().splitlines()[-1])
+
+
+def test_the_plan_counts_each_ranks_staging_copy_against_host_memory(capsys):
+    out, plan = _plan(capsys, "--world-size", "4", "--host-memory", "64GiB")
+    # A rank stages its fp32 weights and AdamW moments: what the plan holds of them, for each of one machine's 4 ranks.
+    assert plan["checkpoint_staging_bytes"] == plan["breakdown"]["params"] + plan["breakdown"]["optimizer"] > 0
+    assert "for the 4 ranks of one machine, of 64.00 GiB (--host-memory): fits" in out and plan["async_checkpoint"]
+    assert "--no-async-checkpoint" not in out
+    out, plan = _plan(capsys, "--world-size", "4", "--host-memory", "1MiB")
+    assert "DOES NOT FIT, so the command below saves synchronously" in out and not plan["async_checkpoint"]
+    assert "fitgpt train" in out and "--no-async-checkpoint" in out.split("train with:")[1].splitlines()[0]
+
+
+def test_a_plan_over_more_ranks_than_a_node_prints_the_multi_node_command(capsys):
+    out, _ = _plan(capsys, "--world-size", "16")
+    command = out.split("train with: ")[1].splitlines()[0]
+    assert command.startswith("torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $FIRST_NODE:29400")
+    assert "--resume auto" in command  # a restarted node continues the run

@@ -390,9 +390,28 @@ def train_flags(cfg: TrainConfig, always: tuple[str, ...] = ()) -> list[str]:
     return flags
 
 
+GPUS_PER_NODE = 8
+"""Ranks on one machine when a plan's ranks fill more than one (a node of 8 GPUs, as clouds rent them)."""
+
+
+def ranks_per_node(world_size: int) -> int:
+    """How many of ``world_size`` ranks one machine runs: all of them up to a node's GPUs, else a full node each."""
+    return world_size if world_size <= GPUS_PER_NODE or world_size % GPUS_PER_NODE else GPUS_PER_NODE
+
+
 def train_command(cfg: TrainConfig, world_size: int = 1) -> str:
-    """The shell command that trains ``cfg`` (under torchrun for more than one process), quoted to paste; it names
-    its activation checkpointing even where that is the preset's (the planned choice)."""
-    launch = ["fitgpt", "train"] if world_size == 1 else ["torchrun", "--nproc-per-node", str(world_size), "-m", "fitgpt",
-                                                          "train"]
-    return shlex.join(launch + train_flags(cfg, always=("activation_checkpointing",)))
+    """The shell command that trains ``cfg`` (under torchrun for more than one process, on as many machines as a node's
+    GPUs need: the same command on each, meeting at the first's address), quoted to paste; it names its activation
+    checkpointing even where that is the preset's (the planned choice). ``--resume auto`` makes a restart continue."""
+    per_node = ranks_per_node(world_size)
+    if world_size == 1:
+        launch = ["fitgpt", "train"]
+    elif per_node == world_size:
+        launch = ["torchrun", "--nproc-per-node", str(world_size), "-m", "fitgpt", "train"]
+    else:
+        launch = ["torchrun", "--nnodes", str(world_size // per_node), "--nproc-per-node", str(per_node), "--rdzv-backend",
+                  "c10d", "--rdzv-endpoint", "FIRST_NODE:29400", "--rdzv-id", "fitgpt", "-m", "fitgpt", "train"]
+    flags = train_flags(cfg, always=("activation_checkpointing",))
+    if per_node != world_size and not cfg.resume:
+        flags += ["--resume", "auto"]
+    return shlex.join(launch + flags).replace("FIRST_NODE", "$FIRST_NODE")

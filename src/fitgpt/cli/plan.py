@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from fitgpt.cli.workload import BudgetConfig, parse_workload
+from fitgpt.config import TrainConfig, ranks_per_node
 from fitgpt.estimate.hardware import CUDA_CONTEXT
 from fitgpt.estimate.profile import BLOCK_OPTIONS, named_options
 from fitgpt.estimate.timing import host_seconds_per_byte
@@ -29,6 +30,22 @@ class PlanConfig(BudgetConfig):
         super().__post_init__()
         if self.activation_checkpointing != "auto":
             self.check_policy(self.activation_checkpointing)
+
+
+def _checkpoint_staging(cfg: PlanConfig, profile, tcfg: TrainConfig) -> tuple[int, TrainConfig]:
+    """Under torchrun a background checkpoint first copies each rank's weights and optimizer state to host memory:
+    printed, and counted against --host-memory for the ranks one machine runs. Returns the bytes a rank stages, and
+    the run to train (one that saves synchronously if the copies do not fit)."""
+    if cfg.world_size <= 1 or not tcfg.async_checkpoint:
+        return 0, tcfg
+    per_rank, ranks = profile.params + profile.optimizer, ranks_per_node(cfg.world_size)
+    fits = per_rank * ranks + profile.host <= cfg.host_budget
+    print(f"checkpoints (--async-checkpoint): each rank copies its weights and optimizer state, {format_bytes(per_rank)}, "
+          f"to host memory and writes them while training goes on: {format_bytes(per_rank * ranks)} for the {ranks} "
+          f"rank{'s' if ranks > 1 else ''} of one machine, of {format_bytes(cfg.host_budget)} (--host-memory"
+          f"{'' if cfg.host_memory else ', this machine'}): " + ("fits" if fits else "DOES NOT FIT, so the command below "
+                                                                 "saves synchronously (--no-async-checkpoint)"))
+    return per_rank, tcfg if fits else dataclasses.replace(tcfg, async_checkpoint=False)
 
 
 def _cuda_notes(cfg: PlanConfig) -> list[str]:
@@ -142,6 +159,7 @@ def run(args: list[str]) -> int:
               + (f"DOES NOT FIT, {format_bytes(host_over)} over" if host_over else "fits")
               + f"; its step timed at this machine's CPU AdamW rate ({1e-9 / host_seconds_per_byte():.1f} GB/s), the "
               "copies at the card's host link (modelled)")
+    staging, tcfg = _checkpoint_staging(cfg, profile, tcfg)
     workspaces = w.target.workspace_bytes()
     if workspaces:
         print(f"predicted torch.cuda.max_memory_allocated: {format_bytes(pred.peak + workspaces)} "
@@ -167,5 +185,6 @@ def run(args: list[str]) -> int:
                       "step_seconds": pred.step_time, "time_ratio": pred.time_ratio, "time_model": profile.time_source,
                       "target": w.target.device, "gpu": cfg.gpu, "fake": w.fake,
                       "predicted_max_allocated": pred.peak + workspaces, "replay": replay, "fits_card": not over,
-                      "fits_budget": pred.peak <= budget, "host_bytes": profile.host, "fits_host": not host_over}))
+                      "fits_budget": pred.peak <= budget, "host_bytes": profile.host, "fits_host": not host_over,
+                      "checkpoint_staging_bytes": staging, "async_checkpoint": tcfg.async_checkpoint}))
     return 0
