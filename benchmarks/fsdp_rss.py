@@ -42,6 +42,19 @@ def _cmd(world: int, run: Path, data: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), *train, "--parallel", "fsdp"]
 
 
+def _prepare(work: Path, src: str) -> Path:
+    """The benchmarks' data: a few of Python's own modules, tokenized (vocabulary 2048)."""
+    corpus = work / "corpus"
+    corpus.mkdir()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in FILES:
+        (corpus / name).write_bytes((stdlib / name).read_bytes())
+    data = work / "data"
+    subprocess.run([sys.executable, "-m", "fitgpt", "prepare", "--inputs", str(corpus), "--dir", str(data),
+                    "--vocab-size", "2048"], check=True, capture_output=True, env={**os.environ, "PYTHONPATH": src})
+    return data
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--src", nargs="*", default=[], help="other checkouts' src/ folders to run beside this one's")
@@ -50,14 +63,7 @@ def main() -> None:
     here = str(Path(__file__).resolve().parent.parent / "src")
     sources = [here, *args.src]
     work = Path(tempfile.mkdtemp(prefix="fsdp_rss_"))
-    corpus = work / "corpus"
-    corpus.mkdir()
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in FILES:
-        (corpus / name).write_bytes((stdlib / name).read_bytes())
-    data = work / "data"
-    subprocess.run([sys.executable, "-m", "fitgpt", "prepare", "--inputs", str(corpus), "--dir", str(data),
-                    "--vocab-size", "2048"], check=True, capture_output=True, env={**os.environ, "PYTHONPATH": here})
+    data = _prepare(work, here)
     rows = []
     for world in args.worlds:
         for i, src in enumerate(sources):  # interleaved: this checkout, then each other, per world size
