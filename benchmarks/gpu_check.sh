@@ -8,7 +8,8 @@
 # 3. With 2 GPUs: DDP and FSDP (NCCL) through torchrun, FSDP resumed on one GPU, FSDP with
 #    --activation-checkpointing auto (each rank's max_memory_allocated beside the per-rank prediction), each rank's
 #    allocated and reserved peaks under DDP and FSDP against the allocator replay per rank (plan_check.py ranks),
-#    and the CPU/gloo distributed tests re-run for good measure
+#    and the CPU/gloo distributed tests re-run for good measure; distributed checkpoints (DCP) written by NCCL ranks,
+#    in the background and synchronously, a resume from them, FSDP with --compile, --init-from into shards
 # 4. CPU-only predictions for this card (fake tensors, `--target cuda --gpu <card>`) against
 #    max_memory_allocated and max_memory_reserved of real steps: tiny, small, medium, 3b, and two Hugging Face
 #    models planned from their config.json alone (Qwen2.5 0.5B, Pythia 1B; random weights)
@@ -67,7 +68,19 @@ if [ "$NGPU" -ge 2 ]; then
   # Each rank's max_memory_allocated and max_memory_reserved under DDP and FSDP (2 micro-batches) against the
   # allocator replay for one rank of 2, planned on fake CPU tensors for this card
   torchrun --nproc-per-node 2 benchmarks/plan_check.py ranks --out "$OUT/plan_check_ranks.json" | tee "$OUT/plan_check_ranks.md"
-  python -m pytest -q tests/test_distributed.py
+  # Issue 36: distributed checkpoints with NCCL (each rank writes its shards from the GPU; in the background the
+  # state is staged to host memory first: the log's "staged ... in" is the step's stall, "written in" the write),
+  # a resume on 2 GPUs from them, FSDP with --compile (each block compiled before sharding) and --init-from into shards
+  torchrun --nproc-per-node 2 -m fitgpt train --preset small --batch-size 4 --model.context-length 512 --max-steps 20 \
+    --checkpoint-interval 5 --parallel fsdp --compile --out-dir "$OUT/fsdp_dcp" --no-progress 2>&1 \
+    | tee "$OUT/fsdp_dcp.log" | grep -E "staged|saved|run:"
+  torchrun --nproc-per-node 2 -m fitgpt train --preset small --batch-size 4 --model.context-length 512 --max-steps 25 \
+    --parallel fsdp --compile --no-async-checkpoint --resume latest --out-dir "$OUT/fsdp_dcp" --no-progress 2>&1 \
+    | tee -a "$OUT/fsdp_dcp.log" | grep -E "resumed|saved|run:"
+  fitgpt export --run "$OUT/fsdp_dcp" --out "$OUT/fsdp_dcp_hf"
+  torchrun --nproc-per-node 2 -m fitgpt train --init-from "$OUT/fsdp_dcp_hf" \
+    --batch-size 4 --max-steps 5 --parallel fsdp --out-dir "$OUT/fsdp_init_from" --no-progress 2>&1 | tail -n 2
+  python -m pytest -q tests/test_distributed.py tests/test_dist_checkpoint.py tests/test_elastic.py
 else
   echo "== 3. skipped: needs 2 GPUs, found $NGPU"
 fi

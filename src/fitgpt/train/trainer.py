@@ -159,6 +159,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
         if cfg.init_from and not cfg.resume:
             init_from_hf(cfg, model, info, device, sharded=True)
     # Weights, data positions and RNG: read into the model as it trains (under FSDP, each rank's shards).
+    t_resume = time.perf_counter()
     start_step, state = resume_run(cfg, info, model, scaler, sampler, device, data) if cfg.resume else (0, None)
     if info.is_main and cfg.resume:  # only once the checkpoint is known good: a refused resume changes nothing
         write_run_files(cfg)
@@ -167,6 +168,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     optimizer = build_optimizer(model, cfg.optim, torch.device("cpu") if cfg.fsdp_offload else device)
     if state is not None:
         load_optimizer(optimizer, state["optimizer"], info)
+        log.info("checkpoint read in %.2fs (weights, optimizer state, data positions, RNG)", time.perf_counter() - t_resume)
     _log_start(cfg, info, model, device, dtype, start_step)
     metrics = MetricsWriter(cfg.run_dir, cfg.tensorboard, resume_step=start_step) if info.is_main else None
     amp_dtype, _ = precision_roles(dtype, cfg.parallel == "fsdp" and info.enabled)  # FSDP: pure half precision, no autocast
