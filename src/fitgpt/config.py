@@ -167,6 +167,10 @@ class TrainConfig:
     """Also log to TensorBoard when it is installed."""
     max_bad_steps: int = 0
     """Skip up to this many steps whose loss is NaN/Inf before stopping (0: stop at the first)."""
+    memory_snapshot: int = 0
+    """Record the first N steps' memory as a PyTorch memory snapshot, memory_snapshot.pickle in the run directory
+    (under torchrun each rank's, memory_snapshot_rank_R.pickle), for pytorch.org/memory_viz or fitgpt plan --compare:
+    on CUDA the allocator's own history, elsewhere fitgpt's live-tensor tracker in the same format."""
 
     def __post_init__(self) -> None:
         require_finite(self)
@@ -180,6 +184,8 @@ class TrainConfig:
             raise UserError("dist_timeout must be positive (set --dist-timeout)")
         if self.max_bad_steps < 0:
             raise UserError("max_bad_steps must not be negative (set --max-bad-steps)")
+        if self.memory_snapshot < 0:
+            raise UserError("memory_snapshot must not be negative (set --memory-snapshot N, the steps to record)")
         if self.fsdp_offload and self.parallel != "fsdp":
             raise UserError("--fsdp-offload is FSDP's: add --parallel fsdp (and launch with torchrun)")
         if self.optim.offload:

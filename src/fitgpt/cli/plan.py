@@ -5,14 +5,19 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 import torch
 
 from fitgpt.cli.workload import BudgetConfig, parse_workload
 from fitgpt.config import TrainConfig, ranks_per_node
+from fitgpt.errors import UserError, require_not_empty
 from fitgpt.estimate.hardware import CUDA_CONTEXT
 from fitgpt.estimate.profile import BLOCK_OPTIONS, named_options
 from fitgpt.estimate.timing import host_seconds_per_byte
+from fitgpt.memory.picture import draw, peak_of, timeline
+from fitgpt.memory.snapshot import first_difference, read_snapshot, write_snapshot
 from fitgpt.optim import describe_optimizer
 from fitgpt.plan.solver import Plan, PlanError, predict, solve
 from fitgpt.units import format_bytes
@@ -25,11 +30,48 @@ class PlanConfig(BudgetConfig):
     activation_checkpointing: str = "auto"
     """As for fitgpt train: auto solves for the fastest plan within the budget; a policy (block, selective,
     blocks:0,1+chunked-loss, ...) is predicted as given."""
+    report: Optional[str] = None
+    """Write the picture of where the memory goes into this folder: plan.png (memory over the step stacked by
+    category, the plan beside none and block on one scale, the budget and the card as lines) and plan.json."""
+    memory_snapshot: Optional[str] = None
+    """Write the plan's step as a PyTorch memory snapshot (.pickle) for pytorch.org/memory_viz or
+    `python -m torch.cuda._memory_viz trace_plot FILE -o out.html`: predicted, for a card this machine may lack."""
+    compare: Optional[str] = None
+    """A measured snapshot (fitgpt train --memory-snapshot N, or torch.cuda.memory._dump_snapshot) to compare the
+    plan's step with: the first point where they part is named, and --report draws both."""
 
     def __post_init__(self) -> None:
+        require_not_empty(self, ("report", "memory_snapshot", "compare"))
         super().__post_init__()
         if self.activation_checkpointing != "auto":
             self.check_policy(self.activation_checkpointing)
+        if self.compare and not Path(self.compare).is_file():
+            raise UserError(f"--compare {self.compare}: no such snapshot file")
+
+
+def _pictures(cfg: PlanConfig, spec: str, budget: int) -> None:
+    """--memory-snapshot, --compare and --report: the plan's step as PyTorch's snapshot, against a measured one, drawn."""
+    if not (cfg.report or cfg.memory_snapshot or cfg.compare):
+        return
+    w = cfg.workload
+    mine = w.snapshot(spec)
+    if cfg.memory_snapshot:
+        print(f"memory snapshot (predicted, PyTorch's format): {write_snapshot(mine, cfg.memory_snapshot)}; open it at "
+              "https://pytorch.org/memory_viz")
+    measured = read_snapshot(cfg.compare) if cfg.compare else None
+    if measured is not None:
+        where = first_difference(mine, measured)
+        print(f"against {cfg.compare}: " + (f"they part at {where}" if where else "the same step, event for event"))
+    if cfg.report:
+        out = Path(cfg.report)
+        panels = [(f"plan: {spec}", mine)] + ([("measured", measured)] if measured is not None else [])
+        panels += [(p, w.snapshot(p)) for p in ("none", "block") if p != spec and measured is None]
+        card = w.target.gpu.memory if w.target.gpu else None
+        png = draw(panels, out / "plan.png", budget=budget, card=card, title=w.describe())
+        peaks = {label: dict(zip(("event", "bytes"), peak_of(timeline(s)))) for label, s in panels}
+        (out / "plan.json").parent.mkdir(parents=True, exist_ok=True)
+        (out / "plan.json").write_text(json.dumps({"policy": spec, "budget": budget, "card": card, "peaks": peaks}, indent=1))
+        print(f"report: {out / 'plan.json'}" + (f", {png}" if png else " (no plan.png: matplotlib is not installed)"))
 
 
 def _checkpoint_staging(cfg: PlanConfig, profile, tcfg: TrainConfig) -> tuple[int, TrainConfig]:
@@ -180,6 +222,7 @@ def run(args: list[str]) -> int:
         planned = dataclasses.replace(tcfg, activation_checkpointing=spec)
         print(w.how_to_train(planned) + ("" if w.source else
                                          f"   (or: --activation-checkpointing auto --memory-budget {_budget_flag(cfg, budget)})"))
+    _pictures(cfg, spec, budget)
     print(json.dumps({"policy": spec, "budget": budget, "predicted_peak": pred.peak, "where": pred.where,
                       "breakdown": pred.breakdown(), "flops_ratio": pred.flops_ratio, "profile_seconds": profile.seconds,
                       "step_seconds": pred.step_time, "time_ratio": pred.time_ratio, "time_model": profile.time_source,

@@ -32,6 +32,7 @@ from fitgpt.estimate.profile import fake_model
 from fitgpt.estimate.ranks import fake_ranks
 from fitgpt.estimate.source import ModelSource, as_source
 from fitgpt.memory.allocator import CachingAllocatorModel
+from fitgpt.memory.snapshot import ExactAllocator, SnapshotTrace, Where
 from fitgpt.memory.timeline import block_marks, model_tensors, optimizer_state_tensors
 from fitgpt.memory.tracker import LiveMemory, storages
 from fitgpt.model import ModelConfig
@@ -78,6 +79,42 @@ def simulate_step(model: ModelConfig | ModelSource, policy: str, batch: int, con
             except NotAlike as e:  # exact or not at all: the full depth is stepped instead
                 log.debug("replayed at full depth: %s", e)
         return _replay(run, alloc, repeat)
+
+
+def predicted_snapshot(model: ModelConfig | ModelSource, policy: str, batch: int, context: int, grad_accum: int,
+                       dtype: torch.dtype | None, optim: OptimConfig, target: Target, ranks: int = 1,
+                       parallel: str = "fsdp") -> dict:
+    """The plan's step as PyTorch's memory snapshot (`fitgpt.memory.snapshot`), as ``simulate_step`` replays it but at
+    full depth and named: the weights, what is made before the step (DDP's buckets, the cuBLAS workspaces, the
+    optimizer), a first step (which creates the optimizer state), then a second, each block's frames naming the step,
+    its phase (forward or backward of which block, the optimizer step) and the op. Through CUDA's caching allocator
+    (modelled) for a CUDA target; for the CPU, as the host allocates (a segment a tensor)."""
+    source = as_source(model)
+    if context > source.context_length:
+        source = source.at(context=context)
+    run = _Run(source, policy, batch, context, min(grad_accum, 2), dtype, optim, target, parallel if ranks > 1 else None)
+    where = Where()
+    trace = SnapshotTrace(CachingAllocatorModel() if target.cuda else ExactAllocator(), where.frames)
+
+    def marked_update(*args):
+        where.mark(f"step {where.step}: optimizer step")
+        return optimizer_update(*args)
+
+    with fake_ranks(ranks) if ranks > 1 else contextlib.nullcontext() as mesh:
+        run.mesh = mesh
+        model_, mode = run.build(run.source, run.policy)
+        where.mark("weights")
+        _feed(trace, [(("w", i), nbytes) for i, nbytes in enumerate(_weights(model_))])
+        where.mark("made before the step: DDP's buckets, cuBLAS workspaces, the optimizer")
+        with run.stepping(model_, mode, trace, marked_update) as (step, _, live):
+            blocks = find_blocks(model_)[1]
+            where.live, where.n_blocks = live, len(blocks)
+            with block_marks(blocks, where.mark):
+                for where.step in (1, 2):
+                    where.mark(f"step {where.step}: forward, embedding")
+                    step()
+    settings = {"expandable_segments": False} if target.cuda else {"host": "one segment a tensor"}
+    return trace.snapshot(settings)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from fitgpt.device import autocast_dtype
 from fitgpt.estimate.hardware import Target
 from fitgpt.estimate.profile import StepProfile, profile_model
 from fitgpt.estimate.ranks import RanksBusy, in_own_process
-from fitgpt.estimate.replay import simulate_step
+from fitgpt.estimate.replay import predicted_snapshot, simulate_step
 from fitgpt.estimate.source import ModelSource, OwnModel
 from fitgpt.estimate.timing import calibrate, roofline
 from fitgpt.memory.flops import OpCost
@@ -92,6 +92,17 @@ class Workload:
             return simulate_step(*args, **kw)
         except RanksBusy:  # under torchrun: the fake ranks get a process of their own
             return in_own_process(simulate_step, *args, **kw)
+
+    def snapshot(self, policy: str) -> dict:
+        """The step of ``policy`` as PyTorch's memory snapshot, predicted on fake tensors (`predicted_snapshot`): per rank
+        under DDP or FSDP, through CUDA's caching allocator (modelled) for a CUDA target."""
+        t = self.train
+        args = (self.model, policy, t.batch_size, self.context, t.grad_accum, self.dtype, t.optim, self.target)
+        kw = {"ranks": self.world_size, "parallel": t.parallel}
+        try:
+            return predicted_snapshot(*args, **kw)
+        except RanksBusy:
+            return in_own_process(predicted_snapshot, *args, **kw)
 
     def vary(self, cost: OpCost | None = None, **changes) -> Workload:
         """The same workload with training settings changed (batch_size, grad_accum, precision, parallel). The

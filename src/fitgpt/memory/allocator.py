@@ -49,6 +49,8 @@ class CachingAllocatorModel:
         self._blocks: dict[tuple[int, int, int], _Block] = {}
         self._used: dict[int, _Block] = {}
         self._segments = 0
+        self.heads: dict[int, _Block] = {}
+        """Each segment's first block (offset 0; merges keep it): the segment walked in order, for a snapshot."""
 
     @staticmethod
     def round_size(nbytes: int) -> int:
@@ -86,6 +88,7 @@ class CachingAllocatorModel:
             seg = self.segment_size(size)
             self._segments += 1
             block = _Block(self._segments, 0, seg, small=small)
+            self.heads[self._segments] = block
             self.reserved += seg
             self.peak_reserved = max(self.peak_reserved, self.reserved)
         remaining = block.size - size
@@ -99,6 +102,10 @@ class CachingAllocatorModel:
         self._used[key] = block
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
+
+    def block_of(self, key) -> _Block | None:
+        """The block handed out for ``key`` (its segment, offset and size), while it is allocated."""
+        return self._used.get(key)
 
     def free(self, key: int) -> None:
         block = self._used.pop(key, None)

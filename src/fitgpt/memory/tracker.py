@@ -55,6 +55,8 @@ class LiveMemory(TorchDispatchMode):
         self.current = 0
         self.peak = 0
         self._live: dict[int, int] = {}
+        self.op = None
+        """The op whose outputs are being counted (a snapshot's frames name it)."""
 
     def _free(self, key: int) -> None:
         nbytes = self._live.pop(key, None)
@@ -122,7 +124,11 @@ class LiveMemory(TorchDispatchMode):
             return out  # a tensor's device (asked for on most fake ops), or a view: nothing allocated, skipped for speed
         # Views and in-place results share an input's storage: nothing new was allocated
         # (this is what keeps views of parameters, such as a weight's transpose, out of the count).
-        inputs = {id(st) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for st in storages(t)}
+        # lift_fresh hands back a constant made outside any op (torch.tensor(0.0)): on real tensors its input, on fake
+        # ones a new tensor. Counted as made here either way, so that a real step and its fake replay count alike.
+        inputs = set() if func is _LIFT else {id(st) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                                              for st in storages(t)}
+        self.op = func
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 for st in storages(t):

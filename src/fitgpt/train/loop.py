@@ -20,6 +20,7 @@ from fitgpt.activation_checkpoint import Policy
 from fitgpt.config import TrainConfig, to_dict
 from fitgpt.data.loader import BatchSampler, TokenData
 from fitgpt.device import is_host_oom, peak_memory
+from fitgpt.memory.snapshot import MeasuredSnapshot, write_snapshot
 from fitgpt.memory.timeline import PeakProbe
 from fitgpt.optim import lr_at, set_lr
 from fitgpt.parallel import sync_context
@@ -108,12 +109,16 @@ def run_loop(run: LoopState, start_step: int) -> Progress:
     # With --activation-checkpointing auto, the second step of this process is measured against the plan.
     probe_step = start_step + 1 if cfg.max_steps > start_step + 1 else start_step
     pending: list[tuple[int, float, StepResult]] = []  # (step, lr, result) not read on the host yet
-    with StopFlag() as stop:
+    recording = MeasuredSnapshot(run.model, run.optimizer, run.device).__enter__() if cfg.memory_snapshot else None
+    with StopFlag() as stop, contextlib.ExitStack() as cleanup:
+        cleanup.callback(lambda: recording and recording.__exit__(None, None, None))  # a run stopped while recording
         while p.step < cfg.max_steps:
             lr = lr_at(p.step, cfg.optim, cfg.max_steps)
             set_lr(run.optimizer, lr)
             pending.append((p.step, lr, _step(run, p.step, probe=run.planned is not None and p.step == probe_step)))
             p.step += 1
+            if recording is not None:
+                recording = _recorded(run, recording, p.step - start_step)
             bar.update(1)
             last = p.step == cfg.max_steps
             log_due, eval_due = p.step % cfg.log_interval == 0 or last, p.step % cfg.eval_interval == 0 or last
@@ -141,6 +146,20 @@ def run_loop(run: LoopState, start_step: int) -> Progress:
         finish_saves(run, p)
     bar.close()
     return p
+
+
+def _recorded(run: LoopState, recording: MeasuredSnapshot, steps: int) -> MeasuredSnapshot | None:
+    """After ``steps`` recorded steps: the next one numbered, or once --memory-snapshot steps are, the snapshot written."""
+    if steps < run.cfg.memory_snapshot and steps < run.cfg.max_steps:
+        recording.next_step()
+        return recording
+    recording.__exit__(None, None, None)
+    name = f"memory_snapshot_rank_{run.info.rank}.pickle" if run.info.enabled else "memory_snapshot.pickle"
+    path = write_snapshot(recording.snapshot, run.cfg.run_dir / name)
+    how = "the CUDA allocator's history" if run.device.type == "cuda" else "the live-tensor tracker"
+    log.info("memory snapshot of %d step%s (%s): %s; open it at https://pytorch.org/memory_viz, or compare it with the "
+             "plan: fitgpt plan ... --compare %s", steps, "s" if steps > 1 else "", how, path, path)
+    return None
 
 
 def _read_results(run: LoopState, p: Progress, pending: list[tuple[int, float, StepResult]]) -> bool:

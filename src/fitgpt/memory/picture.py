@@ -1,0 +1,138 @@
+"""Where the memory goes: a step's snapshot (`fitgpt.memory.snapshot`, predicted or measured) as bytes alive over the
+step, stacked by category, and drawn.
+
+A tensor's category is read from when it was made and when it was freed (the phases its frames name): the weights;
+what is made before the step (DDP's buckets, cuBLAS workspaces); the optimizer state (made by the first optimizer
+step and kept); gradients (made in a backward, kept past it); activations kept (made in a forward, freed in the
+backward); the logits and loss (made by the head); recompute and backward temporaries (made and freed in a
+backward); forward temporaries (made and freed in the forward); and, from an allocator model, reserved but not
+allocated (the cache and its fragmentation).
+"""
+
+from __future__ import annotations
+
+import logging
+import textwrap
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CATEGORIES = ("weights", "made before the step", "optimizer state", "gradients", "activations kept", "logits and loss",
+              "recompute and backward temporaries", "forward temporaries", "optimizer step temporaries")
+RESERVED = "reserved, not allocated"
+
+
+def _kind(phase: str) -> str:
+    """forward, backward, optimizer, head, or the phase itself for what is made outside the steps."""
+    body = phase.split(": ", 1)[1] if phase.startswith("step ") else phase
+    if body.startswith("forward, head"):
+        return "head"
+    for kind in ("forward", "backward", "optimizer"):
+        if body.startswith(kind):
+            return kind
+    return phase
+
+
+def _category(made: str, freed: str | None) -> str:
+    kind, gone = _kind(made), _kind(freed) if freed else None
+    if made in ("weights", "gradients held"):
+        return "weights" if made == "weights" else "gradients"
+    if made == "optimizer state":
+        return "optimizer state"
+    if kind == "head":
+        return "logits and loss"
+    if kind == "forward":
+        return "forward temporaries" if gone in ("forward", "head") else "activations kept"
+    if kind == "backward":
+        return "recompute and backward temporaries" if gone == "backward" else "gradients"
+    if kind == "optimizer":
+        return "optimizer state" if gone is None else "optimizer step temporaries"
+    return "made before the step"
+
+
+def timeline(snapshot: dict) -> dict[str, list[int]]:
+    """Bytes alive after each event of the snapshot's trace, by category (``CATEGORIES``, then ``RESERVED``)."""
+    events = snapshot["device_traces"][0]
+    made: dict[int, tuple[int, str]] = {}  # address -> (index of its alloc, phase)
+    life: list[tuple[int, int | None, int, str, str | None]] = []  # (alloc index, free index, bytes, made, freed)
+    for i, e in enumerate(events):
+        phase = (e.get("frames") or [{"filename": ""}])[0]["filename"]
+        if e["action"] == "alloc":
+            made[e["addr"]] = (i, phase)
+        elif e["action"] == "free_completed" and e["addr"] in made:
+            j, born = made.pop(e["addr"])
+            life.append((j, i, e["size"], born, phase))
+    sizes = {e["addr"]: e["size"] for e in events if e["action"] == "alloc"}
+    life += [(j, None, sizes[a], born, None) for a, (j, born) in made.items()]
+    n = len(events)
+    series = {c: [0] * (n + 1) for c in (*CATEGORIES, RESERVED)}
+    for j, i, nbytes, born, freed in life:  # a difference array per category, summed below
+        s = series[_category(born, freed)]
+        s[j] += nbytes
+        if i is not None:
+            s[i] -= nbytes
+    reserved, r = [0] * (n + 1), 0
+    for i, e in enumerate(events):
+        r += e["size"] if e["action"] == "segment_alloc" else -e["size"] if e["action"] == "segment_free" else 0
+        reserved[i] = r
+    for c in CATEGORIES:
+        total = 0
+        for i in range(n + 1):
+            total += series[c][i]
+            series[c][i] = total
+    allocated = [sum(series[c][i] for c in CATEGORIES) for i in range(n)]
+    series[RESERVED] = [max(0, reserved[i] - allocated[i]) for i in range(n)]
+    return {c: v[:n] for c, v in series.items()}
+
+
+def peak_of(series: dict[str, list[int]]) -> tuple[int, dict[str, int]]:
+    """The event at which the most is allocated, and what each category holds there."""
+    allocated = [sum(series[c][i] for c in CATEGORIES) for i in range(len(series[CATEGORIES[0]]))]
+    at = max(range(len(allocated)), key=allocated.__getitem__) if allocated else 0
+    return at, {c: series[c][at] for c in (*CATEGORIES, RESERVED) if series[c] and series[c][at]}
+
+
+def draw(panels: list[tuple[str, dict]], path: str | Path, budget: int | None = None, card: int | None = None,
+         title: str = "") -> Path | None:
+    """``panels``: (label, snapshot) side by side on one scale, memory over each step stacked by category, the budget
+    and the card's memory as lines, each peak marked with what holds it. None if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no %s", path)
+        return None
+    gib = 2**30
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.8), sharey=True, squeeze=False)
+    every = [timeline(snap) for _, snap in panels]
+    high = max([max(sum(s[c][i] for c in s) for i in range(len(s[RESERVED]))) for s in every] + [budget or 0]) * 1.25
+    for ax, (label, _), series in zip(axes[0], panels, every):
+        names = [c for c in (*CATEGORIES, RESERVED) if any(series[c])]
+        x = range(len(series[CATEGORIES[0]]))
+        ax.stackplot(x, [[v / gib for v in series[c]] for c in names], labels=names, linewidth=0)
+        at, held = peak_of(series)
+        top = sum(v for c, v in held.items() if c != RESERVED)
+        ax.plot([at], [top / gib], "kv")
+        big = sorted(((v, c) for c, v in held.items() if c != RESERVED), reverse=True)[:3]
+        ax.annotate(f"peak {top / gib:.2f} GiB\n" + "\n".join(f"{c} {v / gib:.2f}" for v, c in big), (at, top / gib),
+                    textcoords="offset points", xytext=(-10, 8), ha="right", fontsize=7)
+        for value, name, style in ((budget, "budget", "--"), (card, "card", ":")):
+            if value and value <= high:
+                ax.axhline(value / gib, color="k", linestyle=style, linewidth=1)
+                ax.text(0, value / gib, f" {name} {value / gib:.1f} GiB", va="bottom", fontsize=7)
+            elif value:  # far above the step: named, not drawn, so that the step keeps the scale
+                ax.text(0, high / gib, f" {name} {value / gib:.1f} GiB (above)", va="top", fontsize=7)
+        ax.set_ylim(0, high / gib)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("allocations and frees over the step (weights, setup, step 1, step 2)", fontsize=7)
+    axes[0][0].set_ylabel("GiB")
+    axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    fig.suptitle(textwrap.fill(title, 160), fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
