@@ -73,7 +73,8 @@ def test_the_first_difference_is_named_with_its_phase_op_and_bytes(tiny_model_co
     cfg = tiny_model_config(n_blocks=2)
     a = predicted_snapshot(cfg, "none", 2, 32, 1, None, OptimConfig(), Target("cpu"))
     b = predicted_snapshot(cfg, "none", 2, 32, 1, None, OptimConfig(), Target("cpu"))
-    allocs = [e for e in b["device_traces"][0] if e["action"] == "alloc" and e["frames"][0]["filename"].startswith("step 1: forward, block 1")]
+    allocs = [e for e in b["device_traces"][0]
+              if e["action"] == "alloc" and e["frames"][0]["filename"].startswith("step 1: forward, block 1")]
     allocs[0]["size"] += 512
     why = first_difference(a, b)
     assert "step 1: forward, block 1" in why and f"measured alloc of {allocs[0]['size']:,} bytes" in why
