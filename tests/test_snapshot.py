@@ -99,3 +99,57 @@ def test_train_records_its_first_steps_and_plan_compares_them(cli_train_args, tm
     out = capsys.readouterr().out
     assert f"against {snap}: " in out and "report:" in out
     assert (tmp_path / "rep/plan.png").stat().st_size > 10_000 and read_snapshot(tmp_path / "plan.pickle")
+
+
+# ---- expandable segments (issue 38, item 4) -------------------------------------------------------
+
+def test_expandable_segments_are_read_from_the_allocator_settings(monkeypatch):
+    from fitgpt.memory.allocator import expandable_from
+
+    assert expandable_from("max_split_size_mb:128,expandable_segments:True")
+    assert not expandable_from("expandable_segments:False") and not expandable_from("")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # torchtitan's launcher sets this one
+    assert expandable_from()
+
+
+def test_expandable_segments_grow_one_segment_by_pages_and_leave_fewer_slivers():
+    """Batch N, then N + 1 (PyTorch's own example): the default allocator takes a new segment for each larger
+    request; one expandable segment maps pages at its end, and reserves less."""
+    from fitgpt.memory.allocator import LARGE_PAGE, CachingAllocatorModel, ExpandableAllocatorModel
+    from fitgpt.memory.snapshot import SnapshotTrace
+
+    reserved = {}
+    for model in (CachingAllocatorModel, ExpandableAllocatorModel):
+        trace = SnapshotTrace(model())
+        for step, grow in enumerate((0, 2**20)):
+            for i in range(10):
+                trace.malloc((step, i), 30 * 2**20 + grow + i * 2**20)
+            for i in range(10):
+                trace.free((step, i))
+        reserved[model.__name__] = trace.peak_reserved
+        snap = trace.snapshot()
+        viz.segsum(snap)  # PyTorch's accounting holds
+        if model is ExpandableAllocatorModel:
+            assert len(snap["segments"]) == 1 and snap["segments"][0]["is_expandable"]
+            assert trace.peak_reserved % LARGE_PAGE == 0
+            assert any(e["action"] == "segment_map" for e in snap["device_traces"][0])
+    assert reserved["ExpandableAllocatorModel"] < reserved["CachingAllocatorModel"]
+
+
+def test_plan_names_the_allocator_it_models_and_replays_it(capsys, monkeypatch):
+    import json
+
+    from fitgpt.cli import main
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    plans = {}
+    for conf in ([], ["--alloc-conf", "expandable_segments:True"]):
+        assert main(["plan", "--preset", "tiny", "--gpu", "h100-80gb", "--batch-size", "4", "--context", "128", *conf]) == 0
+        out = capsys.readouterr().out
+        plans[bool(conf)] = (out, json.loads(out.strip().splitlines()[-1])["replay"])
+    assert "allocator: the default caching allocator" in plans[False][0]
+    assert "allocator: expandable segments" in plans[True][0]
+    assert plans[True][1]["max_reserved"] % (2 * 2**20) == 0  # whole pages
+    assert plans[True][1]["max_reserved"] != plans[False][1]["max_reserved"]

@@ -106,6 +106,9 @@ def _cuda_notes(cfg: PlanConfig) -> list[str]:
         + ("" if cfg.memory_budget else f" (card less {format_bytes(CUDA_CONTEXT)} for the CUDA context, modelled)")
         + f", less {format_bytes(t.workspace_bytes())} of cuBLAS workspaces (2 handles, modelled) = {format_bytes(cfg.budget)} "
         "for the step's tensors",
+        "allocator: expandable segments (expandable_segments:True: one segment a pool, grown by 2 MiB / 20 MiB pages)"
+        if t.expandable_segments else "allocator: the default caching allocator (PYTORCH_CUDA_ALLOC_CONF: no "
+        "expandable_segments; --alloc-conf expandable_segments:True plans for it)",
         f"modelled: attention backend {backend} "
         + ("(run here as the math path)" if backend == "math" else "(its saved tensors from PyTorch's meta kernels)")
         + f"; allocator blocks of 512 bytes; {describe_optimizer(w.train.optim, torch.device('cuda'))}"

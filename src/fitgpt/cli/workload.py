@@ -28,6 +28,7 @@ from fitgpt.errors import UserError, require_not_empty
 from fitgpt.estimate.hardware import CUDA_CONTEXT, Target, find_gpu
 from fitgpt.estimate.source import OwnModel, param_count, read_hf_config
 from fitgpt.estimate.workload import Workload, workload_for
+from fitgpt.memory.allocator import expandable_from
 from fitgpt.model.config import ModelConfig, require_positive_ints
 from fitgpt.units import format_bytes, parse_bytes
 from fitgpt.utils import host_memory
@@ -53,6 +54,9 @@ class WorkloadConfig:
     gpu_memory: Optional[str] = None
     """For a card not in the table: its memory as nvidia-smi reports the total (e.g. 48GiB), with --gpu naming the
     nearest card for everything else (compute capability, FLOP/s, bandwidth, links)."""
+    alloc_conf: Optional[str] = None
+    """CUDA's allocator settings to plan for, spelled as PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True is modelled);
+    default: this environment's PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF."""
     device: Optional[str] = None
     """Measure on this local device (cpu, cuda, cuda:1, mps) with real tensors instead: the reference, at the cost of real steps."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
@@ -148,9 +152,9 @@ class WorkloadConfig:
                     raise UserError(f"--gpu-memory {self.gpu_memory}: less than the CUDA context alone "
                                     f"({format_bytes(CUDA_CONTEXT)}); give the card's total, e.g. 48GiB")
                 gpu = dataclasses.replace(gpu, name=f"{gpu.name} with {format_bytes(memory)}", memory=memory)
-            return Target("cuda", gpu)
+            return Target("cuda", gpu, expandable_from(self.alloc_conf))
         if self.target:
-            return Target(self.target)
+            return Target(self.target, expandable_segments=self.target == "cuda" and expandable_from(self.alloc_conf))
         return Target(self.measured_device().type if self.device else resolve_device("auto").type)
 
     def measured_device(self) -> torch.device:

@@ -107,6 +107,8 @@ class Target:
 
     device: str = "cpu"
     gpu: GPU | None = None
+    expandable_segments: bool = False
+    """CUDA's caching allocator with ``expandable_segments:True`` (PYTORCH_CUDA_ALLOC_CONF), as torchtitan runs it."""
 
     @property
     def cuda(self) -> bool:

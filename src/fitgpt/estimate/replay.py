@@ -31,7 +31,7 @@ from fitgpt.estimate.hardware import Target
 from fitgpt.estimate.profile import fake_model
 from fitgpt.estimate.ranks import fake_ranks
 from fitgpt.estimate.source import ModelSource, as_source
-from fitgpt.memory.allocator import CachingAllocatorModel
+from fitgpt.memory.allocator import CachingAllocatorModel, allocator_model
 from fitgpt.memory.snapshot import ExactAllocator, SnapshotTrace, Where
 from fitgpt.memory.timeline import block_marks, model_tensors, optimizer_state_tensors
 from fitgpt.memory.tracker import LiveMemory, storages
@@ -69,7 +69,7 @@ def simulate_step(model: ModelConfig | ModelSource, policy: str, batch: int, con
         source = source.at(context=context)
     parallel = parallel if ranks > 1 else None
     run = _Run(source, policy, batch, context, min(grad_accum, 2), dtype, optim, target, parallel)
-    alloc = allocator if allocator is not None else CachingAllocatorModel()
+    alloc = allocator if allocator is not None else allocator_model(target.expandable_segments)
     with fake_ranks(ranks) if ranks > 1 else contextlib.nullcontext() as mesh:
         run.mesh = mesh
         shallow = _deepened_from(run, deep) if repeat else None
@@ -94,7 +94,7 @@ def predicted_snapshot(model: ModelConfig | ModelSource, policy: str, batch: int
         source = source.at(context=context)
     run = _Run(source, policy, batch, context, min(grad_accum, 2), dtype, optim, target, parallel if ranks > 1 else None)
     where = Where()
-    trace = SnapshotTrace(CachingAllocatorModel() if target.cuda else ExactAllocator(), where.frames)
+    trace = SnapshotTrace(allocator_model(target.expandable_segments) if target.cuda else ExactAllocator(), where.frames)
 
     def marked_update(*args):
         where.mark(f"step {where.step}: optimizer step")
@@ -113,7 +113,7 @@ def predicted_snapshot(model: ModelConfig | ModelSource, policy: str, batch: int
                 for where.step in (1, 2):
                     where.mark(f"step {where.step}: forward, embedding")
                     step()
-    settings = {"expandable_segments": False} if target.cuda else {"host": "one segment a tensor"}
+    settings = {"expandable_segments": target.expandable_segments} if target.cuda else {"host": "one segment a tensor"}
     return trace.snapshot(settings)
 
 

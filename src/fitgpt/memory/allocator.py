@@ -130,3 +130,69 @@ class CachingAllocatorModel:
 
     def reset_peaks(self) -> None:
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+
+SMALL_PAGE, LARGE_PAGE = 2 * 2**20, 20 * 2**20
+
+
+class ExpandableAllocatorModel(CachingAllocatorModel):
+    """CUDA's caching allocator under ``expandable_segments:True`` (PyTorch's Note [Expandable Segments]): each pool
+    (small, large) is one segment that grows at its end by pages of physical memory mapped into reserved address
+    space (2 MiB pages for the small pool, 20 MiB for the large). A request takes the best-fitting free block, split
+    by the same rules; if none fits, the segment grows by as few pages as make its free tail (or new pages past its
+    last block) large enough. Pages are never unmapped here (PyTorch unmaps them only on out-of-memory or
+    ``empty_cache``). Not modelled: the per-stream segments (one stream here), and gaps left by an unmap."""
+
+    expandable = True
+
+    def malloc(self, key: int, nbytes: int) -> None:
+        if nbytes == 0:
+            return
+        size = self.round_size(nbytes)
+        small = size <= SMALL_SIZE
+        keys = self._free[small]
+        if bisect.bisect_left(keys, (size, -1, -1)) == len(keys):  # nothing free fits: map pages at the segment's end
+            self._grow(small, size)
+        super().malloc(key, nbytes)
+
+    def _grow(self, small: bool, size: int) -> None:
+        page = SMALL_PAGE if small else LARGE_PAGE
+        seg = 1 if small else 2
+        head = self.heads.get(seg)
+        last = head
+        while last is not None and last.next is not None:
+            last = last.next
+        have = last.size if last is not None and last.free else 0
+        added = round_up(size - have, page)
+        if last is not None and last.free:  # the free tail grows
+            self._remove_free(last)
+            last.size += added
+            self._add_free(last)
+        else:  # new pages past the last block (or the pool's first)
+            block = _Block(seg, last.offset + last.size if last else 0, added, prev=last, small=small)
+            if last is None:
+                self.heads[seg] = block
+            else:
+                last.next = block
+            self._add_free(block)
+        self.reserved += added
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+
+def allocator_model(expandable_segments: bool = False) -> CachingAllocatorModel:
+    """The model of CUDA's caching allocator a run uses: the default, or with expandable segments."""
+    return ExpandableAllocatorModel() if expandable_segments else CachingAllocatorModel()
+
+
+def expandable_from(conf: str | None = None) -> bool:
+    """Whether allocator settings (``conf``, as PYTORCH_CUDA_ALLOC_CONF spells them; default: this environment's
+    PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF) turn expandable segments on."""
+    import os
+
+    if conf is None:
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    for item in conf.split(","):
+        name, _, value = item.partition(":")
+        if name.strip() == "expandable_segments":
+            return value.strip().lower() == "true"
+    return False

@@ -76,21 +76,29 @@ class SnapshotTrace:
         self._address: dict[int, tuple[int, int]] = {}  # segment -> (address, size)
         self._next = BASE
         self._info: dict = {}  # key -> (requested bytes, frames) of each block handed out
+        self._expandable = getattr(alloc, "expandable", False)
 
     def __getattr__(self, name: str):  # peaks, reset_peaks: the allocator's own
         return getattr(self.alloc, name)
 
     def malloc(self, key, nbytes: int) -> None:
-        before = set(self.alloc.heads)
+        before = {seg: _segment_size(head) for seg, head in self.alloc.heads.items()} if self._expandable else set(self.alloc.heads)
         self.alloc.malloc(key, nbytes)
         block = self.alloc.block_of(key)
         if block is None or key in self._info:
             return
-        for seg in sorted(set(self.alloc.heads) - before):
+        for seg in sorted(set(self.alloc.heads) - set(before)):
             size = _segment_size(self.alloc.heads[seg])
             self._address[seg] = (self._next, size)
             self.events.append(_event("segment_alloc", self._next, size, []))
-            self._next += round_up(size, ALIGN)
+            # An expandable segment grows in place: its address space is reserved far beyond what is mapped.
+            self._next += 2**40 if self._expandable else round_up(size, ALIGN)
+        for seg in before if self._expandable else ():
+            grown = _segment_size(self.alloc.heads[seg]) - before[seg]
+            if grown:  # pages mapped at its end, as PyTorch's trace records them
+                address, size = self._address[seg]
+                self.events.append(_event("segment_map", address + size, grown, []))
+                self._address[seg] = (address, size + grown)
         frames = self.frames()
         self._info[key] = (nbytes, frames)
         self.events.append(_event("alloc", self._address[block.segment][0] + block.offset, block.size, frames))
@@ -126,7 +134,7 @@ class SnapshotTrace:
                              "allocated_size": active, "active_size": active,
                              "requested_size": sum(x["requested_size"] for x in blocks), "stream": 0,
                              "segment_type": "small" if head.small else "large", "segment_pool_id": (0, 0),
-                             "is_expandable": False, "frames": [], "blocks": blocks})
+                             "is_expandable": self._expandable, "frames": [], "blocks": blocks})
         return {"segments": segments, "device_traces": [list(self.events)], "allocator_settings": settings or {}}
 
 

@@ -22,6 +22,7 @@ from fitgpt.data.loader import BatchSampler, TokenData
 from fitgpt.device import autocast, autocast_dtype, resolve_device
 from fitgpt.errors import UserError
 from fitgpt.hf import import_config
+from fitgpt.memory.allocator import expandable_from
 from fitgpt.optim import build_optimizer, describe_optimizer
 from fitgpt.parallel import materialise, precision_roles
 from fitgpt.step import grad_scaler
@@ -206,5 +207,8 @@ def _log_start(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, de
         f", {cfg.parallel}" if info.enabled else "", describe_optimizer(cfg.optim, device), start_step, cfg.max_steps,
         cfg.run_dir,
     )
+    if device.type == "cuda":  # what the plan's replay should model: plan --alloc-conf, or the same environment
+        log.info("CUDA caching allocator: %s", "expandable segments (expandable_segments:True)" if expandable_from()
+                 else "the default (no expandable_segments in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF)")
 
 
