@@ -223,3 +223,57 @@ def test_the_line_for_your_own_loop_names_how_fsdp_shards(tmp_path):
     assert line.startswith("in your training loop: apply_activation_checkpointing(model, 'block')")
     assert "FSDP2 over 4 ranks" in line and "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), no autocast" in line
     assert "fitgpt train" not in line
+
+
+# ---- one rank of many (issue 38, item 5) -----------------------------------------------------------
+
+RANK_OPTIONS = ("none", "block", "selective")
+
+
+def _rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Each rank's measured peak (the tracker, at its second step) of the hand-written NanoGPT, FSDP and DDP."""
+    import os
+
+    from fitgpt.parallel import sync_context
+    from fitgpt.train import distributed as du
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    info = du.init_distributed("cpu", timeout_s=120)
+    cpu, rows = torch.device("cpu"), {}
+    try:
+        x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(rank))
+        for parallel in ("fsdp", "ddp"):
+            for option in RANK_OPTIONS:
+                torch.manual_seed(0)
+                model = NanoGPT()
+                apply_activation_checkpointing(model, option)
+                step_model = du.wrap(model, info, parallel, cpu, None)
+                opt = build_optimizer(model, OptimConfig(), cpu)
+                kw = {"sync": lambda last, m=step_model: sync_context(m, last), "grad_clip": OptimConfig().grad_clip}
+                measure_train_step(step_model, opt, [(x, x)], **kw)  # the optimizer state exists from here on
+                rows[parallel, option] = measure_train_step(step_model, opt, [(x, x)], **kw).peak
+        torch.save(rows, os.path.join(out_dir, f"rank_{rank}.pt"))
+    finally:
+        du.shutdown(info)
+
+
+@pytest.mark.timeout(300)
+def test_plan_module_plans_one_rank_under_fsdp_and_ddp_as_two_real_ranks_measure(tmp_path):
+    """A hand-written module planned with world_size=2: each rank's measured peak on 2 gloo CPU ranks equals the
+    per-rank prediction to the byte, every option (main: plan_module had no world size)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    measured = [torch.load(tmp_path / f"rank_{r}.pt") for r in range(2)]
+    for parallel in ("fsdp", "ddp"):
+        plan = plan_module(NanoGPT, (B, T), vocab_size=V, precision="fp32", world_size=2, parallel=parallel,
+                           snapshot=tmp_path / f"{parallel}.pickle")
+        for option in RANK_OPTIONS:
+            assert measured[0][parallel, option] == measured[1][parallel, option] == plan.uniform[option], (parallel, option)
+        assert (tmp_path / f"{parallel}.pickle").stat().st_size > 0
+    assert plan_module(NanoGPT, (B, T), vocab_size=V, precision="fp32").uniform["none"] > measured[0]["fsdp", "none"]

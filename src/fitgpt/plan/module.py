@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -23,6 +24,7 @@ from fitgpt.estimate.hardware import CUDA_CONTEXT, Target, find_gpu
 from fitgpt.estimate.profile import BLOCK_OPTIONS, StepProfile
 from fitgpt.estimate.source import ModuleModel
 from fitgpt.estimate.workload import workload_for
+from fitgpt.memory.snapshot import write_snapshot
 from fitgpt.plan.solver import Plan, Prediction, min_peak, predict, solve
 from fitgpt.units import parse_bytes
 
@@ -48,10 +50,13 @@ class ModulePlan:
 
 def plan_module(build_model: Callable[[], nn.Module], batch: tuple[int, int], *, vocab_size: int,
                 budget: int | str | None = None, gpu: str | None = None, precision: str = "auto", grad_accum: int = 1,
-                optim: OptimConfig | None = None) -> ModulePlan:
+                optim: OptimConfig | None = None, world_size: int = 1, parallel: str = "fsdp",
+                snapshot: str | Path | None = None) -> ModulePlan:
     """Plan one training step of the module ``build_model()`` makes, on this CPU or on the CUDA card ``gpu`` (a name
     as ``fitgpt plan --gpu`` takes it), at ``batch`` = (sequences, tokens per sequence), ``grad_accum`` micro-batches
-    a step, in ``precision`` (autocast), with AdamW as ``optim`` says.
+    a step, in ``precision`` (autocast), with AdamW as ``optim`` says. ``world_size`` above 1: the step of one rank
+    of that many under ``parallel`` (fsdp: ``fitgpt.parallel.fsdp_shard``, each block then the root; ddp), profiled
+    on fake ranks. ``snapshot``: also write the plan's step there as a PyTorch memory snapshot (pytorch.org/memory_viz).
 
     ``budget``: the memory a step may take (bytes, or "6GiB"); default: the card's memory less the CUDA context, or
     none on a CPU (the lowest-peak plan). The blocks are the model's longest ``nn.ModuleList`` of one type (as
@@ -71,12 +76,17 @@ def plan_module(build_model: Callable[[], nn.Module], batch: tuple[int, int], *,
                         "keep its blocks in an nn.ModuleList") from None
     source = ModuleModel(build_model, vocab_size, t, n_blocks)
     base = load_config("tiny")
+    if parallel not in ("fsdp", "ddp") or world_size < 1:
+        raise UserError(f"plan_module: parallel={parallel!r}, world_size={world_size}: use fsdp or ddp, and 1 or more ranks")
     cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, context_length=t, vocab_size=vocab_size),
-                              batch_size=b, grad_accum=grad_accum, precision=precision, optim=optim or base.optim)
-    w = workload_for(cfg, target=target, fake=True, source=source)
+                              batch_size=b, grad_accum=grad_accum, precision=precision, optim=optim or base.optim,
+                              parallel=parallel)
+    w = workload_for(cfg, target=target, fake=True, source=source, world_size=world_size)
     profile = w.profile()
     room = _room(budget, target)
     plan, pred = solve(profile, room) if room is not None else min_peak(profile)
+    if snapshot is not None:
+        write_snapshot(w.snapshot(plan.spec()), snapshot)
     return ModulePlan(policy=plan.spec(), prediction=pred, budget=room,
                       uniform={o: predict(profile, Plan.uniform(n_blocks, o)).peak for o in BLOCK_OPTIONS},
                       replay=w.replay(plan.spec()), profile=profile)
