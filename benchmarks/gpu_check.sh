@@ -85,6 +85,20 @@ else
   echo "== 3. skipped: needs 2 GPUs, found $NGPU"
 fi
 
+echo "== 3b. issue 38: snapshots and expandable segments on the card"
+# A real step's snapshot (the allocator's history) against the plan's prediction, and max_memory_reserved under
+# expandable_segments:True against the expandable-segments replay.
+fitgpt train --preset small --batch-size 8 --model.context-length 1024 --grad-accum 1 --max-steps 3 --device cuda \
+  --precision bf16 --memory-snapshot 2 --out-dir "$OUT/snapshot" --no-progress 2>&1 | grep -E "snapshot|run:"
+fitgpt plan --preset small --batch-size 8 --context 1024 --grad-accum 1 --device cuda --memory-budget 70GiB \
+  --activation-checkpointing none --compare "$OUT/snapshot/memory_snapshot.pickle" --report "$OUT/report" | grep -E "against|report"
+for conf in "" "expandable_segments:True"; do
+  PYTORCH_CUDA_ALLOC_CONF="$conf" fitgpt bench --preset small --batch-size 8 --context 1024 --grad-accum 1 --device cuda \
+    --precision bf16 --policies none block --repeats 3 --warmup 1 --out-dir "$OUT/bench_alloc_${conf:-default}" | tail -n 1
+  fitgpt plan --preset small --batch-size 8 --context 1024 --grad-accum 1 --gpu "$(python -c 'import torch; print(torch.cuda.get_device_name())')" \
+    --memory-budget 70GiB --activation-checkpointing block --alloc-conf "${conf:-expandable_segments:False}" | grep -E "allocator:|replayed"
+done
+
 echo "== 4. CPU-only predictions for this card vs the allocator"
 python benchmarks/plan_check.py cuda --out "$OUT/plan_check_cuda.json" | tee "$OUT/plan_check_cuda.md"
 
