@@ -359,6 +359,11 @@ def test_bench_command_writes_table_json_and_png(tmp_path, capsys):
     assert rows["auto:50%"]["peak_bytes"] <= rows["auto:50%"]["budget_bytes"]
     assert (out / "bench.json").is_file() and (out / "bench.png").stat().st_size > 0
     assert "| `block` |" in text
+    # Where the memory goes, per policy: a measured step's snapshot beside the predicted one (issue 38)
+    assert (out / "memory.png").stat().st_size > 0 and result["memory_png"] == str(out / "memory.png")
+    from fitgpt.memory.snapshot import read_snapshot, step_events
+
+    assert step_events(read_snapshot(out / "memory_block.pickle"))
 
 
 def test_bench_takes_the_policy_train_takes(tmp_path, capsys):

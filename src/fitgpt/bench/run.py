@@ -28,6 +28,8 @@ from fitgpt.estimate.timing import timed, token_batches
 from fitgpt.estimate.workload import Workload
 from fitgpt.memory.flops import OpFlops
 from fitgpt.memory.measure import measure_step_memory
+from fitgpt.memory.picture import draw
+from fitgpt.memory.snapshot import MeasuredSnapshot, write_snapshot
 from fitgpt.memory.timeline import measure_train_step
 from fitgpt.optim import build_optimizer
 from fitgpt.plan.solver import Plan, PlanError, predict, solve
@@ -179,7 +181,23 @@ def run_bench(w: Workload, policies: tuple[str, ...], out_dir: str | Path, warmu
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     result["png"] = str(plot_bench(result, out / "bench.png"))
+    memory = _memory_picture(w, model, optimizer, batches, specs, step_kw, out)
+    result["memory_png"] = str(memory) if memory else None
     return result
+
+
+def _memory_picture(w: Workload, model, optimizer, batches, specs: dict, step_kw: dict, out: Path) -> Path | None:
+    """memory.png: per policy (the first three), a measured step (its snapshot: the allocator's history on CUDA, the
+    live-tensor tracker elsewhere) above the predicted one, on one scale."""
+    panels = []
+    for name, (spec, _, _) in list(specs.items())[:3]:
+        apply_activation_checkpointing(model, spec)
+        with MeasuredSnapshot(model, optimizer, w.device) as rec:
+            train_step(model, optimizer, batches, **step_kw)
+        remove_activation_checkpointing(model)
+        write_snapshot(rec.snapshot, out / f"memory_{name.replace(':', '_')}.pickle")
+        panels += [(f"{name}: measured (one step)", rec.snapshot), (f"{name}: predicted (two steps)", w.snapshot(spec))]
+    return draw(panels, out / "memory.png", title=w.describe(f"measured on {w.device}"), rows=2)
 
 
 def timing_noise(times: dict[str, list[float]]) -> float:

@@ -93,9 +93,10 @@ def peak_of(series: dict[str, list[int]]) -> tuple[int, dict[str, int]]:
 
 
 def draw(panels: list[tuple[str, dict]], path: str | Path, budget: int | None = None, card: int | None = None,
-         title: str = "") -> Path | None:
-    """``panels``: (label, snapshot) side by side on one scale, memory over each step stacked by category, the budget
-    and the card's memory as lines, each peak marked with what holds it. None if matplotlib is missing."""
+         title: str = "", rows: int = 1) -> Path | None:
+    """``panels``: (label, snapshot) on one scale, in ``rows`` rows (filled column by column), memory over each step
+    stacked by category, the budget and the card's memory as lines, each peak marked with what holds it. None if
+    matplotlib is missing."""
     try:
         import matplotlib
 
@@ -105,7 +106,9 @@ def draw(panels: list[tuple[str, dict]], path: str | Path, budget: int | None = 
         log.warning("matplotlib is not installed: no %s", path)
         return None
     gib = 2**30
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.8), sharey=True, squeeze=False)
+    cols = -(-len(panels) // rows)
+    fig, grid = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows + 0.6), sharey=True, squeeze=False)
+    axes = [[grid[i % rows][i // rows] for i in range(len(panels))]]  # column by column: measured above predicted
     every = [timeline(snap) for _, snap in panels]
     high = max([max(sum(s[c][i] for c in s) for i in range(len(s[RESERVED]))) for s in every] + [budget or 0]) * 1.25
     for ax, (label, _), series in zip(axes[0], panels, every):
@@ -126,9 +129,10 @@ def draw(panels: list[tuple[str, dict]], path: str | Path, budget: int | None = 
                 ax.text(0, high / gib, f" {name} {value / gib:.1f} GiB (above)", va="top", fontsize=7)
         ax.set_ylim(0, high / gib)
         ax.set_title(label, fontsize=9)
-        ax.set_xlabel("allocations and frees over the step (weights, setup, step 1, step 2)", fontsize=7)
-    axes[0][0].set_ylabel("GiB")
-    axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+        ax.set_xlabel("allocations and frees, in order", fontsize=7)
+    for row in grid:
+        row[0].set_ylabel("GiB")
+    grid[0][-1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.suptitle(textwrap.fill(title, 160), fontsize=8)
     fig.tight_layout()
     path = Path(path)
