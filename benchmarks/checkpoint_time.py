@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,7 +41,7 @@ def _train(src: str, world: int, run: Path, data: Path, *extra: str) -> tuple[fl
     out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if out.returncode:
-        raise SystemExit(out.stderr[-3000:])
+        raise SystemExit(out.stdout[-1000:] + out.stderr[-3000:])
     summary = json.loads(next(ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("{")))
     return summary["seconds"], wall
 
@@ -75,6 +76,8 @@ def main() -> None:
                     _, resumed = _train(src, world, work / f"one{tag}", data, *flags, "--max-steps", str(STEPS + 1),
                                         "--resume", "latest")
                     r["resume"].append(resumed - fresh)
+                    for run in ("one", "many", "fresh"):  # 1.2 GB a checkpoint: a full disk fails the next run
+                        shutil.rmtree(work / f"{run}{tag}", ignore_errors=True)
     print("| fitgpt | ranks | checkpoint | stall a save (s) | resume, over a fresh start (s) |\n|---|---:|---|---:|---:|")
     for (src, world, mode), r in rows.items():
         print(f"| {src} | {world} | {mode} | {statistics.median(r['stall']):.2f} ({', '.join(f'{x:.2f}' for x in r['stall'])}) "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,7 @@ def run(src: str, blocks: int, run_dir: Path, data: Path, extra: list[str]) -> d
         total, largest = max(total, sum(sizes)), max(largest, max(sizes, default=0))
         time.sleep(0.05)
     err = p.stderr.read()
+    shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoint: many GB
     if p.returncode:
         raise SystemExit(err[-3000:])
     return {"src": src, "blocks": blocks, "params": params(blocks), "peak_total": total, "peak_rank": largest,
