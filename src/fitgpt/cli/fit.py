@@ -6,10 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 from fitgpt.cli.workload import BudgetConfig, parse_workload
 from fitgpt.config import train_command
 from fitgpt.errors import UserError
+from fitgpt.memory.picture import draw
 from fitgpt.plan.family import LADDER_SETTINGS, largest_model
 from fitgpt.plan.fastest import fastest, format_choices
 from fitgpt.plan.largest import largest
@@ -27,6 +30,9 @@ class FitConfig(BudgetConfig):
     activation_checkpointing: str = "auto"
     """As for fitgpt train: auto plans each configuration; a policy (block, selective, torchtitan, ...) is kept as
     given, in the fastest configurations and as a column of the largest sizes."""
+    report: Optional[str] = None
+    """Write the picture of where the memory goes into this folder: fit.png, the fastest configuration's step beside
+    none at its settings, on one scale (as fitgpt plan --report draws a plan)."""
     largest_model: bool = False
     """Instead: the largest model of the preset's shape (its width per block, head size, MLP ratio, key/value heads)
     that trains at --batch-size x --context on one card, under each optimizer memory setting (AdamW; bf16 moments;
@@ -84,8 +90,23 @@ def run(args: list[str]) -> int:
                           "parallel": c.layout.name, "policy": c.policy, "predicted_peak": c.peak,
                           "step_seconds": c.step_seconds, "link_seconds": c.link_seconds, "tokens_per_s": c.tokens_per_s}
                          for c in best["choices"]]
+    if cfg.report and best["choices"]:
+        _report(cfg, best["choices"][0])
     print(json.dumps(result))
     return 0
+
+
+def _report(cfg: FitConfig, choice) -> None:
+    """fit.png: the fastest configuration's step (its micro-batch, accumulation, precision, parallelism and plan)
+    beside none at the same settings."""
+    train = choice.config(cfg.workload.train)
+    w = cfg.workload.vary(batch_size=train.batch_size, grad_accum=train.grad_accum, precision=train.precision,
+                          parallel=train.parallel, fsdp_offload=train.fsdp_offload)
+    panels = [(f"fastest: {choice.policy}, {train.batch_size} x {train.grad_accum}, {train.precision}", w.snapshot(choice.policy))]
+    panels += [("none", w.snapshot("none"))] if choice.policy != "none" else []
+    card = w.target.gpu.memory if w.target.gpu else None
+    png = draw(panels, Path(cfg.report) / "fit.png", budget=cfg.budget, card=card, title=w.describe())
+    print(f"report: {png}" if png else "no fit.png: matplotlib is not installed")
 
 
 
