@@ -60,6 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--src", nargs="*", default=[], help="other checkouts' src/ folders to run beside this one's")
     ap.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
+    ap.add_argument("--extra", nargs="*", default=[], help="flags for this checkout's torchrun runs, e.g. --no-async-checkpoint")
     args = ap.parse_args()
     here = str(Path(__file__).resolve().parent.parent / "src")
     sources = [here, *args.src]
@@ -69,7 +70,8 @@ def main() -> None:
     for world in args.worlds:
         for i, src in enumerate(sources):  # interleaved: this checkout, then each other, per world size
             env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
-            rows.append({"src": src, "world": world, "peak_mib": _peak_mib(_cmd(world, work / f"run{world}-{i}", data), env)})
+            cmd = _cmd(world, work / f"run{world}-{i}", data) + (args.extra if src == here and world > 1 else [])
+            rows.append({"src": src, "world": world, "peak_mib": _peak_mib(cmd, env)})
             shutil.rmtree(work / f"run{world}-{i}", ignore_errors=True)  # its checkpoint: 1.2-1.6 GB
     print("| fitgpt | processes | largest rank's peak RSS | vs one process |\n|---|---:|---:|---:|")
     for r in rows:

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 import torch.distributed as dist
-from test_distributed import finish, torchrun, train_flags
+from test_distributed import SAVE_AND_LEAVE, finish, torchrun, train_flags
 from torch.distributed.checkpoint import FileSystemWriter
 
 from fitgpt.config import OptimConfig, load_config
@@ -179,7 +179,6 @@ def test_low_bit_moments_round_trip_through_a_distributed_checkpoint(group, tiny
 
 RESHARD = textwrap.dedent('''
     """A distributed checkpoint read by FSDP ranks (however many wrote it), gathered whole on rank 0 and saved."""
-    import os
     import sys
     from pathlib import Path
     import torch
@@ -193,7 +192,7 @@ RESHARD = textwrap.dedent('''
     from fitgpt.train.setup import build_model, prepare_model
 
     info = du.init_distributed("cpu", 120)
-    path, out, cpu = Path(sys.argv[1]), sys.argv[2], torch.device("cpu")
+    path, cpu = Path(sys.argv[2]), torch.device("cpu")
     cfg = load_config("tiny", str(path.parent.parent / "config.json"))
     model = build_model(cfg, cfg.model.vocab_size, cpu, info.world)  # on the meta device: never whole
     prepare_model(model, parse_policy("none"), cfg, info, cpu, None)
@@ -202,11 +201,7 @@ RESHARD = textwrap.dedent('''
     optimizer = build_optimizer(model, cfg.optim, cpu)
     load_optimizer(optimizer, ckpt.load_state(path)["optimizer"], info)
     weights, state = du.full_model_state(model, keep=info.is_main), du.full_optimizer_state(optimizer, keep=info.is_main)
-    if info.is_main:
-        torch.save({"model": weights, "optimizer": state}, out)
-    du.leave_together(info)
-    sys.stdout.flush()
-    os._exit(0)
+    save_and_leave(info, {"model": weights, "optimizer": state})
 ''')
 
 
@@ -219,8 +214,8 @@ def test_a_checkpoint_of_two_fsdp_ranks_reads_into_four_and_into_one(data_dir, c
     path = run / "checkpoints/step_00000003"
     assert json.loads((path / ckpt.META_FILE).read_text())["format"] == "dcp"
     script = tmp_path / "reshard.py"
-    script.write_text(RESHARD)
-    finish(torchrun([str(path), str(tmp_path / "four.pt")], tmp_path, nproc=4, script=str(script)))
+    script.write_text(SAVE_AND_LEAVE + RESHARD)
+    finish(torchrun([str(tmp_path / "four.pt"), str(path)], tmp_path, nproc=4, script=str(script)))
     four = torch.load(tmp_path / "four.pt", weights_only=True)
     cfg = load_config("tiny", str(run / "config.json"))
     model = Transformer(cfg.model)

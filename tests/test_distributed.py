@@ -196,6 +196,28 @@ def test_plan_predicts_each_ranks_peak_under_ddp_and_fsdp(tmp_path, tiny_model_c
 # ---- through torchrun and the real command ---------------------------------------------------------------
 
 
+SAVE_AND_LEAVE = textwrap.dedent('''
+    import os as _os
+    import sys as _sys
+
+    import torch as _torch
+
+
+    def save_and_leave(info, obj):
+        """Rank 0 saves ``obj`` to argv[1]; no rank tears its connections down while rank 0 still writes, and every
+        rank leaves at once: tearing 4 gloo ranks down on 2 cores aborted one now and then ("terminate called without
+        an active exception"), after its work was done."""
+        from fitgpt.train import distributed as du
+
+        if info.is_main:
+            _torch.save(obj, _sys.argv[1])
+        du.leave_together(info)
+        _sys.stdout.flush()
+        _os._exit(0)
+''')
+"""The end of a torchrun helper script (prepended to it): ``save_and_leave(info, obj)``."""
+
+
 def torchrun(args, cwd, nproc=2, script=None, **kw):
     target = [script] if script else ["-m", "fitgpt"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
@@ -310,7 +332,6 @@ def test_a_rank_that_crashes_never_leaves_the_other_hanging(data_dir, corpus_dir
 
 COMPILED = textwrap.dedent('''
     """One FSDP step's gradients, eager and with --compile (each block compiled before sharding), saved by rank 0."""
-    import os
     import sys
     import torch
     from fitgpt.config import load_config
@@ -333,11 +354,7 @@ COMPILED = textwrap.dedent('''
         loss.backward()
         grads[compile] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         grads[compile]["loss"] = loss.detach()
-    if info.is_main:
-        torch.save(grads, sys.argv[1])
-    du.leave_together(info)
-    sys.stdout.flush()
-    os._exit(0)
+    save_and_leave(info, grads)
 ''')
 
 
@@ -348,7 +365,7 @@ def test_fsdp_with_compile_gets_the_gradients_of_the_eager_run(tmp_path, policy)
     """--compile under FSDP compiles each block before sharding (refused on main): the loss and every gradient
     equal the eager FSDP step's, to fp32 rounding (the compiled kernels sum in another order)."""
     script, out = tmp_path / "compiled.py", tmp_path / "grads.pt"
-    script.write_text(COMPILED)
+    script.write_text(SAVE_AND_LEAVE + COMPILED)
     finish(torchrun([str(out), policy], tmp_path, script=str(script)), timeout=540)
     grads = torch.load(out, weights_only=True)
     assert grads[True].keys() == grads[False].keys()

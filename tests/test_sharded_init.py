@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_distributed import finish, torchrun
+from test_distributed import SAVE_AND_LEAVE, finish, torchrun
 
 from fitgpt.config import load_config
 from fitgpt.hf import import_config, import_weights
@@ -88,7 +88,6 @@ def test_tied_names_read_from_a_meta_model_are_the_real_ones(tiny_model_config):
 INIT_FROM = textwrap.dedent('''
     """--init-from under FSDP: rank 0 reads the Hugging Face folder, every rank keeps its pieces; gathered and saved."""
     import dataclasses
-    import os
     import sys
     import torch
     from fitgpt.config import load_config
@@ -106,12 +105,7 @@ INIT_FROM = textwrap.dedent('''
     prepare_model(model, cfg.policy, cfg, info, cpu, None)
     materialise(model, cpu, cfg.seed)
     init_from_hf(cfg, model, info, cpu, sharded=True)
-    full = du.full_model_state(model, keep=info.is_main)
-    if info.is_main:
-        torch.save(full, sys.argv[1])
-    du.leave_together(info)
-    sys.stdout.flush()
-    os._exit(0)
+    save_and_leave(info, du.full_model_state(model, keep=info.is_main))
 ''')
 
 
@@ -131,7 +125,7 @@ def test_init_from_under_fsdp_fills_each_ranks_shards_with_the_folders_weights(a
                                           intermediate_size=64, vocab_size=512, max_position_embeddings=32, tie_word_embeddings=False)
         transformers.LlamaForCausalLM(config).save_pretrained(hf)
     script, out = tmp_path / "init_from.py", tmp_path / "w.pt"
-    script.write_text(INIT_FROM)
+    script.write_text(SAVE_AND_LEAVE + INIT_FROM)
     finish(torchrun([str(out), str(hf), str(tmp_path / "data")], tmp_path, script=str(script)))
     sharded = torch.load(out, weights_only=True)
     one = Transformer(import_config(hf))

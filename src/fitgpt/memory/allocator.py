@@ -81,16 +81,8 @@ class CachingAllocatorModel:
         small = size <= SMALL_SIZE
         keys = self._free[small]
         i = bisect.bisect_left(keys, (size, -1, -1))
-        if i < len(keys):
-            block = self._blocks[keys[i]]
-            self._remove_free(block)
-        else:
-            seg = self.segment_size(size)
-            self._segments += 1
-            block = _Block(self._segments, 0, seg, small=small)
-            self.heads[self._segments] = block
-            self.reserved += seg
-            self.peak_reserved = max(self.peak_reserved, self.reserved)
+        block = self._blocks[keys[i]] if i < len(keys) else self._more_memory(small, size)
+        self._remove_free(block)
         remaining = block.size - size
         if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
             rest = _Block(block.segment, block.offset + size, remaining, prev=block, next=block.next, small=small)
@@ -102,6 +94,16 @@ class CachingAllocatorModel:
         self._used[key] = block
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
+
+    def _more_memory(self, small: bool, size: int) -> _Block:
+        """Nothing free fits ``size``: a new segment from the driver (cudaMalloc), as a free block."""
+        seg = self.segment_size(size)
+        self._segments += 1
+        block = self.heads[self._segments] = _Block(self._segments, 0, seg, small=small)
+        self._add_free(block)
+        self.reserved += seg
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return block
 
     def block_of(self, key) -> _Block | None:
         """The block handed out for ``key`` (its segment, offset and size), while it is allocated."""
@@ -145,17 +147,8 @@ class ExpandableAllocatorModel(CachingAllocatorModel):
 
     expandable = True
 
-    def malloc(self, key: int, nbytes: int) -> None:
-        if nbytes == 0:
-            return
-        size = self.round_size(nbytes)
-        small = size <= SMALL_SIZE
-        keys = self._free[small]
-        if bisect.bisect_left(keys, (size, -1, -1)) == len(keys):  # nothing free fits: map pages at the segment's end
-            self._grow(small, size)
-        super().malloc(key, nbytes)
-
-    def _grow(self, small: bool, size: int) -> None:
+    def _more_memory(self, small: bool, size: int) -> _Block:
+        """Nothing free fits ``size``: pages mapped at the end of the pool's segment; returns the free block grown."""
         page = SMALL_PAGE if small else LARGE_PAGE
         seg = 1 if small else 2
         head = self.heads.get(seg)
@@ -167,16 +160,17 @@ class ExpandableAllocatorModel(CachingAllocatorModel):
         if last is not None and last.free:  # the free tail grows
             self._remove_free(last)
             last.size += added
-            self._add_free(last)
+            block = last
         else:  # new pages past the last block (or the pool's first)
             block = _Block(seg, last.offset + last.size if last else 0, added, prev=last, small=small)
             if last is None:
                 self.heads[seg] = block
             else:
                 last.next = block
-            self._add_free(block)
+        self._add_free(block)
         self.reserved += added
         self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return block
 
 
 def allocator_model(expandable_segments: bool = False) -> CachingAllocatorModel:
