@@ -82,6 +82,19 @@ class Heartbeat:
         self._stop = threading.Event()
         threading.Thread(target=self._beat, name="fitgpt-heartbeat", daemon=True).start()
 
+    @classmethod
+    def start(cls, info: DistInfo) -> Heartbeat | None:
+        """Heartbeats for a torchrun launch (None for one process, or if the store cannot be reached: a lost rank is
+        then named only by the collective's own error)."""
+        if not info.enabled or "MASTER_ADDR" not in os.environ:
+            return None
+        try:
+            return cls(info)
+        except Exception as e:  # the training does not depend on it
+            log.warning("no heartbeats (the rendezvous store at %s:%s: %s)", os.environ.get("MASTER_ADDR"),
+                        os.environ.get("MASTER_PORT"), e)
+            return None
+
     def _beat(self) -> None:
         count = 0
         while not self._stop.wait(HEARTBEAT_S):

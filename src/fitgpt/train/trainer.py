@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -56,7 +55,7 @@ def train(cfg: TrainConfig, planner: Planner | None = None) -> dict:
     runs this function; rank 0 alone logs, writes metrics and checkpoints.
     """
     info = dist_utils.init_distributed(cfg.device, cfg.dist_timeout)
-    heartbeat = dist_utils.Heartbeat(info) if info.enabled and "MASTER_ADDR" in os.environ else None
+    heartbeat = dist_utils.Heartbeat.start(info)
     try:
         _check_launch(cfg, info)
         with contextlib.ExitStack() as held:
