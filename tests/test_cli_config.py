@@ -84,7 +84,7 @@ def test_cli_reports_user_errors_without_traceback(capsys):
 ])
 def test_train_flags_give_the_config_back(overrides, tmp_path):
     from fitgpt.cli.train import parse
-    from fitgpt.config import train_flags
+    from fitgpt.command import train_flags
 
     for preset, config in (("tiny", None), ("llama-tiny", None), ("tiny", tmp_path / "c.json")):
         if config:
@@ -103,7 +103,7 @@ def test_the_printed_train_command_trains_what_was_planned(tmp_path, capsys):
     model (not the preset's), the context, batch and accumulation, the plan; torchrun for several ranks."""
     from fitgpt.cli.train import parse
     from fitgpt.cli.workload import BudgetConfig
-    from fitgpt.config import train_command
+    from fitgpt.command import train_command
     from fitgpt.plan.fastest import fastest, format_choices
 
     cfg_file = tmp_path / "c.json"

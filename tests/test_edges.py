@@ -93,7 +93,7 @@ def test_largest_model_rows_on_a_t4_train_in_a_precision_the_trainer_takes():
     """A step in the backward on a T4 (auto: fp16) is planned, and printed, in fp32 (before: the command had no
     --precision, and the trainer refused it on the card)."""
     from fitgpt.cli.workload import BudgetConfig, parse_workload
-    from fitgpt.config import train_command
+    from fitgpt.command import train_command
     from fitgpt.plan.family import largest_model
 
     cfg = parse_workload(BudgetConfig, ["--gpu", "t4", "--batch-size", "1", "--context", "32", "--memory-budget", "64MiB"], "x")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from fitgpt.cli.workload import BudgetConfig, parse_workload
-from fitgpt.config import train_command
+from fitgpt.command import train_command
 from fitgpt.errors import UserError
 from fitgpt.memory.picture import draw
 from fitgpt.plan.family import LADDER_SETTINGS, largest_model

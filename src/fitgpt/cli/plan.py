@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 
 from fitgpt.cli.workload import BudgetConfig, parse_workload
-from fitgpt.config import TrainConfig, ranks_per_node
+from fitgpt.command import ranks_per_node
+from fitgpt.config import TrainConfig
 from fitgpt.errors import UserError, require_not_empty
 from fitgpt.estimate.hardware import CUDA_CONTEXT
 from fitgpt.estimate.profile import BLOCK_OPTIONS, named_options

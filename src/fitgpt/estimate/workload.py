@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from fitgpt.config import TrainConfig, train_command
+from fitgpt.command import train_command
+from fitgpt.config import TrainConfig
 from fitgpt.device import autocast_dtype
 from fitgpt.estimate.hardware import Target
 from fitgpt.estimate.profile import StepProfile, profile_model

@@ -19,7 +19,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from fitgpt.config import TrainConfig, train_command
+from fitgpt.command import train_command
+from fitgpt.config import TrainConfig
 from fitgpt.device import resolve_device
 from fitgpt.estimate.profile import StepProfile, named_options
 from fitgpt.estimate.source import param_count
