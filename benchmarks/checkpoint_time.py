@@ -50,7 +50,7 @@ def _modes(src: str) -> list[tuple[str, list[str]]]:
     has_async = "async_checkpoint" in (Path(src) / "fitgpt/config.py").read_text()
     if not has_async:
         return [("rank 0 gathers (before)", [])]
-    return [("background", ["--async-checkpoint"]), ("synchronous", ["--no-async-checkpoint"])]
+    return [("background", ["--async-checkpoint", "on"]), ("synchronous", ["--async-checkpoint", "off"])]
 
 
 def main() -> None:

@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--src", nargs="*", default=[])
     ap.add_argument("--blocks", nargs=2, type=int, default=[2, 6])
     ap.add_argument("--memory", type=float, default=None, help="GiB the ranks may use (default: this machine's)")
-    ap.add_argument("--extra", nargs="*", default=[], help="flags for this checkout's runs, e.g. --no-async-checkpoint")
+    ap.add_argument("--extra", nargs="*", default=[], help="flags for this checkout's runs, e.g. --async-checkpoint on")
     ap.add_argument("--confirm", action="store_true", help="run this checkout at the largest size it predicts")
     args = ap.parse_args()
     here = str(Path(__file__).resolve().parent.parent / "src")

@@ -60,7 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--src", nargs="*", default=[], help="other checkouts' src/ folders to run beside this one's")
     ap.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
-    ap.add_argument("--extra", nargs="*", default=[], help="flags for this checkout's torchrun runs, e.g. --no-async-checkpoint")
+    ap.add_argument("--extra", nargs="*", default=[], help="flags for this checkout's torchrun runs, e.g. --async-checkpoint on")
     args = ap.parse_args()
     here = str(Path(__file__).resolve().parent.parent / "src")
     sources = [here, *args.src]

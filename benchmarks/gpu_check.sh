@@ -75,7 +75,7 @@ if [ "$NGPU" -ge 2 ]; then
     --checkpoint-interval 5 --parallel fsdp --compile --out-dir "$OUT/fsdp_dcp" --no-progress 2>&1 \
     | tee "$OUT/fsdp_dcp.log" | grep -E "staged|saved|run:"
   torchrun --nproc-per-node 2 -m fitgpt train --preset small --batch-size 4 --model.context-length 512 --max-steps 25 \
-    --parallel fsdp --compile --no-async-checkpoint --resume latest --out-dir "$OUT/fsdp_dcp" --no-progress 2>&1 \
+    --parallel fsdp --compile --async-checkpoint off --resume latest --out-dir "$OUT/fsdp_dcp" --no-progress 2>&1 \
     | tee -a "$OUT/fsdp_dcp.log" | grep -E "resumed|saved|run:"
   fitgpt export --run "$OUT/fsdp_dcp" --out "$OUT/fsdp_dcp_hf"
   torchrun --nproc-per-node 2 -m fitgpt train --init-from "$OUT/fsdp_dcp_hf" \

@@ -233,7 +233,7 @@ def test_a_checkpoint_of_two_fsdp_ranks_reads_into_four_and_into_one(data_dir, c
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["--async-checkpoint", "--no-async-checkpoint"])
+@pytest.mark.parametrize("mode", ["on", "off"])
 def test_a_rank_killed_while_writing_leaves_no_checkpoint_that_looks_complete(data_dir, corpus_dir, tmp_path, mode):
     """Rank 1 dies half-way through its shard of step 6: step 3 stays the newest checkpoint, intact, and nothing of
     step 6 looks like a checkpoint (its temporary directory has no meta.json and is never listed)."""
@@ -254,12 +254,21 @@ def test_a_rank_killed_while_writing_leaves_no_checkpoint_that_looks_complete(da
         sys.exit(main(sys.argv[1:]))
     '''))
     run = tmp_path / "run"
-    p = torchrun(train_flags(data_dir, corpus_dir, run, 9, mode, "--dist-timeout", "30"), tmp_path, script=str(script))
+    p = torchrun(train_flags(data_dir, corpus_dir, run, 9, "--async-checkpoint", mode, "--dist-timeout", "30"), tmp_path,
+                 script=str(script))
     out, err = p.communicate(timeout=300)
     assert p.returncode != 0
     assert [c.name for c in ckpt.list_checkpoints(run)] == ["step_00000003"], err[-3000:]
     ckpt.verify_checkpoint(run / "checkpoints/step_00000003")
     assert not any((t / ckpt.META_FILE).exists() for t in (run / "checkpoints").glob(".tmp_*"))
+
+
+def test_background_saves_are_the_default_for_cuda_ranks_only():
+    from fitgpt.config import TrainConfig
+
+    assert TrainConfig().background_saves("cuda") and not TrainConfig().background_saves("cpu")
+    assert TrainConfig(async_checkpoint="on").background_saves("cpu")
+    assert not TrainConfig(async_checkpoint="off").background_saves("cuda")
 
 
 # ---- planned --------------------------------------------------------------------------------------
@@ -277,10 +286,10 @@ def test_the_plan_counts_each_ranks_staging_copy_against_host_memory(capsys):
     # A rank stages its fp32 weights and AdamW moments: what the plan holds of them, for each of one machine's 4 ranks.
     assert plan["checkpoint_staging_bytes"] == plan["breakdown"]["params"] + plan["breakdown"]["optimizer"] > 0
     assert "for the 4 ranks of one machine, of 64.00 GiB (--host-memory): fits" in out and plan["async_checkpoint"]
-    assert "--no-async-checkpoint" not in out
+    assert "--async-checkpoint" not in out.split("train with:")[1].splitlines()[0]  # auto: on, for CUDA ranks
     out, plan = _plan(capsys, "--world-size", "4", "--host-memory", "1MiB")
     assert "DOES NOT FIT, so the command below saves synchronously" in out and not plan["async_checkpoint"]
-    assert "fitgpt train" in out and "--no-async-checkpoint" in out.split("train with:")[1].splitlines()[0]
+    assert "fitgpt train" in out and "--async-checkpoint off" in out.split("train with:")[1].splitlines()[0]
 
 
 def test_a_plan_over_more_ranks_than_a_node_prints_the_multi_node_command(capsys):

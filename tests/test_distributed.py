@@ -244,13 +244,16 @@ def finish(p, timeout=300):
 @pytest.mark.timeout(600)
 def test_torchrun_ddp_trains_and_resumes_exactly(data_dir, corpus_dir, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    out, err = finish(torchrun(train_flags(data_dir, corpus_dir, straight, 6, "--activation-checkpointing", "block"), tmp_path))
+    # Written in the background (the default for CUDA ranks): each save staged, the resumed run still bitwise the same.
+    flags = ("--activation-checkpointing", "block", "--async-checkpoint", "on")
+    out, err = finish(torchrun(train_flags(data_dir, corpus_dir, straight, 6, *flags), tmp_path))
     assert "global batch 8 = 4 per micro-batch x 1 accumulation x 2 processes, ddp" in err
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["steps"] == 6 and summary["world_size"] == 2
     assert out.count('"run_dir"') == 1  # rank 0 alone reports
-    finish(torchrun(train_flags(data_dir, corpus_dir, resumed, 3, "--activation-checkpointing", "block"), tmp_path))
-    finish(torchrun(train_flags(data_dir, corpus_dir, resumed, 6, "--activation-checkpointing", "block", "--resume", "latest"), tmp_path))
+    finish(torchrun(train_flags(data_dir, corpus_dir, resumed, 3, *flags), tmp_path))
+    _, err = finish(torchrun(train_flags(data_dir, corpus_dir, resumed, 6, *flags, "--resume", "latest"), tmp_path))
+    assert "staged to host memory" in err
     a, b = weights(straight, 6), weights(resumed, 6)
     for k in a:
         assert torch.equal(a[k], b[k]), k

@@ -121,10 +121,11 @@ class TrainConfig:
     """Save a checkpoint (weights and training state, on disk) every this many steps (and at the end)."""
     keep_last: int = 3
     """Checkpoints to keep; older ones are deleted."""
-    async_checkpoint: bool = True
-    """Under torchrun, write each checkpoint in the background: each rank's state is copied to host memory, then
-    written while training goes on (the next save, the end of the run and a stop wait for it). One process always
-    writes synchronously."""
+    async_checkpoint: Literal["auto", "on", "off"] = "auto"
+    """Under torchrun, write each checkpoint in the background (on): each rank's state is copied to host memory, then
+    written while training goes on (the next save, the end of the run and a stop wait for it); off: the step waits.
+    auto: on for CUDA ranks, off for CPU ranks, whose copy would sit in the training's own memory and whose writer
+    would take the cores that train. One process always writes synchronously."""
     seed: int = 1337
     device: str = "auto"
     """auto (CUDA, then MPS, then CPU), or a torch device such as cpu, cuda, cuda:1, mps."""
@@ -229,6 +230,10 @@ class TrainConfig:
         if self.fsdp_offload:
             raise UserError("--optim.offload is one card's optimizer on its host; --fsdp-offload offloads FSDP's shards "
                             "(parameters, gradients and state): keep one of them")
+
+    def background_saves(self, device_type: str) -> bool:
+        """Whether checkpoints under torchrun are written in the background on a device of ``device_type``."""
+        return self.async_checkpoint == "on" or (self.async_checkpoint == "auto" and device_type == "cuda")
 
     @property
     def policy(self):

@@ -79,16 +79,17 @@ def _checkpoint_staging(cfg: PlanConfig, profile, tcfg: TrainConfig) -> tuple[in
     """Under torchrun a background checkpoint first copies each rank's weights and optimizer state to host memory:
     printed, and counted against --host-memory for the ranks one machine runs. Returns the bytes a rank stages, and
     the run to train (one that saves synchronously if the copies do not fit)."""
-    if cfg.world_size <= 1 or not tcfg.async_checkpoint:
+    if cfg.world_size <= 1 or not tcfg.background_saves(cfg.workload.target.device):
         return 0, tcfg
     per_rank, ranks = profile.params + profile.optimizer, ranks_per_node(cfg.world_size)
     fits = per_rank * ranks + profile.host <= cfg.host_budget
-    print(f"checkpoints (--async-checkpoint): each rank copies its weights and optimizer state, {format_bytes(per_rank)}, "
+    print(f"checkpoints (--async-checkpoint {tcfg.async_checkpoint}): each rank copies its weights and optimizer state, "
+          f"{format_bytes(per_rank)}, "
           f"to host memory and writes them while training goes on: {format_bytes(per_rank * ranks)} for the {ranks} "
           f"rank{'s' if ranks > 1 else ''} of one machine, of {format_bytes(cfg.host_budget)} (--host-memory"
           f"{'' if cfg.host_memory else ', this machine'}): " + ("fits" if fits else "DOES NOT FIT, so the command below "
-                                                                 "saves synchronously (--no-async-checkpoint)"))
-    return per_rank, tcfg if fits else dataclasses.replace(tcfg, async_checkpoint=False)
+                                                                 "saves synchronously (--async-checkpoint off)"))
+    return per_rank, tcfg if fits else dataclasses.replace(tcfg, async_checkpoint="off")
 
 
 def _cuda_notes(cfg: PlanConfig) -> list[str]:
@@ -233,5 +234,5 @@ def run(args: list[str]) -> int:
                       "target": w.target.device, "gpu": cfg.gpu, "fake": w.fake,
                       "predicted_max_allocated": pred.peak + workspaces, "replay": replay, "fits_card": not over,
                       "fits_budget": pred.peak <= budget, "host_bytes": profile.host, "fits_host": not host_over,
-                      "checkpoint_staging_bytes": staging, "async_checkpoint": tcfg.async_checkpoint}))
+                      "checkpoint_staging_bytes": staging, "async_checkpoint": tcfg.background_saves(w.target.device)}))
     return 0

@@ -172,7 +172,8 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     _log_start(cfg, info, model, device, dtype, start_step)
     metrics = MetricsWriter(cfg.run_dir, cfg.tensorboard, resume_step=start_step) if info.is_main else None
     amp_dtype, _ = precision_roles(dtype, cfg.parallel == "fsdp" and info.enabled)  # FSDP: pure half precision, no autocast
-    saver = DistributedSaver(info, cfg.run_dir, cfg.keep_last, cfg.async_checkpoint, cfg.dist_timeout) if info.enabled else None
+    saver = (DistributedSaver(info, cfg.run_dir, cfg.keep_last, cfg.background_saves(device.type), cfg.dist_timeout)
+             if info.enabled else None)
     run = LoopState(cfg, info, device, data, model, step_model, optimizer, scaler, sampler, autocast(device, amp_dtype), policy,
                     planned, metrics, saver)
     t_start = time.perf_counter()
