@@ -156,7 +156,8 @@ def _recorded(run: LoopState, recording: MeasuredSnapshot, steps: int) -> Measur
     recording.__exit__(None, None, None)
     name = f"memory_snapshot_rank_{run.info.rank}.pickle" if run.info.enabled else "memory_snapshot.pickle"
     path = write_snapshot(recording.snapshot, run.cfg.run_dir / name)
-    how = "the CUDA allocator's history" if run.device.type == "cuda" else "the live-tensor tracker"
+    how = "the CUDA allocator's history" if run.device.type == "cuda" else "the live-tensor tracker" + (
+        ", which does not see inside compiled code (--compile)" if run.cfg.compile else "")
     log.info("memory snapshot of %d step%s (%s): %s; open it at https://pytorch.org/memory_viz, or compare it with the "
              "plan: fitgpt plan ... --compare %s", steps, "s" if steps > 1 else "", how, path, path)
     return None
