@@ -153,3 +153,18 @@ def test_plan_names_the_allocator_it_models_and_replays_it(capsys, monkeypatch):
     assert "allocator: expandable segments" in plans[True][0]
     assert plans[True][1]["max_reserved"] % (2 * 2**20) == 0  # whole pages
     assert plans[True][1]["max_reserved"] != plans[False][1]["max_reserved"]
+
+
+def test_snapshot_and_report_paths_are_refused_in_one_line_before_any_work(tmp_path, capsys):
+    from fitgpt.cli import main
+
+    (tmp_path / "bad.pickle").write_bytes(b"not a pickle")
+    (tmp_path / "file").write_text("x")
+    plan = ["plan", "--preset", "tiny", "--memory-budget", "1GiB"]
+    for flags, says in ((["--compare", str(tmp_path / "bad.pickle")], "is not a memory snapshot"),
+                        (["--compare", str(tmp_path / "none.pickle")], "no such snapshot file"),
+                        (["--report", str(tmp_path / "file")], "--report"),
+                        (["--memory-snapshot", str(tmp_path)], "is a folder; name a file")):
+        assert main(plan + flags) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err

@@ -18,6 +18,7 @@ from fitgpt.plan.fastest import fastest, format_choices
 from fitgpt.plan.largest import largest
 from fitgpt.plan.solver import solve
 from fitgpt.units import format_bytes, format_count
+from fitgpt.utils import writable_dir
 
 
 @dataclass
@@ -42,6 +43,8 @@ class FitConfig(BudgetConfig):
         super().__post_init__()
         if self.top < 1:
             raise UserError("--top must be at least 1")
+        if self.report:
+            writable_dir(Path(self.report), "--report")
         if self.largest_model and self.hf_config:
             raise UserError("--largest-model scales fitgpt's own shapes (a preset or --model.*); a --hf-config model "
                             "is fixed by its config.json: drop one of them")

@@ -22,6 +22,7 @@ from fitgpt.memory.snapshot import first_difference, read_snapshot, write_snapsh
 from fitgpt.optim import describe_optimizer
 from fitgpt.plan.solver import Plan, PlanError, predict, solve
 from fitgpt.units import format_bytes
+from fitgpt.utils import writable_dir
 
 
 @dataclass
@@ -46,8 +47,16 @@ class PlanConfig(BudgetConfig):
         super().__post_init__()
         if self.activation_checkpointing != "auto":
             self.check_policy(self.activation_checkpointing)
-        if self.compare and not Path(self.compare).is_file():
-            raise UserError(f"--compare {self.compare}: no such snapshot file")
+        if self.compare:  # read now: a file that is not a snapshot is refused before anything is profiled
+            object.__setattr__(self, "_measured", read_snapshot(self.compare) if Path(self.compare).is_file() else None)
+            if self._measured is None:
+                raise UserError(f"--compare {self.compare}: no such snapshot file")
+        if self.report:
+            writable_dir(Path(self.report), "--report")
+        if self.memory_snapshot:
+            if Path(self.memory_snapshot).is_dir():
+                raise UserError(f"--memory-snapshot {self.memory_snapshot} is a folder; name a file, e.g. plan.pickle")
+            writable_dir(Path(self.memory_snapshot).parent, "--memory-snapshot")
 
 
 def _pictures(cfg: PlanConfig, spec: str, budget: int) -> None:
@@ -59,7 +68,7 @@ def _pictures(cfg: PlanConfig, spec: str, budget: int) -> None:
     if cfg.memory_snapshot:
         print(f"memory snapshot (predicted, PyTorch's format): {write_snapshot(mine, cfg.memory_snapshot)}; open it at "
               "https://pytorch.org/memory_viz")
-    measured = read_snapshot(cfg.compare) if cfg.compare else None
+    measured = cfg._measured if cfg.compare else None
     if measured is not None:
         where = first_difference(mine, measured)
         print(f"against {cfg.compare}: " + (f"they part at {where}" if where else "the same step, event for event"))
