@@ -1,6 +1,7 @@
 """What a profiled step does with the optimizer besides its segments: it readies it for a steady step (its state
 made, the second pass of clipping in the backward), and counts what the segments do not show (the gradients held
-at once, the running loss of accumulation, an offloaded optimizer's host step)."""
+at once, the running loss of accumulation, an offloaded optimizer's host step); and the optimizer's fixed costs of a
+model too deep to profile whole (``optimizer_costs``)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import torch
 
 from fitgpt.config import OptimConfig
 from fitgpt.estimate.timing import host_seconds_per_byte
-from fitgpt.memory.flops import OpCost
-from fitgpt.memory.timeline import param_bytes
-from fitgpt.memory.tracker import round_up, storages
+from fitgpt.memory.flops import OpCost, OpFlops
+from fitgpt.memory.timeline import grad_bytes, optimizer_state_bytes, param_bytes
+from fitgpt.memory.tracker import LiveMemory, round_up, storages
+from fitgpt.optim import build_optimizer
+from fitgpt.step import optimizer_update
 
 
 def host_step_time(optimizer, cost: OpCost | None) -> float:
@@ -49,3 +52,33 @@ def grads_at_once(model: torch.nn.Module, optim: OptimConfig, round_to: int) -> 
     if not optim.in_backward:
         return param_bytes(model, round_to)
     return max(sum(round_up(st.nbytes(), round_to) for st in storages(p)) for p in model.parameters())
+
+
+def optimizer_costs(model: torch.nn.Module, optim: OptimConfig, target, grad_accum: int, persistent_grads: bool,
+                    cost: OpCost | None) -> dict[str, int | float]:
+    """Parameters, gradients, optimizer state and the optimizer step's workspace of ``model`` (the full model, on fake
+    tensors, inside their mode): the step's optimizer segment (as ``profile_step`` runs it) with every gradient
+    present, the first step making the state and the second, steady one measured."""
+    round_to, accumulate = target.round_to, grad_accum > 1 or persistent_grads
+    optimizer = build_optimizer(model, optim, torch.device(target.device))
+    create_state(optimizer)
+    rises, times = [], []
+    for _ in range(2):
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+                if p in getattr(optimizer, "twin", {}):  # offloaded: copied out, as its hook would in a backward
+                    optimizer.copy_out(p)
+        second_pass(optimizer, optim)
+        loss = torch.zeros(())  # the step's loss, alive since its forward
+        with LiveMemory(round_to) as live, OpFlops(cost) as clock:
+            optimizer_update(model, optimizer, loss, grad_clip=optim.grad_clip, check=False)
+            model.zero_grad(set_to_none=not accumulate)  # as profile_step ends a step
+        rises.append(live.peak)
+        times.append(clock.seconds)
+    params, opt = param_bytes(model, round_to), optimizer_state_bytes(optimizer, round_to)
+    held = grad_bytes(model, round_to) if accumulate else 0
+    grads = held if accumulate else grads_at_once(model, optim, round_to)
+    return {"params": params, "optimizer": opt, "grads": grads, "baseline": params + opt + held + running_loss(grad_accum, round_to),
+            "optimizer_rise": rises[-1], "optimizer_time": times[-1] + host_step_time(optimizer, cost),
+            "host": optimizer.host_bytes() if hasattr(optimizer, "host_bytes") else 0}

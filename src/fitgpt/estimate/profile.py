@@ -24,15 +24,15 @@ from fitgpt.activation_checkpoint.apply import find_blocks
 from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
+from fitgpt.estimate.card import offload_option, with_cuda_attention
 from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
-from fitgpt.estimate.hardware import Target, attention_saved_delta
-from fitgpt.estimate.optimizer import create_state, grads_at_once, host_step_time, running_loss, second_pass
+from fitgpt.estimate.hardware import Target
+from fitgpt.estimate.optimizer import create_state, grads_at_once, host_step_time, optimizer_costs, running_loss, second_pass
 from fitgpt.estimate.ranks import fake_ranks
 from fitgpt.estimate.source import ModelSource, as_source
 from fitgpt.memory.fake import FakeTensorMode, fake_mode, fake_module
-from fitgpt.memory.flops import OpCost, OpFlops
+from fitgpt.memory.flops import OpCost
 from fitgpt.memory.timeline import (
-    LiveMemory,
     StepTimeline,
     grad_bytes,
     optimizer_state_bytes,
@@ -42,7 +42,6 @@ from fitgpt.memory.timeline import (
 from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
 from fitgpt.parallel import fsdp_shard, precision_roles
-from fitgpt.step import optimizer_update
 from fitgpt.utils import Forked
 
 log = logging.getLogger(__name__)
@@ -274,34 +273,10 @@ def _deepen(run: _Subject, t0: float) -> StepProfile:
 
 
 def _fixed_costs(run: _Subject) -> dict[str, int | float]:
-    """Parameters, gradients, optimizer state and the optimizer step's workspace of the full model, on fake
-    tensors: the step's optimizer segment (as ``profile_step`` runs it) with every gradient present."""
-    round_to, accumulate = run.target.round_to, run.grad_accum > 1 or run.persistent_grads
+    """The full model's parameters, gradients, optimizer state and optimizer step, on fake tensors (sharded as run)."""
     model, mode = fake_model(run.source, run.device)
     with mode:
-        model = _sharded(model, run)
-        optimizer = build_optimizer(model, run.optim, torch.device(run.target.device))
-        create_state(optimizer)
-        rises, times = [], []
-        for _ in range(2):  # the first step creates the optimizer state, the second is the steady one
-            for p in model.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                    if p in getattr(optimizer, "twin", {}):  # offloaded: copied out, as its hook would in a backward
-                        optimizer.copy_out(p)
-            second_pass(optimizer, run.optim)
-            loss = torch.zeros(())  # the step's loss, alive since its forward
-            with LiveMemory(round_to) as live, OpFlops(run.cost) as clock:
-                optimizer_update(model, optimizer, loss, grad_clip=run.optim.grad_clip, check=False)
-                model.zero_grad(set_to_none=not accumulate)  # as profile_step ends a step
-            rises.append(live.peak)
-            times.append(clock.seconds)
-        params, opt = param_bytes(model, round_to), optimizer_state_bytes(optimizer, round_to)
-        held = grad_bytes(model, round_to) if accumulate else 0
-        grads = held if accumulate else grads_at_once(model, run.optim, round_to)
-    return {"params": params, "optimizer": opt, "grads": grads, "baseline": params + opt + held + running_loss(run.grad_accum, round_to),
-            "optimizer_rise": rises[-1], "optimizer_time": times[-1] + host_step_time(optimizer, run.cost),
-            "host": optimizer.host_bytes() if hasattr(optimizer, "host_bytes") else 0}
+        return optimizer_costs(_sharded(model, run), run.optim, run.target, run.grad_accum, run.persistent_grads, run.cost)
 
 
 @dataclass(frozen=True)
@@ -382,9 +357,9 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
     n = len(base.fwd_blocks)
     blocks = [{o: _block_option(timelines[o], base, i, machinery.get(o, 0.0)) for o in run.options} for i in range(n)]
     if run.simulated:
-        blocks = [_with_cuda_attention(b, run, s.attention) for b, s in zip(blocks, base.fwd_blocks)]
+        blocks = [with_cuda_attention(b, run.target, run.dtype, s.attention) for b, s in zip(blocks, base.fwd_blocks)]
     if run.target.cuda:
-        blocks = [{**b, "offload": _offload_option(b["none"], out, run)} for b, out in zip(blocks, base.block_out)]
+        blocks = [{**b, "offload": offload_option(b["none"], out, run.target)} for b, out in zip(blocks, base.block_out)]
     # What a recomputing block holds past the forward (run "block") that keeping everything lets go (run "none").
     shared = max(0, base.inputs_freed_at_forward_end - timelines["block"].inputs_freed_at_forward_end)
     heads = {head: _head_option(timelines[o], base, shared if o != "none" else 0) for o, (_, head) in runs.items() if head}
@@ -413,38 +388,3 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
     )
     log.debug("profiled %d blocks at batch %d x %d in %.1fs", n, batch_size, context, profile.seconds)
     return profile
-
-
-def _with_cuda_attention(block: dict[str, BlockOption], run: _Subject, calls: tuple) -> dict[str, BlockOption]:
-    """A block's options with what the CUDA attention kernel saves beyond the CPU one we ran, for each attention
-    call its forward made (``calls``: query shape, masked): kept until backward where the block keeps its attention
-    (none, selective), made again in its backward where the block is recomputed (block)."""
-    delta = 0
-    for (b, heads, t, head_dim), masked in calls:
-        backend = run.target.attention_backend(run.dtype, head_dim)
-        # CUDA's flash kernel takes no mask: given one, PyTorch picks the memory-efficient kernel.
-        backend = "efficient" if masked and backend == "flash" else backend
-        delta += attention_saved_delta(backend, b, heads, t, head_dim, run.dtype, run.target.round_to)
-    if delta == 0:
-        return block
-
-    def adjust(option: str, o: BlockOption) -> BlockOption:
-        if option == "block":
-            return dataclasses.replace(o, bwd_rise=o.bwd_rise + delta)
-        return dataclasses.replace(o, saved=o.saved + delta, fwd_rise=o.fwd_rise + delta)
-
-    return {k: adjust(k, o) for k, o in block.items()}
-
-
-def _offload_option(none: BlockOption, out: int, run: _Subject) -> BlockOption:
-    """A block that keeps its activations (none) but sends what autograd saves to pinned host memory
-    (``save_on_cpu``), modelled, not profiled (on the CPU we profile on, offload is no copy at all): nothing
-    stays on the card but its output until the next block has read it; its backward brings everything back
-    first. The copies run on the compute stream (``save_on_cpu`` does not overlap them), out in the forward
-    and back in the backward, at the card's host-link bandwidth."""
-    pcie = run.target.gpu.pcie if run.target.gpu else 32e9
-    # ``saved`` is the block's net bytes past its forward: negative where it frees more than it keeps (under FSDP at
-    # many ranks, the previous block's padded gathers). That part is no copy, and stays freed.
-    copied = max(0, none.saved)
-    return dataclasses.replace(none, saved=none.saved - copied, fwd_rise=none.fwd_rise + out,
-                               bwd_rise=none.bwd_rise + copied, time=none.time + 2 * copied / pcie)
