@@ -325,6 +325,20 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if k not in tied}
 
 
+def dcp_cause(e: BaseException) -> BaseException:
+    """What went wrong on the first rank that failed, out of DCP's exception for all of them (else ``e`` itself)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    failures = e.failures if isinstance(e, CheckpointException) else None
+    return next(iter(failures.values()))[0] if failures else e
+
+
+def one_line(e: BaseException) -> str:
+    """The last line of an error's message (a DCP failure's: its cause's), for a one-line report."""
+    e = dcp_cause(e)
+    return (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
+
+
 def _load_dcp_weights(path: Path, model: nn.Module) -> None:
     """Each rank reads the pieces of the shards it holds, whatever world size wrote them (one process: every piece)."""
     import torch.distributed.checkpoint as dcp
@@ -335,9 +349,7 @@ def _load_dcp_weights(path: Path, model: nn.Module) -> None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({"model": model_state(model)}, checkpoint_id=str(path / DCP_DIR), no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # DCP wraps a rank's failure (a missing key, another shape), on every rank
-        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
-        why = (str(cause).strip().splitlines() or [type(cause).__name__])[-1][:300]
-        raise CheckpointError(f"{path / DCP_DIR} does not fit this model: {why}") from None
+        raise CheckpointError(f"{path / DCP_DIR} does not fit this model: {one_line(e)}") from None
 
 
 @dataclass(frozen=True)

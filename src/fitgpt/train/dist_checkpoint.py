@@ -106,7 +106,7 @@ class DistributedSaver:
             dcp.save(state, checkpoint_id=str(tmp / ckpt.DCP_DIR), process_group=self.group)
             files = ckpt.file_records(tmp, _own_files(tmp, self.info.rank))
         except (Exception, CheckpointException) as e:  # DCP raises on every rank when one rank's write fails
-            error = ckpt.save_failed(first_failure(e), self.run_dir, step).strerror
+            error = ckpt.save_failed(ckpt.dcp_cause(e), self.run_dir, step).strerror
         results: list = [None] * self.info.world
         dist.all_gather_object(results, (files, error), group=self.group)
         outcome = [None]
@@ -133,16 +133,6 @@ class DistributedSaver:
             return errors[0]
         ckpt.prune(self.run_dir, step, self.keep_last)
         return None
-
-
-def _one_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
-
-
-def first_failure(e: BaseException) -> BaseException:
-    """What went wrong on the first rank that failed, out of DCP's exception for all of them."""
-    failures = getattr(e, "failures", None) if isinstance(e, CheckpointException) else None
-    return next(iter(failures.values()))[0] if failures else e
 
 
 def _own_files(tmp: Path, rank: int) -> list[str]:
@@ -182,7 +172,7 @@ def load_optimizer(optimizer, saved, info: dist_utils.DistInfo) -> None:
             template = _read_whole(where, "optimizer")
         optimizer.load_state_dict(template)
     except (Exception, CheckpointException) as e:
-        raise ckpt.CheckpointError(f"{where} does not fit this optimizer: {_one_line(first_failure(e))}") from None
+        raise ckpt.CheckpointError(f"{where} does not fit this optimizer: {ckpt.one_line(e)}") from None
 
 
 def _read_whole(where: str, key: str) -> dict:
