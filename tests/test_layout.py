@@ -1,8 +1,7 @@
-"""The code's shape: lint-clean, imports that run one way between the package's parts, light settings, and a
-README tree that names every file."""
+"""The code's shape: lint-clean, imports that run one way between the package's parts, and light settings (the
+layout page's tree is checked in test_docs.py)."""
 
 import ast
-import re
 import shutil
 import subprocess
 import sys
@@ -68,33 +67,3 @@ def test_the_settings_load_nothing_heavy():
             "if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert loaded == []
-
-
-def _readme_tree() -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("## Files")
-    return text[start : text.index("```", text.index("```", start) + 3)]
-
-
-def test_the_readme_tree_names_every_module_and_preset():
-    """A newcomer reads the layout in the README: every source file and preset is in its tree, under its folder
-    (litgpt keeps the same promise with a test)."""
-    tree = _readme_tree()
-    folder = None
-    listed = set()
-    for line in tree.splitlines():
-        name = line.strip().split("  ")[0]
-        if line.startswith("  ") and not line.startswith("    ") and name.endswith("/"):
-            folder = name
-        elif line.startswith("    ") and folder:
-            listed |= {folder + n.strip() for n in name.split(",")}
-        elif line.startswith("  "):
-            listed.add(name)
-    missing = [str(p.relative_to(SRC)) for p in sorted(SRC.rglob("*.py"))
-               if p.name != "__init__.py" and str(p.relative_to(SRC)) not in listed]
-    assert missing == [], f"add these to the README's Files tree: {missing}"
-    presets = {p.stem for p in (SRC / "presets").glob("*.json")}
-    named = {n for group in re.findall(r"presets/\{([^}]*)\}\.json", tree) for n in group.split(",")}
-    assert presets == named
-    gone = [n for n in listed if n.endswith(".py") and not (SRC / n).exists()]
-    assert gone == [], f"the README's tree names files that do not exist: {gone}"

@@ -232,6 +232,11 @@ Flags = TypeVar("Flags", bound=WorkloadConfig)
 def parse_workload(cls: type[Flags], args: list[str], prog: str) -> Flags:
     """``cls`` from the command line, every setting's default the preset's or config file's, as for fitgpt train:
     --preset and --config are read first."""
+    return tyro.cli(cls, default=workload_default(cls, args), args=args, prog=prog)
+
+
+def workload_default(cls: type[Flags], args: list[str]) -> Flags:
+    """The defaults ``cls`` is parsed over: the preset's or config file's that ``args`` name."""
     base = load_config_named_in(args)
     # tyro reads its defaults from an instance; this one is only that (the parsed one runs the checks, such as
     # that a budget is given), so it is made without them.
@@ -240,4 +245,4 @@ def parse_workload(cls: type[Flags], args: list[str], prog: str) -> Flags:
         setattr(default, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
     default.preset, default.config, default.model, default.optim = base.preset, base.config, base.model, base.optim
     default.precision, default.parallel = base.precision, base.parallel  # a config file's, unless a flag says otherwise
-    return tyro.cli(cls, default=default, args=args, prog=prog)
+    return default
