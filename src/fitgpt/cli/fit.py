@@ -12,6 +12,8 @@ from typing import Optional
 from fitgpt.cli.workload import BudgetConfig, parse_workload
 from fitgpt.command import train_command
 from fitgpt.errors import UserError
+from fitgpt.estimate.timing import roofline
+from fitgpt.estimate.workload import workload_for
 from fitgpt.memory.picture import draw
 from fitgpt.plan.family import LADDER_SETTINGS, largest_model
 from fitgpt.plan.fastest import fastest, format_choices
@@ -73,6 +75,7 @@ def run(args: list[str]) -> int:
     cfg = parse_workload(FitConfig, args, "fitgpt fit")
     if cfg.largest_model:
         return _largest_model(cfg)
+    _refuse_fixed_costs_over(cfg)
     result = largest(cfg.workload, cfg.budget, given=cfg.activation_checkpointing)
     a, cur, policies = result["answers"], result["current"], result["policies"]
     print(f"{result['workload']}; budget {format_bytes(result['budget'])}\n")
@@ -97,6 +100,18 @@ def run(args: list[str]) -> int:
         _report(cfg, best["choices"][0])
     print(json.dumps(result))
     return 0
+
+
+def _refuse_fixed_costs_over(cfg: FitConfig) -> None:
+    """In one process the weights, gradients and optimizer state are the same in every configuration the search
+    weighs: when they alone are over the budget, say so from one profile at batch 1, before searching for minutes."""
+    if (cfg.world_size or 1) > 1 or cfg.device:  # FSDP would shard them; a measured step is the search's own
+        return
+    # Bytes only: the time model (seconds of measuring) is left to the search, and a roofline stands in for it here.
+    w = workload_for(cfg.train_config(), target=cfg.plan_target(), fake=True, cost=roofline(None, None), source=cfg._source)
+    p = w.profile(batch_size=1)
+    if p.params + p.grads + p.optimizer >= cfg.budget:
+        solve(p, cfg.budget)  # raises, saying what takes the memory and what to change
 
 
 def _report(cfg: FitConfig, choice) -> None:
