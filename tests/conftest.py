@@ -42,6 +42,27 @@ def data_dir(corpus_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _time_model_measured_once_per_shape():
+    """A plan's time model is measured on this CPU, seconds each time (`estimate.timing.calibrate`). The suite's plans,
+    fits, benches and `auto` runs of one shape share one measurement; tests of the measurement itself call
+    `timing.calibrate` directly. Processes the suite starts measure their own."""
+    from fitgpt.estimate import workload
+
+    measure, measured = workload.calibrate, {}
+
+    def once(model, batch, context, device, dtype, optim_cfg=None, **kw):
+        key = (repr(model), batch, context, str(device), dtype, repr(optim_cfg), repr(sorted(kw.items())))
+        if key not in measured:
+            measured[key] = measure(model, batch, context, device, dtype, optim_cfg, **kw)
+        return measured[key]
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(workload, "calibrate", once)
+    yield
+    patch.undo()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

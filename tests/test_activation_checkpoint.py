@@ -392,6 +392,7 @@ def test_policy_combinations_fuzz(terms):
 # ---- with compile, and on a model we did not write -------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["block", "selective"])
 def test_compiled_checkpointed_model_matches_eager(spec, tiny_model_config):
     cfg = tiny_model_config(n_blocks=2)

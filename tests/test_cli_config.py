@@ -98,6 +98,7 @@ def _printed_command(out: str, prefix: str) -> list[str]:
     return shlex.split(line[len(prefix):].split("   (or:")[0])
 
 
+@pytest.mark.slow
 def test_the_printed_train_command_trains_what_was_planned(tmp_path, capsys):
     """plan's `train with:` and fit's `train the fastest:` parse back to the planned model and step: a config file's
     model (not the preset's), the context, batch and accumulation, the plan; torchrun for several ranks."""

@@ -161,6 +161,7 @@ def _memory_worker(rank: int, world: int, port: int, out_dir: str, cfgs: dict) -
         du.shutdown(info)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_plan_predicts_each_ranks_peak_under_ddp_and_fsdp(tmp_path, tiny_model_config, exact_allocator):
     """Profiled, not divided: FSDP's step is profiled as one rank of two on fake ranks, sharded as the trainer shards;

@@ -64,6 +64,7 @@ def test_deep_models_profile_shallow_and_deepen_exactly(target, dtype, accum, ti
     assert _fields(deep) == _fields(every)
 
 
+@pytest.mark.slow
 def test_deep_models_deepen_exactly_per_fsdp_rank(tiny_model_config, monkeypatch):
     """Under FSDP a gather is let go two blocks on, so two blocks at each end differ from the middle: profiled at five
     and six blocks, deepened from a middle one (Llama, GQA, bf16: the 4-block rule was 0.8% under)."""
@@ -88,6 +89,7 @@ def test_fake_module_keeps_ties_and_allocates_nothing(tiny_model_config):
     assert live.current == x.numel() * 8 + sum(p.numel() * 4 for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_a_3b_model_plans_without_memory(tmp_path):
     """The 3b preset (12.4 GiB of fp32 weights, about 50 GB with gradients and AdamW) profiles under a 2 GiB
     address-space limit on top of what importing torch maps; the planner's own peak RSS stays under 2 GiB."""

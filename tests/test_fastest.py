@@ -12,6 +12,7 @@ from fitgpt.plan import PlanError, predict, solve
 from fitgpt.plan.fastest import Layout, _link_seconds, fastest
 
 
+@pytest.mark.slow
 def test_fastest_configuration_on_a_card(tmp_path):
     """Every configuration shown fits on a profile of its own size, fastest first; a budget too small for the
     whole batch at once is met by accumulating smaller micro-batches."""
@@ -34,6 +35,7 @@ def test_fastest_configuration_on_a_card(tmp_path):
     assert all(c.grad_accum > 1 for c in choices)
 
 
+@pytest.mark.slow
 def test_fit_prints_the_fastest_configurations_and_train_runs_one(tmp_path, capsys, cli_train_args):
     assert main(["fit", "--batch-size", "4", "--context", "32", "--memory-budget", "40MiB", "--top", "3", "--precision", "fp32",
                  "--report", str(tmp_path / "report")]) == 0
@@ -65,6 +67,7 @@ def test_auto_config_errors_name_what_to_change(tmp_path, capsys, cli_train_args
     assert "--parallel fsdp" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_fastest_configuration_weighs_ddp_fsdp_and_offload_for_several_cards(tmp_path):
     """With --world-size the search puts DDP, FSDP and FSDP with CPU offload side by side; where the weights and
     AdamW state alone exceed a card only sharding or offload fit, and links are costed for what crosses them."""

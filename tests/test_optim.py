@@ -119,6 +119,7 @@ def test_each_optimizer_setting_is_planned_to_the_byte(tiny_model_config, name):
         assert measured.peak(plan) == predict(profile, plan).peak, (name, option)
 
 
+@pytest.mark.slow
 def test_bytes_per_parameter_at_the_peak():
     """A model whose parameters dominate (batch 1 x 16): the peak per parameter falls from 16 by the gradients (4)
     and the moments' halving (4), measured on real steps, and each is the predicted peak."""
@@ -212,6 +213,7 @@ def test_low_bit_adamw_checkpoints_plain_moments_and_resumes_exactly(name, make_
                 torch.testing.assert_close(again[k], first[k], rtol=0, atol=2e-3)
 
 
+@pytest.mark.slow
 def test_the_largest_model_fits_in_a_real_step_and_one_block_deeper_does_not():
     """fit --largest-model, scaled down to this CPU: the model it names for a setting, trained one real step under
     its plan and optimizer, peaks within the budget; the model one block deeper (and as much wider as the shape
@@ -233,6 +235,7 @@ def test_the_largest_model_fits_in_a_real_step_and_one_block_deeper_does_not():
         assert (measured <= budget) == fits, (cfg.n_blocks, measured, budget)
 
 
+@pytest.mark.slow
 def test_fit_largest_model_prints_each_setting_and_the_command(capsys):
     assert main(["fit", "--preset", "tiny", "--largest-model", "--gpu", "rtx-4090", "--memory-budget", "30MiB",
                  "--batch-size", "1", "--context", "16", "--grad-accum", "1"]) == 0
@@ -407,6 +410,7 @@ def test_the_searches_count_a_deep_model_as_built(tiny_model_config, overrides):
     assert param_count(OwnModel(cfg)) == sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+@pytest.mark.slow
 def test_the_host_bounds_what_the_optimizer_on_the_host_trains(capsys):
     """What the optimizer on the host pins is bounded by --host-memory: the largest model on the host rung pins no more,
     one block deeper would; a plan over it gives no train command."""

@@ -114,7 +114,7 @@ def test_dynamic_programme_equals_exhaustive_search_with_transient_bytes(tiny_mo
         assert pred.recompute_flops == best[1].recompute_flops, (budget, plan.spec(), best[0].spec())
 
 
-@pytest.mark.parametrize("preset,batch,context", [("tiny", 4, 64), ("small", 1, 64)])
+@pytest.mark.parametrize("preset,batch,context", [("tiny", 4, 64), pytest.param("small", 1, 64, marks=pytest.mark.slow)])
 def test_presets_measured_within_ten_percent_of_prediction(preset, batch, context):
     """The issue's honesty target, on the presets themselves (small at a CPU-sized batch)."""
     cfg = load_config(preset).model
@@ -291,6 +291,7 @@ def test_plan_prints_the_plan_it_solved_not_the_tables_last_row(capsys):
     assert "plan: none (the fastest that fits" in out and "--activation-checkpointing none" in out
 
 
+@pytest.mark.slow
 def test_plan_predicts_the_policy_the_train_command_names(capsys):
     """--activation-checkpointing as train takes it: the policy predicted as given (a group of two blocks as its nearest
     profiled plan), its train command carrying it; one over the budget gets no train command."""
@@ -316,6 +317,7 @@ def test_plan_predicts_the_policy_the_train_command_names(capsys):
     assert "unknown checkpointing term 'blok'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_torchtitan_rule_is_profiled_when_named_and_predicted_exactly(tiny_model_config, capsys):
     """torchtitan's op-level rule, for a torchtitan user to compare like with like: profiled only when a policy names
     it (auto's four steps stay four), then predicted as exactly as the others, alone and mixed."""
@@ -344,6 +346,7 @@ def test_plan_command_errors_name_the_flag(capsys):
     assert "--memory-budget 10MiB leaves nothing for the step's tensors" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_command_writes_table_json_and_png(tmp_path, capsys):
     out = tmp_path / "b"
     args = ["bench", "--device", "cpu", "--batch-size", "8", "--context", "128", "--repeats", "1", "--warmup", "0",
@@ -366,6 +369,7 @@ def test_bench_command_writes_table_json_and_png(tmp_path, capsys):
     assert step_events(read_snapshot(out / "memory_block.pickle"))
 
 
+@pytest.mark.slow
 def test_bench_takes_the_policy_train_takes(tmp_path, capsys):
     """--activation-checkpointing on bench measures that policy beside none (torchtitan's rule profiled for the
     prediction beside it, not a nearest plan)."""
@@ -379,6 +383,7 @@ def test_bench_takes_the_policy_train_takes(tmp_path, capsys):
     assert "give one of the two" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_fit_command(capsys):
     """The largest sizes under none, block, auto and the policy --activation-checkpointing names (as train takes it),
     which every fastest configuration then keeps, its train command carrying it."""
@@ -406,6 +411,7 @@ def test_train_config_budget_errors():
         load_config("tiny", overrides={"activation_checkpointing": "auto", "memory_budget": "lots"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset, batch, context, budget, dims", [
     ("tiny", 4, 32, "24MiB", ("batch_size", "context")),
     # The small preset (124M parameters) takes two minutes: `python benchmarks/plan_check.py cpu` runs it.

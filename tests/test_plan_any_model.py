@@ -192,6 +192,7 @@ def test_model_flags_do_not_shape_a_hugging_face_model(tmp_path, capsys):
         assert "drop '+chunked-loss'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_deep_hf_model_is_profiled_shallow_and_deepened_exactly(monkeypatch):
     """Eight blocks or more: profiled at four and deepened, as fitgpt's own (every field equal to profiling all)."""
     import fitgpt.estimate.profile as profile_module
@@ -257,6 +258,7 @@ def _rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         du.shutdown(info)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_plan_module_plans_one_rank_under_fsdp_and_ddp_as_two_real_ranks_measure(tmp_path):
     """A hand-written module planned with world_size=2: each rank's measured peak on 2 gloo CPU ranks equals the

@@ -186,6 +186,7 @@ def test_a_preparation_killed_at_random_resumes_to_the_same_bytes(records, data_
     assert files(out) == files(ref)  # every shard, the tokenizer and meta.json, byte for byte
 
 
+@pytest.mark.slow
 def test_training_resumes_an_interrupted_first_preparation(records, data_dir, tmp_path, caplog):
     out = tmp_path / "out"
     args = ["prepare", "--inputs", str(records[0]), "--dir", str(out), "--tokenizer", str(data_dir / "tokenizer.json"),
