@@ -71,11 +71,11 @@ def test_replay_for_a_card_counts_blocks_segments_and_workspaces(tiny_model_conf
 @pytest.mark.parametrize("policy, accum, ranks, parallel, optim", [
     ("none", 1, 1, None, OptimConfig()),
     ("block+chunked-loss", 2, 1, None, OptimConfig(impl="foreach")),
-    ("selective", 3, 1, None, OptimConfig(name="adamw4bit")),
+    pytest.param("selective", 3, 1, None, OptimConfig(name="adamw4bit"), marks=pytest.mark.slow),
     ("pointwise", 1, 1, None, OptimConfig(in_backward=True)),
-    ("block", 1, 1, None, OptimConfig(name="adamw8bit")),
+    pytest.param("block", 1, 1, None, OptimConfig(name="adamw8bit"), marks=pytest.mark.slow),
     ("none", 2, 1, None, OptimConfig(state_dtype="bf16")),
-    ("blocks:0+selective:1", 2, 2, "fsdp", OptimConfig()),
+    pytest.param("blocks:0+selective:1", 2, 2, "fsdp", OptimConfig(), marks=pytest.mark.slow),
     ("torchtitan", 1, 2, "fsdp", OptimConfig(impl="foreach")),
     ("none", 1, 2, "ddp", OptimConfig()),
 ])

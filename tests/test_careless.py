@@ -107,6 +107,7 @@ def test_the_lock_of_a_killed_process_is_released(tmp_path):
         pass
 
 
+@pytest.mark.slow
 def test_two_trainers_started_together_one_trains_the_other_is_refused(cli_train_args, tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

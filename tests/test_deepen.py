@@ -24,10 +24,10 @@ def _both(logging, cfg, policy, accum, optim, ranks, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("arch, n_blocks, ranks, policy, accum, optim", [
-    ("llama", 10, 1, "block", 2, OptimConfig()),
+    pytest.param("llama", 10, 1, "block", 2, OptimConfig(), marks=pytest.mark.slow),
     ("gpt2", 10, 1, "selective+chunked-loss:32", 1, OptimConfig(impl="foreach", grad_clip=1.0)),
-    ("llama", 12, 2, "blocks:0,1,2,3+selective:4,5,6,7,8,9,10,11", 2, OptimConfig()),
-    ("llama", 12, 4, "torchtitan:0,1,2,3,4,5,6,7+fused-loss", 1, OptimConfig(impl="foreach")),
+    pytest.param("llama", 12, 2, "blocks:0,1,2,3+selective:4,5,6,7,8,9,10,11", 2, OptimConfig(), marks=pytest.mark.slow),
+    pytest.param("llama", 12, 4, "torchtitan:0,1,2,3,4,5,6,7+fused-loss", 1, OptimConfig(impl="foreach"), marks=pytest.mark.slow),
 ])
 def test_the_deepened_step_is_the_full_depth_step(arch, n_blocks, ranks, policy, accum, optim, tiny_model_config,
                                                   logging_allocator):

@@ -281,6 +281,7 @@ def _plan(capsys, *flags):
     return out, json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_plan_counts_each_ranks_staging_copy_against_host_memory(capsys):
     out, plan = _plan(capsys, "--world-size", "4", "--host-memory", "64GiB")
     # A rank stages its fp32 weights and AdamW moments: what the plan holds of them, for each of one machine's 4 ranks.

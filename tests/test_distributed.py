@@ -96,6 +96,7 @@ def distributed_results(tmp_path_factory, tiny_model_config):
     return torch.load(out / "results.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,spec", CASES)
 def test_two_ranks_equal_one_process_on_the_whole_batch(distributed_results, mode, spec, tiny_model_config):

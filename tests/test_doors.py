@@ -404,6 +404,7 @@ def test_device_mps_without_mps_is_one_line(trained_run, tmp_path, capsys):
         assert code == 2 and one_line(err) and "MPS" in err, err
 
 
+@pytest.mark.slow
 def test_bench_takes_every_readme_policy_and_checks_its_output_first(tmp_path, capsys, monkeypatch):
     small = ["--batch-size", "1", "--context", "16", "--repeats", "1", "--warmup", "0"]
     assert main(["bench", *small, "--policies", "none", "offload", "--out-dir", str(tmp_path / "b")]) == 0

@@ -89,6 +89,7 @@ def test_plan_for_a_card_whose_auto_is_fp16_refuses_what_the_trainer_refuses(fla
     assert code == 2 and one_line(err) and "--precision fp32" in err
 
 
+@pytest.mark.slow
 def test_largest_model_rows_on_a_t4_train_in_a_precision_the_trainer_takes():
     """A step in the backward on a T4 (auto: fp16) is planned, and printed, in fp32 (before: the command had no
     --precision, and the trainer refused it on the card)."""
@@ -125,6 +126,7 @@ def test_largest_model_refuses_an_optimizer_setting_that_would_bend_every_row(ca
         assert code == 2 and one_line(err) and f"drop {flag[0]}" in err, err
 
 
+@pytest.mark.slow
 def test_auto_config_keeps_a_named_policy_and_plans_the_datas_vocabulary(cli_train_args, tmp_path, monkeypatch, capsys):
     """--activation-checkpointing block with --auto-config trains block (before: none, without a word); the search
     plans the model at the data's vocabulary, 512 here (before: the preset's 2048)."""

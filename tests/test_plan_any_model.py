@@ -72,6 +72,7 @@ def test_hf_models_planned_from_their_config_equal_a_real_step(kind, attention, 
     assert "chunked" not in profile.heads  # their heads compute their own loss: no chunked loss offered
 
 
+@pytest.mark.slow
 def test_shared_inputs_held_by_the_first_recomputing_block():
     """An eager HF model builds a (B, 1, T, T) mask before its blocks: freed as the forward ends when nothing
     recomputes, held by a checkpoint until its backward otherwise. Every mixed plan is exact, and the dynamic
@@ -133,7 +134,7 @@ class NanoGPT(nn.Module):
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-@pytest.mark.parametrize("precision, dtype", [("fp32", None), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("precision, dtype", [("fp32", None), pytest.param("bf16", torch.bfloat16, marks=pytest.mark.slow)])
 def test_plan_module_of_a_hand_written_eager_model_equals_a_real_step(precision, dtype):
     result = plan_module(NanoGPT, (B, T), vocab_size=V, precision=precision)
     profile = result.profile
