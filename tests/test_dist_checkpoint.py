@@ -67,7 +67,7 @@ def test_a_saved_checkpoint_reads_back_exactly_and_verifies(group, tiny_model_co
         assert torch.equal(a, b), k
     assert again.lm_head.weight is again.token_embed.weight  # the tied name is read through the one kept
     opt2 = build_optimizer(again, OptimConfig(), CPU)
-    load_optimizer(opt2, ckpt.load_state(path)["optimizer"], du.DistInfo())  # one process: read whole
+    load_optimizer(opt2, ckpt.load_state(path, ckpt.verify_checkpoint(path))["optimizer"], du.DistInfo())  # one process: read whole
     _same_optimizer_state(opt, opt2)
 
 
@@ -89,7 +89,8 @@ def test_each_rank_reads_the_optimizer_into_its_own_state_in_place(group, tiny_m
     before = {k: v.clone() for k, v in model.state_dict().items()}
     init_optimizer_state(fresh)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    load_optimizer(fresh, ckpt.load_state(path)["optimizer"], du.DistInfo(rank=0, world=2))  # as a rank reads it
+    saved = ckpt.load_state(path, ckpt.verify_checkpoint(path))["optimizer"]
+    load_optimizer(fresh, saved, du.DistInfo(rank=0, world=2))  # as a rank reads it
     _same_optimizer_state(opt, fresh)
 
 
@@ -168,7 +169,7 @@ def test_low_bit_moments_round_trip_through_a_distributed_checkpoint(group, tiny
     path = _save(DistributedSaver(group, tmp_path, keep_last=3, background=False, timeout_s=60), 2, model, opt)
     for world in (1, 2):  # read whole by one process, and in place as a rank reads it
         fresh = build_optimizer(model, OptimConfig(name="adamw8bit"), CPU)
-        load_optimizer(fresh, ckpt.load_state(path)["optimizer"], du.DistInfo(rank=0, world=world))
+        load_optimizer(fresh, ckpt.load_state(path, ckpt.verify_checkpoint(path))["optimizer"], du.DistInfo(rank=0, world=world))
         _same_optimizer_state(opt, fresh)
         for i, moments in opt.state_dict()["lowbit_exact"].items():
             for k, codes in moments.items():
@@ -199,7 +200,7 @@ RESHARD = textwrap.dedent('''
     materialise(model, cpu, cfg.seed)
     ckpt.load_weights(path, model)
     optimizer = build_optimizer(model, cfg.optim, cpu)
-    load_optimizer(optimizer, ckpt.load_state(path)["optimizer"], info)
+    load_optimizer(optimizer, ckpt.load_state(path, ckpt.verify_checkpoint(path))["optimizer"], info)
     weights, state = du.full_model_state(model, keep=info.is_main), du.full_optimizer_state(optimizer, keep=info.is_main)
     save_and_leave(info, {"model": weights, "optimizer": state})
 ''')
@@ -221,7 +222,7 @@ def test_a_checkpoint_of_two_fsdp_ranks_reads_into_four_and_into_one(data_dir, c
     model = Transformer(cfg.model)
     ckpt.load_weights(path, model)  # one process: every piece
     optimizer = build_optimizer(model, cfg.optim, CPU)
-    load_optimizer(optimizer, ckpt.load_state(path)["optimizer"], du.DistInfo())
+    load_optimizer(optimizer, ckpt.load_state(path, ckpt.verify_checkpoint(path))["optimizer"], du.DistInfo())
     for k, v in model.state_dict().items():
         assert torch.equal(four["model"][k], v), k
     one = optimizer.state_dict()["state"]

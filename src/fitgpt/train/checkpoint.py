@@ -19,14 +19,12 @@ import os
 import pickle
 import re
 import shutil
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file, save_model
@@ -242,7 +240,7 @@ def _check_meta(meta: object, meta_path: Path, path: Path) -> dict:
 
 def required_files(meta: dict) -> tuple[str, ...]:
     """The files a checkpoint of ``meta``'s layout cannot be read without (its DCP shards are listed in meta.json)."""
-    return (f"{DCP_DIR}/.metadata", TRAIN_STATE_FILE) if meta.get("format") == DCP_FORMAT else (MODEL_FILE, STATE_FILE)
+    return (f"{DCP_DIR}/.metadata", TRAIN_STATE_FILE) if layout(meta) == DCP_FORMAT else (MODEL_FILE, STATE_FILE)
 
 
 def verify_checkpoint(path: Path) -> dict:
@@ -289,12 +287,21 @@ def resolve_resume(run_dir: Path, resume: str, load: Callable[[Path], T] = verif
     raise CheckpointError(f"{flag} latest: every checkpoint in {Path(run_dir) / CKPT_DIR} is corrupt")
 
 
-def load_weights(path: Path, model: nn.Module) -> None:
+def layout(meta: dict) -> str:
+    """A checkpoint's layout, as its meta.json says: the one place that decides it. Which files happen to be in the
+    directory never does: a stray ``model.safetensors`` in a distributed checkpoint is not read."""
+    return DCP_FORMAT if meta.get("format") == DCP_FORMAT else "safetensors"
+
+
+def load_weights(path: Path, model: nn.Module, meta: dict | None = None) -> None:
     """The checkpoint's weights into ``model``: whole, or under FSDP into this rank's shards (the model is never whole
-    on a rank), from either layout. A tied name the checkpoint leaves out is filled through the name it keeps.
-    Under torchrun every rank calls it (reading a distributed checkpoint is a collective)."""
-    if not (Path(path) / MODEL_FILE).is_file() and (Path(path) / DCP_DIR).is_dir():
-        _load_dcp_weights(Path(path), model)
+    on a rank), from the layout its ``meta`` (verified here if not given) records. A tied name the checkpoint leaves
+    out is filled through the name it keeps. Under torchrun every rank calls it (reading DCP's shards is a collective)."""
+    meta = verify_checkpoint(path) if meta is None else meta
+    if layout(meta) == DCP_FORMAT:
+        from fitgpt.train import dcp_read
+
+        dcp_read.load_model(Path(path), model_state(model))
         return
     f = Path(path) / MODEL_FILE
     own = model.state_dict(keep_vars=True)  # the tensors themselves, under the names a checkpoint uses
@@ -325,33 +332,6 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if k not in tied}
 
 
-def dcp_cause(e: BaseException) -> BaseException:
-    """What went wrong on the first rank that failed, out of DCP's exception for all of them (else ``e`` itself)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    failures = e.failures if isinstance(e, CheckpointException) else None
-    return next(iter(failures.values()))[0] if failures else e
-
-
-def one_line(e: BaseException) -> str:
-    """The last line of an error's message (a DCP failure's: its cause's), for a one-line report."""
-    e = dcp_cause(e)
-    return (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
-
-
-def _load_dcp_weights(path: Path, model: nn.Module) -> None:
-    """Each rank reads the pieces of the shards it holds, whatever world size wrote them (one process: every piece)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        with warnings.catch_warnings():  # DCP warns that one process reads alone, which is what is meant here
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": model_state(model)}, checkpoint_id=str(path / DCP_DIR), no_dist=not dist.is_initialized())
-    except (Exception, CheckpointException) as e:  # DCP wraps a rank's failure (a missing key, another shape), on every rank
-        raise CheckpointError(f"{path / DCP_DIR} does not fit this model: {one_line(e)}") from None
-
-
 @dataclass(frozen=True)
 class SavedOptimizer:
     """A distributed checkpoint's optimizer state, read once the optimizer exists (`dist_checkpoint.load_optimizer`)."""
@@ -359,7 +339,7 @@ class SavedOptimizer:
     path: Path
 
 
-def load_state(path: Path, param_shapes: list[torch.Size] | None = None) -> dict:
+def load_state(path: Path, meta: dict, param_shapes: list[torch.Size] | None = None) -> dict:
     """The training state, checked for the keys resume reads: ``state.pt`` (with, given the optimizer's parameter
     shapes, the moments' shapes checked), or a distributed checkpoint's ``train_state.pt``, whose optimizer state is
     read from ``dcp/`` once the optimizer exists (DCP checks each shape as it reads).
@@ -367,7 +347,7 @@ def load_state(path: Path, param_shapes: list[torch.Size] | None = None) -> dict
     The file is memory-mapped, not read: a tensor's bytes come into memory when it is used, once per machine
     (the page cache is shared), so N processes resuming one checkpoint do not each hold the whole optimizer
     state; under FSDP each keeps only its shard."""
-    dcp_layout = not (Path(path) / STATE_FILE).is_file() and (Path(path) / TRAIN_STATE_FILE).is_file()
+    dcp_layout = layout(meta) == DCP_FORMAT
     f = Path(path) / (TRAIN_STATE_FILE if dcp_layout else STATE_FILE)
     try:
         state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)

@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fitgpt.train import checkpoint as ckpt
+from fitgpt.train import dcp_read
 from fitgpt.train import distributed as dist_utils
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class DistributedSaver:
             dcp.save(state, checkpoint_id=str(tmp / ckpt.DCP_DIR), process_group=self.group)
             files = ckpt.file_records(tmp, _own_files(tmp, self.info.rank))
         except (Exception, CheckpointException) as e:  # DCP raises on every rank when one rank's write fails
-            error = ckpt.save_failed(ckpt.dcp_cause(e), self.run_dir, step).strerror
+            error = ckpt.save_failed(dcp_read.dcp_cause(e), self.run_dir, step).strerror
         results: list = [None] * self.info.world
         dist.all_gather_object(results, (files, error), group=self.group)
         outcome = [None]
@@ -160,31 +161,22 @@ def load_optimizer(optimizer, saved, info: dist_utils.DistInfo) -> None:
     if isinstance(saved, dict):
         dist_utils.load_full_optimizer_state(optimizer, saved)
         return
-    import torch.distributed.checkpoint as dcp
-
     where = str(saved.path / ckpt.DCP_DIR)
     try:
         if info.enabled:
             init_optimizer_state(optimizer)
             template = optimizer.state_dict()  # this rank's tensors, read into in place
-            dcp.load({"optimizer": template}, checkpoint_id=where)
+            dcp_read.load({"optimizer": template}, where)
         else:  # one process holds the whole state: read it as saved, whatever wraps the optimizer
             template = _read_whole(where, "optimizer")
         optimizer.load_state_dict(template)
     except (Exception, CheckpointException) as e:
-        raise ckpt.CheckpointError(f"{where} does not fit this optimizer: {ckpt.one_line(e)}") from None
+        raise dcp_read.refusal(where, e, "this optimizer") from None
 
 
 def _read_whole(where: str, key: str) -> dict:
     """Entry ``key`` of a distributed checkpoint, every tensor whole, read without a model to read it into."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    out: dict = {}
-    _load_state_dict(out, storage_reader=dcp.FileSystemReader(where), planner=_EmptyStateDictLoadPlanner(keys={key}),
-                     no_dist=True)
-    sd = out[key]
+    sd = dcp_read.read_whole(where, key)
     # Nested keys come back as text; an optimizer's states are keyed by parameter index.
     return {k: {int(i): s for i, s in v.items()} if k != "param_groups" and isinstance(v, dict) else v for k, v in sd.items()}
 

@@ -34,7 +34,7 @@ def load_run(run_dir: str | Path, checkpoint: str = "latest", device: torch.devi
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise UserError(f"{tok_path} has {tokenizer.vocab_size} tokens, more than the model's vocab_size {model_cfg.vocab_size}")
     model = Transformer(model_cfg)
-    ckpt.load_weights(path, model)
+    ckpt.load_weights(path, model, meta)
     model.to(device).eval()
     log.info("loaded %s (step %d)", path, meta["step"])
     return model, tokenizer, meta
