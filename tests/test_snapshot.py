@@ -53,9 +53,9 @@ def test_a_real_cpu_step_is_the_predicted_one_event_for_event(tiny_model_config,
     apply_activation_checkpointing(model, policy)
     optimizer = build_optimizer(model, OptimConfig(), torch.device("cpu"))
 
-    def step():  # as the replay steps: the token batches made in the step
+    def step():  # as the replay and the trainer step: the token batches made in the step, freed before its results
         batches = [(torch.zeros(2, 32, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long))]
-        train_step(model, optimizer, batches, grad_clip=OptimConfig().grad_clip)
+        return train_step(model, optimizer, batches, grad_clip=OptimConfig().grad_clip)
 
     with MeasuredSnapshot(model, optimizer) as rec:
         step()
@@ -107,7 +107,7 @@ def test_expandable_segments_are_read_from_the_allocator_settings(monkeypatch):
     from fitgpt.memory.allocator import expandable_from
 
     assert expandable_from("max_split_size_mb:128,expandable_segments:True")
-    assert not expandable_from("expandable_segments:False") and not expandable_from("")
+    assert not expandable_from("expandable_segments:False") and not expandable_from("max_split_size_mb:128")
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # torchtitan's launcher sets this one
     assert expandable_from()

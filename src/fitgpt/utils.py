@@ -57,6 +57,24 @@ def writable_dir(out: Path, flag: str) -> Path:
     return out
 
 
+def outputs_apart(inputs: dict[str, str | None], outputs: list[tuple[str, str | Path | None]]) -> None:
+    """Refuse a command whose output would replace one of its own inputs (``--compare X --memory-snapshot X``), before
+    anything is written: one line naming both flags. ``outputs``: (flag, a file it writes), a folder's files each."""
+    for out_flag, out in outputs:
+        for in_flag, given in inputs.items():
+            if out is None or not given:
+                continue
+            if _same_file(Path(given), Path(out)):
+                raise UserError(f"{out_flag} would overwrite {given}, the file {in_flag} reads; write it elsewhere")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid exists on this machine."""
     try:

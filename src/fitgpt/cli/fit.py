@@ -20,7 +20,7 @@ from fitgpt.plan.fastest import fastest, format_choices
 from fitgpt.plan.largest import largest
 from fitgpt.plan.solver import solve
 from fitgpt.units import format_bytes, format_count
-from fitgpt.utils import writable_dir
+from fitgpt.utils import outputs_apart, writable_dir
 
 
 @dataclass
@@ -46,6 +46,7 @@ class FitConfig(BudgetConfig):
         if self.top < 1:
             raise UserError("--top must be at least 1")
         if self.report:
+            outputs_apart({"--config": self.config, "--hf-config": self.hf_config}, [("--report", Path(self.report) / "fit.png")])
             writable_dir(Path(self.report), "--report")
         if self.largest_model and self.hf_config:
             raise UserError("--largest-model scales fitgpt's own shapes (a preset or --model.*); a --hf-config model "

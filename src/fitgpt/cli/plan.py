@@ -22,7 +22,7 @@ from fitgpt.memory.snapshot import first_difference, read_snapshot, write_snapsh
 from fitgpt.optim import describe_optimizer
 from fitgpt.plan.solver import Plan, PlanError, predict, solve
 from fitgpt.units import format_bytes
-from fitgpt.utils import writable_dir
+from fitgpt.utils import outputs_apart, writable_dir
 
 
 @dataclass
@@ -44,6 +44,10 @@ class PlanConfig(BudgetConfig):
 
     def __post_init__(self) -> None:
         require_not_empty(self, ("report", "memory_snapshot", "compare"))
+        report = Path(self.report) if self.report else None
+        outputs_apart({"--compare": self.compare, "--config": self.config, "--hf-config": self.hf_config},
+                      [("--memory-snapshot", self.memory_snapshot), ("--report", report and report / "plan.json"),
+                       ("--report", report and report / "plan.png")])
         super().__post_init__()
         if self.activation_checkpointing != "auto":
             self.check_policy(self.activation_checkpointing)

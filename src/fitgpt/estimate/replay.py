@@ -161,10 +161,10 @@ class _Run:
             kw = {"amp": amp, "grad_clip": self.optim.grad_clip, "check": False, "update": update,
                   "sync": lambda last: sync_context(step_model, last)}
 
-            def step() -> None:
+            def step():
                 tokens = (self.batch, self.context)  # (B, T) ids and targets, two tensors
                 batches = [(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens, dtype=torch.long)) for _ in range(self.micro)]
-                train_step(step_model, optimizer, batches, **kw)
+                return train_step(step_model, optimizer, batches, **kw)
 
             yield step, optimizer, live
 

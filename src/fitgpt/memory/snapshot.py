@@ -215,6 +215,27 @@ class MeasuredSnapshot:
         self.where.mark("step 1: forward, embedding")
         return self
 
+    def batch(self, make: Callable[[], list]) -> list:
+        """The data loader's micro-batches, ``make()``, counted as the plan's step counts its own: the ids and targets,
+        a tensor each, made at the step's start; the loader's own temporaries are no part of the step. (CUDA's own
+        history records every allocation as it is.)"""
+        if self.device.type == "cuda":
+            return make()
+        with self.outside():
+            batches = make()
+        self.live.hold([t for b in batches for t in b])
+        return batches
+
+    def outside(self):
+        """A context whose tensors are not recorded (what the trainer does between steps)."""
+        import contextlib
+
+        if self.device.type == "cuda":
+            return contextlib.nullcontext()
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        return _disable_current_modes()
+
     def next_step(self) -> None:
         if self.device.type != "cuda":
             self.where.step += 1
@@ -255,14 +276,34 @@ def first_difference(predicted: dict, measured: dict) -> str | None:
 
 
 def read_snapshot(path: str | Path) -> dict:
-    """A snapshot written by ``write_snapshot`` or ``torch.cuda.memory._dump_snapshot``; one line if it is not one."""
+    """A snapshot written by ``write_snapshot`` or ``torch.cuda.memory._dump_snapshot``; one line if it is not one.
+    It is plain data (dicts, lists, strings, numbers), so it is unpickled allowing nothing else: a file that would
+    build any object or call any function is refused, naming what it needs, and none of its code runs."""
+    from fitgpt import safe_pickle
     from fitgpt.errors import UserError
 
     try:
         with open(path, "rb") as f:
-            snap = pickle.load(f)  # the user's own file, as torch.cuda._memory_viz reads it
-    except (OSError, pickle.UnpicklingError, EOFError) as e:
+            snap = safe_pickle.load(f)
+    except safe_pickle.UnsafePickleError as e:
+        raise UserError(f"{path} is not a memory snapshot: {e}; refusing to load it") from None
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError) as e:
         raise UserError(f"{path} is not a memory snapshot ({e})") from None
     if not isinstance(snap, dict) or not isinstance(snap.get("device_traces"), list) or not snap["device_traces"]:
         raise UserError(f"{path} is not a memory snapshot with a trace (record one with fitgpt train --memory-snapshot N)")
+    for i, e in enumerate(snap["device_traces"][0] if isinstance(snap["device_traces"][0], list) else [None]):
+        if not _event_ok(e):
+            raise UserError(f"{path} is not a memory snapshot: event {i} of its trace is malformed ({str(e)[:80]})")
     return snap
+
+
+def _event_ok(e: object) -> bool:
+    """What ``step_events`` and the pictures read of a trace event: an action, a size, and frames of dicts."""
+    def whole(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not isinstance(e, dict) or not isinstance(e.get("action"), str) or not whole(e.get("size")):
+        return False
+    frames = e.get("frames", [])
+    return ((whole(e.get("addr")) or not e["action"].startswith(("alloc", "free")))
+            and isinstance(frames, list) and all(isinstance(f, dict) for f in frames))

@@ -89,6 +89,8 @@ class Progress:
     bad_steps: int = 0
     checkpoint: Path | None = None
     interrupted: str | None = None
+    applied: bool = True
+    """Whether the newest step read was applied (not skipped as non-finite)."""
 
 
 def tokens_per_step(cfg: TrainConfig, info: dist_utils.DistInfo) -> int:
@@ -115,30 +117,35 @@ def run_loop(run: LoopState, start_step: int) -> Progress:
         while p.step < cfg.max_steps:
             lr = lr_at(p.step, cfg.optim, cfg.max_steps)
             set_lr(run.optimizer, lr)
-            pending.append((p.step, lr, _step(run, p.step, probe=run.planned is not None and p.step == probe_step)))
+            pending.append((p.step, lr, _run_step(run, recording, p.step, probe=run.planned is not None and p.step == probe_step)))
             p.step += 1
-            if recording is not None:
-                recording = _recorded(run, recording, p.step - start_step)
-            bar.update(1)
-            last = p.step == cfg.max_steps
-            log_due, eval_due = p.step % cfg.log_interval == 0 or last, p.step % cfg.eval_interval == 0 or last
-            save_due = p.step % cfg.checkpoint_interval == 0 or last
-            # A signal may reach one rank only: all of them stop, and save, at the same step (checked where
-            # the ranks meet anyway, so that a step never waits on a collective for it).
-            check_stop = not info.enabled or log_due or eval_due or save_due
-            stopping = check_stop and dist_utils.any_rank(info, stop.signal is not None, run.device)
-            if log_due or eval_due or save_due or stopping:
-                applied = _read_results(run, p, pending)
+            if recording is not None:  # a recorded step ends as the plan's: its results read, and freed, before the next
+                with recording.outside():
+                    _read_results(run, p, pending)
                 pending = []
-                if info.is_main and log_due and applied:
-                    t_log = _log_metrics(run, p, lr, bar, t_log)
-            if eval_due:
-                p.val_loss = evaluate(run.step_model, run.data, cfg, run.device, run.amp)
-                if run.metrics:
-                    run.metrics.write({"step": p.step, "val_loss": p.val_loss})
-                log.info("step %d: train loss %.4f, val loss %.4f", p.step, p.loss, p.val_loss)
-            if save_due or stopping:
-                p.checkpoint = _save(run, p.step) or p.checkpoint
+                recording = _recorded(run, recording, p.step - start_step)
+            # What happens between steps (logging, evaluation, saves) is no part of a recorded step.
+            with recording.outside() if recording is not None else contextlib.nullcontext():
+                bar.update(1)
+                last = p.step == cfg.max_steps
+                log_due, eval_due = p.step % cfg.log_interval == 0 or last, p.step % cfg.eval_interval == 0 or last
+                save_due = p.step % cfg.checkpoint_interval == 0 or last
+                # A signal may reach one rank only: all of them stop, and save, at the same step (checked where
+                # the ranks meet anyway, so that a step never waits on a collective for it).
+                check_stop = not info.enabled or log_due or eval_due or save_due
+                stopping = check_stop and dist_utils.any_rank(info, stop.signal is not None, run.device)
+                if log_due or eval_due or save_due or stopping:
+                    applied = _read_results(run, p, pending)
+                    pending = []
+                    if info.is_main and log_due and applied:
+                        t_log = _log_metrics(run, p, lr, bar, t_log)
+                if eval_due:
+                    p.val_loss = evaluate(run.step_model, run.data, cfg, run.device, run.amp)
+                    if run.metrics:
+                        run.metrics.write({"step": p.step, "val_loss": p.val_loss})
+                    log.info("step %d: train loss %.4f, val loss %.4f", p.step, p.loss, p.val_loss)
+                if save_due or stopping:
+                    p.checkpoint = _save(run, p.step) or p.checkpoint
             if stopping:
                 p.interrupted = stop.signal or ("SIGNAL" if p.step < cfg.max_steps else None)
                 log.warning("stopped by %s at step %d; resume with --resume latest", stop.signal or "a signal on another rank", p.step)
@@ -146,6 +153,15 @@ def run_loop(run: LoopState, start_step: int) -> Progress:
         finish_saves(run, p)
     bar.close()
     return p
+
+
+def _run_step(run: LoopState, recording: MeasuredSnapshot | None, step: int, probe: bool) -> StepResult:
+    """This rank's next micro-batches, trained on; a recording counts them as the plan's step counts its own (they are
+    freed as the step returns, before its results)."""
+    def draw() -> list:
+        return [run.sampler.next_batch(run.device) for _ in range(run.cfg.grad_accum)]
+
+    return _step(run, recording.batch(draw) if recording is not None else draw(), step, probe)
 
 
 def _recorded(run: LoopState, recording: MeasuredSnapshot, steps: int) -> MeasuredSnapshot | None:
@@ -165,20 +181,23 @@ def _recorded(run: LoopState, recording: MeasuredSnapshot, steps: int) -> Measur
 
 def _read_results(run: LoopState, p: Progress, pending: list[tuple[int, float, StepResult]]) -> bool:
     """Read the pending steps' results in one host sync: the newest applied loss and gradient norm go to
-    ``p``, each skipped step is reported (or stops the run). Returns whether the newest step was applied."""
+    ``p``, each skipped step is reported (or stops the run). Returns whether the newest step was applied (with
+    none pending: the newest read before)."""
+    if not pending:
+        return p.applied
     values = torch.stack([torch.stack([r.loss.float(), r.grad_norm.float(), r.applied.float()]) for _, _, r in pending]).tolist()
     for (step, lr, _), (loss, grad_norm, applied) in zip(pending, values):
         if applied:
             p.loss, p.grad_norm = loss, grad_norm
         else:
             _skip_bad_step(run, p, step, loss, grad_norm, lr)
-    return bool(values[-1][2])
+    p.applied = bool(values[-1][2])
+    return p.applied
 
 
-def _step(run: LoopState, step: int, probe: bool) -> StepResult:
-    """One shared ``train_step`` on this rank's next micro-batches; with ``probe``, its peak is checked against the plan."""
+def _step(run: LoopState, batches: list, step: int, probe: bool) -> StepResult:
+    """One shared ``train_step`` on this rank's micro-batches; with ``probe``, its peak is checked against the plan."""
     cfg, info = run.cfg, run.info
-    batches = [run.sampler.next_batch(run.device) for _ in range(cfg.grad_accum)]
     # Not under torch.compile off CUDA: compiled kernels allocate outside the tracker's view.
     measurable = run.device.type == "cuda" or not cfg.compile
     peak = PeakProbe(run.model, run.optimizer) if probe and measurable else None

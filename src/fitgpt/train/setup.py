@@ -123,8 +123,10 @@ def load_data(cfg: TrainConfig, info: dist_utils.DistInfo) -> tuple[TokenData, T
 
 
 def write_run_files(cfg: TrainConfig) -> None:
-    # resume and overwrite are what this invocation did, not settings of the run: `--config config.json` must not repeat them.
-    (cfg.run_dir / "config.json").write_text(json.dumps(to_dict(dataclasses.replace(cfg, resume=None, overwrite=False)), indent=1))
+    # What this invocation did once (resume, overwrite, record the first steps' memory) is not a setting of the run:
+    # `--config config.json --resume latest` must not repeat it (a second snapshot would replace the first steps').
+    once = dataclasses.replace(cfg, resume=None, overwrite=False, memory_snapshot=0)
+    (cfg.run_dir / "config.json").write_text(json.dumps(to_dict(once), indent=1))
     # The run keeps its own tokenizer, so sampling works even if the data directory moves.
     shutil.copyfile(cfg.data.path / "tokenizer.json", cfg.run_dir / "tokenizer.json")
 
