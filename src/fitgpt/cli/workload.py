@@ -75,7 +75,9 @@ class WorkloadConfig:
     """The optimizer, as fitgpt train takes it (its implementation, --optim.impl, sets the step's temporaries)."""
 
     def __post_init__(self) -> None:
-        require_not_empty(self, ("preset", "config", "gpu", "gpu_memory", "device", "hf_config"))
+        require_not_empty(self, ("preset", "config", "gpu", "gpu_memory", "device", "hf_config", "alloc_conf"))
+        if self.alloc_conf is not None:  # checked as PyTorch will read it, for any target
+            expandable_from(self.alloc_conf)
         self._base = load_config(self.preset, self.config)
         self.model = self.model or self._base.model
         self.optim = self.optim or self._base.optim

@@ -178,15 +178,67 @@ def allocator_model(expandable_segments: bool = False) -> CachingAllocatorModel:
     return ExpandableAllocatorModel() if expandable_segments else CachingAllocatorModel()
 
 
-def expandable_from(conf: str | None = None) -> bool:
+# The settings PyTorch's CUDA allocator reads (c10's AllocatorConfig and CUDAAllocatorConfig, torch 2.13), by the
+# values each takes: it refuses any other key, and a flag spelled other than True/False.
+_FLAGS = ("expandable_segments", "pinned_use_background_threads", "release_lock_on_cudamalloc", "release_lock_on_hipmalloc",
+          "pinned_use_cuda_host_register", "pinned_use_hip_host_register", "graph_capture_record_stream_reuse",
+          "pinned_free_catch_all", "throw_on_cudamalloc_oom")
+_COUNTS = ("max_split_size_mb", "max_non_split_rounding_mb", "pinned_num_register_threads", "pinned_reserve_segment_size_mb")
+_FRACTIONS = ("garbage_collection_threshold", "per_process_memory_fraction")
+ALLOC_KEYS = frozenset(_FLAGS + _COUNTS + _FRACTIONS + ("roundup_power2_divisions", "backend"))
+
+
+def _settings(conf: str) -> list[tuple[str, str]]:
+    """(key, value) of each setting, split at the commas outside brackets (``roundup_power2_divisions:[256:1,>:8]``)."""
+    items, depth, start = [], 0, 0
+    for i, c in enumerate(conf + ","):
+        depth += c == "["
+        depth -= c == "]"
+        if c == "," and depth == 0:
+            if conf[start:i].strip():
+                key, _, value = conf[start:i].partition(":")
+                items.append((key.strip(), value.strip()))
+            start = i + 1
+    return items
+
+
+def _bad_value(key: str, value: str) -> str | None:
+    """Why PyTorch would refuse ``value`` for ``key``, or None."""
+    if key in _FLAGS and value not in ("True", "False"):
+        return "True or False (spelled so)"
+    if key in _COUNTS and not value.isdigit():
+        return "a whole number"
+    if key in _FRACTIONS:
+        try:
+            if not 0.0 < float(value) < 1.0:
+                return "a fraction between 0 and 1"
+        except ValueError:
+            return "a fraction between 0 and 1"
+    if key == "backend" and value not in ("native", "cudaMallocAsync"):
+        return "native or cudaMallocAsync"
+    if key == "roundup_power2_divisions" and not (value.isdigit() or (value.startswith("[") and value.endswith("]"))):
+        return "a power of two, or a list such as [256:1,512:2,>:8]"
+    return None
+
+
+def expandable_from(conf: str | None = None, flag: str = "--alloc-conf") -> bool:
     """Whether allocator settings (``conf``, as PYTORCH_CUDA_ALLOC_CONF spells them; default: this environment's
-    PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF) turn expandable segments on."""
+    PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF) turn expandable segments on. Settings PyTorch's allocator would
+    refuse (an unknown key, ``expandable_segments:true``) are refused here, naming ``flag`` or the variable."""
     import os
 
+    from fitgpt.errors import UserError
+
     if conf is None:
-        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
-    for item in conf.split(","):
-        name, _, value = item.partition(":")
-        if name.strip() == "expandable_segments":
-            return value.strip().lower() == "true"
-    return False
+        flag = next((v for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF") if os.environ.get(v)), "")
+        conf = os.environ.get(flag, "") if flag else ""
+    elif not conf.strip():
+        raise UserError(f"{flag} is empty (an unset shell variable?): give settings such as expandable_segments:True, "
+                        f"or drop {flag}")
+    settings = _settings(conf)
+    for key, value in settings:
+        if key not in ALLOC_KEYS:
+            raise UserError(f"{flag}: PyTorch's CUDA allocator has no setting {key!r} (it knows {', '.join(sorted(ALLOC_KEYS))})")
+        if why := _bad_value(key, value):
+            raise UserError(f"{flag}: {key}:{value} would be refused by PyTorch's allocator; {key} takes {why}")
+    return dict(settings).get("expandable_segments") == "True"

@@ -64,6 +64,8 @@ def plan_module(build_model: Callable[[], nn.Module], batch: tuple[int, int], *,
     steps of the module at a small batch); on a card it is a roofline estimate. Nothing fitting the budget raises
     ``PlanError``, saying by how much and what to change.
     """
+    _check_arguments(build_model, batch, vocab_size=vocab_size, budget=budget, gpu=gpu, precision=precision,
+                     grad_accum=grad_accum, optim=optim, world_size=world_size, parallel=parallel, snapshot=snapshot)
     b, t = batch
     target = Target("cuda", find_gpu(gpu)) if gpu else Target("cpu")
     with torch.device("meta"):
@@ -76,8 +78,6 @@ def plan_module(build_model: Callable[[], nn.Module], batch: tuple[int, int], *,
                         "keep its blocks in an nn.ModuleList") from None
     source = ModuleModel(build_model, vocab_size, t, n_blocks)
     base = load_config("tiny")
-    if parallel not in ("fsdp", "ddp") or world_size < 1:
-        raise UserError(f"plan_module: parallel={parallel!r}, world_size={world_size}: use fsdp or ddp, and 1 or more ranks")
     cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, context_length=t, vocab_size=vocab_size),
                               batch_size=b, grad_accum=grad_accum, precision=precision, optim=optim or base.optim,
                               parallel=parallel)
@@ -90,6 +90,37 @@ def plan_module(build_model: Callable[[], nn.Module], batch: tuple[int, int], *,
     return ModulePlan(policy=plan.spec(), prediction=pred, budget=room,
                       uniform={o: predict(profile, Plan.uniform(n_blocks, o)).peak for o in BLOCK_OPTIONS},
                       replay=w.replay(plan.spec()), profile=profile)
+
+
+def _whole(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _check_arguments(build_model, batch, **kw) -> None:
+    """Every argument checked before anything is built or profiled: a UserError naming it and what it takes."""
+    def bad(name: str, takes: str) -> UserError:
+        return UserError(f"plan_module: {name}={kw[name] if name in kw else batch!r} is not {takes}")
+
+    if not callable(build_model):
+        raise UserError(f"plan_module: build_model={build_model!r} is not a function that builds the module")
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(_whole(x) for x in batch)):
+        raise bad("batch", "(sequences, tokens per sequence), two whole numbers of at least 1")
+    for name in ("vocab_size", "grad_accum", "world_size"):
+        if not _whole(kw[name]):
+            raise bad(name, "a whole number of at least 1 (an int)")
+    budget = kw["budget"]
+    if budget is not None and not (isinstance(budget, str) or _whole(budget)):
+        raise bad("budget", 'bytes (an int) or a size such as "6GiB"')
+    if kw["precision"] not in ("auto", "fp32", "bf16", "fp16"):
+        raise bad("precision", "one of auto, fp32, bf16, fp16")
+    if kw["parallel"] not in ("fsdp", "ddp"):
+        raise bad("parallel", "fsdp or ddp")
+    if kw["gpu"] is not None and not isinstance(kw["gpu"], str):
+        raise bad("gpu", 'a card\'s name, such as "h100-80gb"')
+    if kw["optim"] is not None and not isinstance(kw["optim"], OptimConfig):
+        raise bad("optim", "an OptimConfig")
+    if kw["snapshot"] is not None and not isinstance(kw["snapshot"], (str, Path)):
+        raise bad("snapshot", "a file path")
 
 
 def _room(budget: int | str | None, target: Target) -> int | None:

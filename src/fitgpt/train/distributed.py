@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -64,6 +65,8 @@ def init_distributed(device_name: str, timeout_s: float) -> DistInfo:
 # ---- a rank lost ----------------------------------------------------------------------------------
 
 HEARTBEAT_S = 1.0
+STALLED_S = 20.0
+"""A rank whose heartbeat stands still this long, and that has not finished, is taken for lost (stopped, or hung)."""
 # What gloo and NCCL say when the rank at the other end of a collective is gone, or silent past --dist-timeout.
 _LOST_PEER = ("connection reset by peer", "connection closed by peer", "connection refused", "broken pipe", "timed out",
               "timeout", "communicator was aborted", "socket closed")
@@ -74,38 +77,59 @@ class Heartbeat:
     failed marks itself as a survivor and reads the counts twice: the ranks whose counts stood still, and that are not
     survivors, are the ones lost (no two machines' clocks are compared)."""
 
-    def __init__(self, info: DistInfo, timeout_s: float = 10.0):
+    def __init__(self, info: DistInfo, timeout_s: float = 10.0, on_stalled: Callable[[int], None] | None = None):
         self.info = info
         self.prefix = f"fitgpt/liveness/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                    timeout=timedelta(seconds=timeout_s))
+        # Each rank watches the next (a ring): every rank is watched by one other, and the store is read once a
+        # second a rank, at any world size.
+        self.on_stalled, self.watched = on_stalled, (info.rank + 1) % info.world if info.world > 1 else None
         self._stop = threading.Event()
         threading.Thread(target=self._beat, name="fitgpt-heartbeat", daemon=True).start()
 
     @classmethod
-    def start(cls, info: DistInfo) -> Heartbeat | None:
+    def start(cls, info: DistInfo, on_stalled: Callable[[int], None] | None = None) -> Heartbeat | None:
         """Heartbeats for a torchrun launch (None for one process, or if the store cannot be reached: a lost rank is
-        then named only by the collective's own error)."""
+        then named only by the collective's own error). ``on_stalled(rank)``: called (from the heartbeat's thread)
+        once the watched rank has not counted for STALLED_S and has not finished."""
         if not info.enabled or "MASTER_ADDR" not in os.environ:
             return None
         try:
-            return cls(info)
+            return cls(info, on_stalled=on_stalled)
         except Exception as e:  # the training does not depend on it
             log.warning("no heartbeats (the rendezvous store at %s:%s: %s)", os.environ.get("MASTER_ADDR"),
                         os.environ.get("MASTER_PORT"), e)
             return None
 
     def _beat(self) -> None:
-        count = 0
+        count, seen, since = 0, None, time.monotonic()
         while not self._stop.wait(HEARTBEAT_S):
             count += 1
             try:
                 self.store.set(f"{self.prefix}beat/{self.info.rank}", str(count))
+                if self.on_stalled is not None and self.watched is not None:
+                    seen, since = self._watch(seen, since)
             except Exception:  # the store's machine is gone: lost_ranks will say so
                 return
 
+    def _watch(self, seen: bytes | None, since: float) -> tuple[bytes | None, float]:
+        """The watched rank's count, and since when it has stood still; a rank stopped (SIGSTOP) or hung where no
+        collective will ever fail is reported through ``on_stalled`` (a finished rank is not)."""
+        key = f"{self.prefix}beat/{self.watched}"
+        now = self.store.get(key) if self.store.check([key]) else None
+        if now is None or now != seen:
+            return now, time.monotonic()
+        if time.monotonic() - since > STALLED_S and not self.store.check([f"{self.prefix}done/{self.watched}"]):
+            self.on_stalled(self.watched)
+        return seen, since
+
     def stop(self) -> None:
         self._stop.set()
+        try:  # a rank that finished is not a stalled one to the rank watching it
+            self.store.set(f"{self.prefix}done/{self.info.rank}", "1")
+        except Exception:
+            pass
 
     def lost_ranks(self) -> list[int] | None:
         """The ranks lost, read over three heartbeats; None if the store itself is unreachable (its machine is lost)."""
@@ -142,6 +166,13 @@ def describe_lost(info: DistInfo, heartbeat: Heartbeat | None, e: BaseException)
         who = f"a collective failed between the {info.world} ranks ({(str(e).strip().splitlines() or [''])[0][:200]})"
     return (f"{who}, so rank {info.rank} stops too, leaving every checkpoint whole. Continue with the same command and "
             "--resume auto (torchrun --max-restarts N does that by itself)")
+
+
+def describe_stalled(info: DistInfo, rank: int) -> str:
+    """One line: which rank stopped answering, that this one stops, and how to go on."""
+    return (f"rank {rank} of {info.world} stopped answering (no heartbeat for {STALLED_S:.0f} s: its process is stopped "
+            f"or hung), so rank {info.rank} stops too, leaving every checkpoint whole. Continue with the same command and "
+            "--resume auto once that rank's machine is sound (torchrun --max-restarts N does that by itself)")
 
 
 def leave_together(info: DistInfo) -> None:

@@ -59,12 +59,19 @@ def resume_run(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, sc
 def load_for_resume(path: Path, cfg: TrainConfig, model: nn.Module, tok_hash: str) -> tuple[dict, dict]:
     """Meta and state of checkpoint ``path``, its weights loaded into ``model``; CheckpointError if it is corrupt."""
     ck_meta = ckpt.verify_checkpoint(path)
-    check_same_model(path, ck_meta["config"]["model"], cfg)
+    # The data first: its tokenizer sets the model's vocabulary, so another one is named as such, not as a shape.
     if ck_meta.get("data", {}).get("tokenizer_sha256") not in (None, tok_hash):
-        raise UserError(f"--resume {path}: the checkpoint was trained with another tokenizer than {cfg.data.path}")
-    ckpt.load_weights(path, model)  # a tensor at a time; under FSDP each rank keeps its shard
-    state = ckpt.load_state(path, [p.shape for p in optimizer_params(model)])
+        raise UserError(f"--resume {path}: the data in {cfg.data.path} was tokenized with another tokenizer than the "
+                        f"checkpoint was trained with; resume on its own data (--data.dir {_trained_on(ck_meta)})")
+    check_same_model(path, ck_meta["config"]["model"], cfg)
+    ckpt.load_weights(path, model, ck_meta)  # a tensor at a time; under FSDP each rank keeps its shard
+    state = ckpt.load_state(path, ck_meta, [p.shape for p in optimizer_params(model)])
     return ck_meta, state
+
+
+def _trained_on(meta: dict) -> str:
+    data = meta.get("config", {}).get("data", {})
+    return str(data.get("dir") or data.get("path") or "as in the run's config.json")
 
 
 def check_same_model(path: Path, saved: dict, cfg: TrainConfig) -> None:
@@ -72,6 +79,10 @@ def check_same_model(path: Path, saved: dict, cfg: TrainConfig) -> None:
     trajectory, warned about below) is compared, a key older checkpoints lack as its default."""
     for f in dataclasses.fields(ModelConfig):
         had, now = saved.get(f.name, f.default), getattr(cfg.model, f.name)
+        if f.name == "vocab_size" and had != now and not cfg.init_from:  # set from the data's tokenizer, not a flag
+            raise UserError(f"--resume {path}: the checkpoint's vocabulary has {had} ids, the data in {cfg.data.path} "
+                            f"gives {now}: it was tokenized with another tokenizer; resume on the data the run trained "
+                            "on (--data.dir as in its config.json)")
         if f.name != "dropout" and had != now:
             raise UserError(
                 f"--resume {path}: the checkpoint has model.{f.name}={had!r}, this run asks for {now!r}; resume with "

@@ -37,3 +37,22 @@ class StopFlag:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def deferred():
+    """Ctrl-C and SIGTERM held off (logged, not acted on) while a failing run says why: torchrun SIGTERMs the
+    survivors as soon as a rank dies, which would otherwise cut that line short."""
+    old = {}
+
+    def note(signum, frame) -> None:
+        log.warning("%s received while reporting the failure: finishing the report first", signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+            old[sig] = signal.signal(sig, note)
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -42,6 +44,7 @@ from fitgpt.train.setup import (
     prepare_model,
     write_run_files,
 )
+from fitgpt.train.signals import deferred as deferred_signals
 from fitgpt.utils import DirLock
 
 log = logging.getLogger(__name__)
@@ -55,7 +58,7 @@ def train(cfg: TrainConfig, planner: Planner | None = None) -> dict:
     runs this function; rank 0 alone logs, writes metrics and checkpoints.
     """
     info = dist_utils.init_distributed(cfg.device, cfg.dist_timeout)
-    heartbeat = dist_utils.Heartbeat.start(info)
+    heartbeat = dist_utils.Heartbeat.start(info, on_stalled=lambda rank: _stop_stalled(info, rank))
     try:
         _check_launch(cfg, info)
         with contextlib.ExitStack() as held:
@@ -70,12 +73,23 @@ def train(cfg: TrainConfig, planner: Planner | None = None) -> dict:
             return summary
     except Exception as e:
         if info.enabled and not isinstance(e, (TrainingError, UserError)) and dist_utils.is_lost_peer(e):
-            raise TrainingError(dist_utils.describe_lost(info, heartbeat, e)) from e
+            with deferred_signals():  # torchrun SIGTERMs the survivors at once: the line comes first
+                raise TrainingError(dist_utils.describe_lost(info, heartbeat, e)) from e
         raise
     finally:
         if heartbeat:
             heartbeat.stop()
         dist_utils.shutdown(info)
+
+
+def _stop_stalled(info: dist_utils.DistInfo, rank: int) -> None:
+    """A rank that stopped answering: no collective waiting on it will fail before --dist-timeout, and gloo's cannot
+    be interrupted, so this rank says why and leaves at once (from the heartbeat's thread). Every checkpoint stays
+    whole: a save cut short is a temporary directory, never listed, removed by the next save."""
+    log.error("%s", dist_utils.describe_stalled(info, rank))
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(2)
 
 
 @dataclass
@@ -132,7 +146,9 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     dtype = autocast_dtype(cfg.precision, device)
     if not info.is_main:
         logging.getLogger("fitgpt").setLevel(logging.WARNING)  # one log, from rank 0
-    if cfg.init_from and not cfg.resume:  # a resumed run's config.json already holds the imported model
+    # The imported model's shape, on a restart too (torchrun --max-restarts runs the same command, now resuming); a
+    # resumed run whose folder is gone keeps the model of its config.json.
+    if cfg.init_from and (not cfg.resume or (Path(cfg.init_from) / "config.json").is_file()):
         cfg = dataclasses.replace(cfg, model=import_config(cfg.init_from))
     data, cfg = load_data(cfg, info)
     # Under FSDP the model is built on the meta device; once sharded, each rank fills only its shards: with the
