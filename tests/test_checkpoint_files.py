@@ -152,7 +152,7 @@ def test_pickled_code_in_a_checkpoint_is_refused(data_dir, corpus_dir, tmp_path,
 
     torch.save({"optimizer": Evil()}, target / ckpt.STATE_FILE)
     with pytest.raises(ckpt.CheckpointError, match="refusing to load"):
-        ckpt.load_state(target)
+        ckpt.load_state(target, {})  # a one-process checkpoint
 
 
 def test_full_disk_during_save_is_a_clear_error_and_keeps_older_checkpoints(data_dir, corpus_dir, tmp_path, monkeypatch, make_cfg):

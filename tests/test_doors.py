@@ -500,6 +500,6 @@ def test_resuming_maps_the_optimizer_state_instead_of_reading_it(tmp_path):
     torch.save(state, tmp_path / ckpt.STATE_FILE)
     del state, moments
     before = _rss()
-    loaded = ckpt.load_state(tmp_path, [torch.Size([8 << 20])])
+    loaded = ckpt.load_state(tmp_path, {}, [torch.Size([8 << 20])])
     assert _rss() - before < 16 << 20
     assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"][:4], loaded["optimizer"]["state"][0]["exp_avg"][:4])
