@@ -67,3 +67,39 @@ def test_the_settings_load_nothing_heavy():
             "if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert loaded == []
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """For each module, the package's modules it imports anywhere in it (at the top, in a function, for type checks)."""
+    graph: dict[str, set[str]] = {}
+    modules = {".".join(("fitgpt",) + p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+               for p in SRC.rglob("*.py")}
+    for path in SRC.rglob("*.py"):
+        name = ".".join(("fitgpt",) + path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+        deps = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("fitgpt"):
+                for alias in node.names:  # `from fitgpt.x import y`: module y if it is one, else x
+                    deps.add(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in modules}
+        deps.discard(name)
+    return {m: {d for d in deps if d in modules and not m.startswith(d + ".")} for m, deps in graph.items()}
+
+
+def test_no_two_modules_import_each_other_around_a_circle():
+    """Module by module (a package's __init__ re-exporting its own modules aside): a circle means the type or helper
+    both need belongs where both can import it (before: estimate/card.py and estimate/profile.py)."""
+    graph = _module_imports()
+    done: set[str] = set()
+
+    def walk(module, path):
+        assert module not in path, " -> ".join([*path, module])
+        if module in done:
+            return
+        for dep in sorted(graph.get(module, ())):
+            walk(dep, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        walk(module, [])

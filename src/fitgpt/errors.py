@@ -14,6 +14,10 @@ class UserError(Exception):
     a box; this one reaches the CLI."""
 
 
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used: missing, corrupt, or not ours."""
+
+
 def require_finite(obj: object, section: str = "", flags: str | None = None) -> None:
     """Refuse NaN and infinities in every float field of a config dataclass, naming the flag (``flags``: the
     command's prefix of them, default ``--{section}``)."""

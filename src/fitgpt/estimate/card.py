@@ -4,14 +4,11 @@ save beyond the CPU's, and a block that offloads what autograd saves over the ca
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 
 from fitgpt.estimate.hardware import Target, attention_saved_delta
-
-if TYPE_CHECKING:
-    from fitgpt.estimate.profile import BlockOption
+from fitgpt.estimate.options import BlockOption
 
 
 def with_cuda_attention(block: dict[str, BlockOption], target: Target, dtype: torch.dtype | None,

@@ -28,6 +28,7 @@ from fitgpt.estimate.card import offload_option, with_cuda_attention
 from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
 from fitgpt.estimate.hardware import Target
 from fitgpt.estimate.optimizer import create_state, grads_at_once, host_step_time, optimizer_costs, running_loss, second_pass
+from fitgpt.estimate.options import BlockOption, HeadOption
 from fitgpt.estimate.ranks import fake_ranks
 from fitgpt.estimate.source import ModelSource, as_source
 from fitgpt.memory.fake import FakeTensorMode, fake_mode, fake_module
@@ -61,33 +62,6 @@ _RUNS = {"none": ("none", "plain"), "block": ("block+chunked-loss", "chunked"), 
          "pointwise": ("pointwise", None), "torchtitan": ("torchtitan", None)}
 # A model whose head cannot chunk its loss (one that is not fitgpt's) has the plain head alone.
 _PLAIN_RUNS = {**_RUNS, "block": ("block", None), "selective": ("selective", None)}
-
-
-@dataclass(frozen=True)
-class BlockOption:
-    saved: int
-    """Bytes the block's forward leaves alive for backward (its output included)."""
-    fwd_rise: int
-    """Peak above the level at the block's start, during its forward."""
-    bwd_rise: int
-    """Peak above the level at the start of its backward (recompute and gradient temporaries)."""
-    recompute_flops: int
-    """FLOPs its backward runs beyond the backward of the same block under ``none``."""
-    transient: int = 0
-    """Bytes its forward leaves alive only until the forward ends (autocast's weight copies when nothing
-    saves them): held through the rest of the forward, freed before any backward."""
-    time: float = 0.0
-    """Seconds of its forward and backward (recompute included) by the profile's cost model."""
-
-
-@dataclass(frozen=True)
-class HeadOption:
-    saved: int
-    fwd_rise: int
-    bwd_rise: int
-    bwd_delta: int
-    recompute_flops: int
-    time: float = 0.0
 
 
 @dataclass

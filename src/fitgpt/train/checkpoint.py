@@ -29,7 +29,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file, save_model
 
-from fitgpt.errors import UserError
+from fitgpt.errors import CheckpointError
 from fitgpt.parallel import assign_whole
 from fitgpt.utils import pid_alive, sha256_file, write_error
 
@@ -43,10 +43,6 @@ DCP_DIR, TRAIN_STATE_FILE, DCP_FORMAT = "dcp", "train_state.pt", "dcp"
 _NAME = re.compile(r"step_(\d+)")
 _TMP = re.compile(r"\.tmp_step_\d+_(\d+)")
 T = TypeVar("T")
-
-
-class CheckpointError(UserError):
-    """A checkpoint that cannot be used: missing, corrupt, or not ours."""
 
 
 class CheckpointSaveError(OSError):
@@ -301,7 +297,7 @@ def load_weights(path: Path, model: nn.Module, meta: dict | None = None) -> None
     if layout(meta) == DCP_FORMAT:
         from fitgpt.train import dcp_read
 
-        dcp_read.load_model(Path(path), model_state(model))
+        dcp_read.load_model(Path(path) / DCP_DIR, model_state(model))
         return
     f = Path(path) / MODEL_FILE
     own = model.state_dict(keep_vars=True)  # the tensors themselves, under the names a checkpoint uses

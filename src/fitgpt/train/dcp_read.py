@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from fitgpt import safe_pickle
-from fitgpt.train.checkpoint import DCP_DIR, CheckpointError
+from fitgpt.errors import CheckpointError
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -125,9 +125,9 @@ def refusal(where: str, e: BaseException, what: str) -> CheckpointError:
     return CheckpointError(f"{where} does not fit {what}: {one_line(cause)}")
 
 
-def load_model(path: Path, state: dict) -> None:
+def load_model(dcp_dir: Path, state: dict) -> None:
     """Each rank reads the pieces of the shards it holds, whatever world size wrote them (one process: every piece)."""
-    where = str(path / DCP_DIR)
+    where = str(dcp_dir)
     try:
         load({"model": state}, where)
     except (Exception, CheckpointException) as e:  # DCP wraps a rank's failure (a missing key, another shape), on every rank
