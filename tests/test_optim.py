@@ -97,6 +97,8 @@ OPTIMS = {
     "bf16": OptimConfig(grad_clip=0, state_dtype="bf16"),
     "bf16+in-backward": OptimConfig(grad_clip=0, state_dtype="bf16", in_backward=True),
     "8bit+in-backward": OptimConfig(grad_clip=0, name="adamw8bit", in_backward=True),
+    "adafactor": OptimConfig(name="adafactor"),  # clipping on: the step after the backward
+    "adafactor+in-backward": OptimConfig(grad_clip=0, name="adafactor", in_backward=True),
 }
 LOW_BIT = {
     "8bit": OptimConfig(name="adamw8bit"),  # clipping on: the step after the backward
@@ -104,8 +106,8 @@ LOW_BIT = {
 }
 
 
-@pytest.mark.parametrize("name", ["in-backward", "in-backward, clipped", "bf16+in-backward",
-                                  *(pytest.param(n, marks=pytest.mark.slow) for n in LOW_BIT)])
+@pytest.mark.parametrize("name", ["in-backward", "in-backward, clipped", "bf16+in-backward", "adafactor",
+                                  "adafactor+in-backward", *(pytest.param(n, marks=pytest.mark.slow) for n in LOW_BIT)])
 def test_each_optimizer_setting_is_planned_to_the_byte(tiny_model_config, name):
     """The plan profiles the optimizer the trainer builds: a real step's peak is the predicted one under none and
     block, on a model deep enough to be profiled shallow and deepened (the step inside the backward runs in the
@@ -137,6 +139,7 @@ def test_bytes_per_parameter_at_the_peak():
     assert held["in-backward"] < 12.2 and held["bf16"] == pytest.approx(12, abs=0.01)
     assert held["bf16+in-backward"] < 8.2
     assert held["8bit+in-backward"] < 6.3  # 1 byte a moment, a 4-byte scale per 256, the largest gradient
+    assert held["adafactor+in-backward"] < 4.3  # a row and a column per matrix, the largest gradient
 
 
 def test_low_bit_optimizers_say_where_they_run(monkeypatch):
@@ -428,3 +431,20 @@ def test_the_host_bounds_what_the_optimizer_on_the_host_trains(capsys):
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "no train command: this plan does not fit the host's memory" in out
     assert json.loads(out.strip().splitlines()[-1])["fits_host"] is False
+
+
+def test_adafactor_keeps_factored_moments_and_resumes_bitwise(make_cfg, tmp_path):
+    """PyTorch's Adafactor: a row and a column per matrix in the checkpoint (loaded with weights_only, its shapes
+    checked as factored), and a run resumed from step 2 ends bitwise where the uninterrupted one does, with the step
+    after the backward or inside it."""
+    model = {"context_length": 32, "n_embed": 32, "n_head": 4, "n_blocks": 2, "dropout": 0.1}
+    for optim in ({"name": "adafactor"}, {"name": "adafactor", "in_backward": True, "grad_clip": 0.0}):
+        run = tmp_path / ("inside" if optim.get("in_backward") else "after")
+        kw = {"max_steps": 4, "checkpoint_interval": 2, "model": model, "optim": optim}
+        train(make_cfg(run, **kw))
+        state = torch.load(run / "checkpoints/step_00000002/state.pt", weights_only=True)["optimizer"]["state"]
+        assert {k: v.shape[1] for k, v in state[0].items() if k == "row_var"} == {"row_var": 1}
+        first = load_file(str(run / "checkpoints/step_00000004/model.safetensors"))
+        train(make_cfg(run, resume=str(run / "checkpoints/step_00000002"), **kw))
+        again = load_file(str(run / "checkpoints/step_00000004/model.safetensors"))
+        assert all(torch.equal(first[k], again[k]) for k in first), optim

@@ -42,9 +42,11 @@ class OptimConfig:
     """AdamW's implementation: fused (one kernel a step), foreach (multi-tensor ops, torchtitan's default), for-loop
     (a parameter at a time); auto: fused on CUDA, PyTorch's default elsewhere (the for-loop on CPU). Training and
     planning build the same one: their temporaries differ."""
-    name: Literal["adamw", "adamw8bit", "adamw4bit"] = "adamw"
-    """adamw (PyTorch's), or torchao's AdamW with 8-bit or 4-bit block-quantized moments (about 2 or 1 bytes a
-    parameter; needs the [lowbit] extra; CUDA, compiled, or the CPU, eager)."""
+    name: Literal["adamw", "adamw8bit", "adamw4bit", "adafactor"] = "adamw"
+    """adamw (PyTorch's), torchao's AdamW with 8-bit or 4-bit block-quantized moments (about 2 or 1 bytes a
+    parameter; needs the [lowbit] extra; CUDA, compiled, or the CPU, eager), or adafactor (PyTorch's: no first moment,
+    the second factored into a row and a column per matrix, under 0.1 bytes a parameter; the step relative to each
+    parameter's RMS, min(lr, 1/sqrt(step)))."""
     state_dtype: Literal["fp32", "bf16"] = "fp32"
     """The dtype AdamW keeps its two moments in: fp32 (8 bytes a parameter) or bf16 (4; updated in fp32 and rounded
     to nearest, a parameter at a time, on any device)."""
@@ -73,13 +75,13 @@ class OptimConfig:
             if not 0 <= getattr(self, name) < 1:
                 raise UserError(f"optim.{name} must be in [0, 1) (set --optim.{name})")
         if self.name != "adamw" and self.state_dtype != "fp32":
-            raise UserError(f"--optim.state-dtype is for --optim.name adamw; {self.name} quantizes its own moments: "
-                            "drop one of them")
+            raise UserError(f"--optim.state-dtype is for --optim.name adamw; {self.name} keeps its own state as it "
+                            "does: drop one of them")
         if self.name != "adamw" and self.impl != "auto":
-            raise UserError(f"--optim.impl chooses PyTorch's AdamW kernel; {self.name} is torchao's: drop --optim.impl")
+            raise UserError(f"--optim.impl chooses PyTorch's AdamW kernel; {self.name} has its own: drop --optim.impl")
         if self.offload and self.name != "adamw":
-            raise UserError(f"--optim.offload keeps the moments in host memory, where {self.name}'s quantization would save "
-                            "host bytes only, stepping slowly and eagerly: use --optim.name adamw with --optim.offload")
+            raise UserError(f"--optim.offload keeps AdamW's moments in host memory; {self.name} keeps less than AdamW on "
+                            "the card already: use --optim.name adamw with --optim.offload, or drop --optim.offload")
         if self.state_dtype == "bf16" and self.impl in ("fused", "foreach"):
             raise UserError(f"--optim.state-dtype bf16 steps a parameter at a time: drop --optim.impl {self.impl}")
 
@@ -259,6 +261,10 @@ OFFLOAD_ONE_PROCESS = ("--optim.offload is one card's optimizer on its host; sev
 def lowbit_fsdp_refusal(optim: OptimConfig) -> str:
     """Why FSDP cannot take a low-bit AdamW: its quantized moments have no sharded form, so no checkpoint could be
     gathered (every save would fail); the refusal names what to change."""
+    if optim.name == "adafactor":
+        return ("--optim.name adafactor under FSDP: its factored moments (a row and a column of a matrix) do not follow "
+                "FSDP's row shards, and fitgpt has not proven its sharded step or checkpoints exact: use --parallel ddp, "
+                "or --optim.name adamw with --optim.state-dtype bf16 under FSDP")
     return (f"--optim.name {optim.name} quantizes its moments in a form FSDP cannot shard or gather, so no checkpoint "
             "could be saved: use --parallel ddp, or --optim.name adamw with --optim.state-dtype bf16 (2-byte moments) "
             "under FSDP")

@@ -1,5 +1,5 @@
 """AdamW with weight decay on matrices only (PyTorch's, with bf16 moments: ``adamw_bf16``, or torchao's 8/4-bit:
-``lowbit``), stepped after the backward, inside it (``in_backward``) or on the host (``offload``), and the warmup +
+``lowbit``), or PyTorch's Adafactor (``factored``), stepped after the backward, inside it (``in_backward``) or on the host (``offload``), and the warmup +
 cosine learning-rate schedule."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from fitgpt.config import OptimConfig
 from fitgpt.optim.adamw_bf16 import AdamWBf16
+from fitgpt.optim.factored import Adafactor
 from fitgpt.optim.in_backward import InBackward
 from fitgpt.optim.lowbit import low_bit_adamw
 from fitgpt.optim.offload import HostOffload
@@ -30,6 +31,8 @@ def optimizer_params(model: nn.Module) -> list[nn.Parameter]:
 def optimizer_impl(cfg: OptimConfig, device: torch.device) -> str:
     """The AdamW implementation that steps on ``device``: ``cfg.impl``, auto resolved (fused on CUDA, and on the host
     of an offloaded state, as torchao's offload does: one pass over each tensor's bytes)."""
+    if cfg.name == "adafactor":
+        return "for-loop"
     if cfg.name != "adamw":
         return "torchao"
     if cfg.state_dtype == "bf16":
@@ -42,7 +45,8 @@ def optimizer_impl(cfg: OptimConfig, device: torch.device) -> str:
 def describe_optimizer(cfg: OptimConfig, device: torch.device) -> str:
     """E.g. 'AdamW fused' or 'AdamW for-loop, bf16 moments, stepped in the backward'."""
     where = torch.device("cpu") if cfg.offload else device
-    parts = [f"AdamW {optimizer_impl(cfg, where)}" if cfg.name == "adamw" else f"{cfg.name} (torchao)"]
+    parts = [f"AdamW {optimizer_impl(cfg, where)}" if cfg.name == "adamw" else
+             "Adafactor (PyTorch's, factored second moments)" if cfg.name == "adafactor" else f"{cfg.name} (torchao)"]
     parts += ["bf16 moments"] if cfg.state_dtype == "bf16" else []
     if cfg.offload:
         parts += ["state and step on the host" + (", each gradient freed on the card once copied" if cfg.in_backward else "")]
@@ -59,6 +63,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
     def make(groups: list[dict], on: torch.device = device) -> torch.optim.Optimizer:
+        if cfg.name == "adafactor":
+            return Adafactor(groups, lr=cfg.lr)
         if cfg.name != "adamw":
             return low_bit_adamw(cfg.name, groups, cfg.lr, (cfg.beta1, cfg.beta2), on)
         if cfg.state_dtype == "bf16":

@@ -35,6 +35,7 @@ LADDER: tuple[tuple[str, dict], ...] = (
     ("AdamW, bf16 moments, step in the backward", {"state_dtype": "bf16", "in_backward": True}),
     ("8-bit AdamW, step in the backward", {"name": "adamw8bit", "in_backward": True}),
     ("4-bit AdamW, step in the backward", {"name": "adamw4bit", "in_backward": True}),
+    ("Adafactor, step in the backward", {"name": "adafactor", "in_backward": True}),
 )
 LADDER_SETTINGS = ("name", "state_dtype", "in_backward", "offload")
 """The OptimConfig fields the ladder sets, a row each."""
@@ -147,7 +148,8 @@ def _first_guess(base: ModelConfig, budget: int, optim: OptimConfig, host_budget
     if optim.offload:  # on the card: the weights, and their gradients unless each is freed once copied out
         per_param = 4 if optim.in_backward else 8
     else:
-        per_param = {"adamw": 4 + 4 + (4 if optim.state_dtype == "bf16" else 8), "adamw8bit": 10, "adamw4bit": 9}[optim.name]
+        per_param = {"adamw": 4 + 4 + (4 if optim.state_dtype == "bf16" else 8), "adamw8bit": 10, "adamw4bit": 9,
+                     "adafactor": 8}[optim.name]
         per_param -= 4 if optim.in_backward else 0
     lo, hi = 1, MAX_BLOCKS
     while lo < hi:

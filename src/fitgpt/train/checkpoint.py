@@ -371,6 +371,12 @@ def _check_optimizer_state(f: Path, opt: object, param_shapes: list[torch.Size] 
         if not isinstance(i, int) or not 0 <= i < len(param_shapes) or not isinstance(s, dict):
             raise CheckpointError(f"{f} is corrupt (optimizer state for parameter {i!r}, the model has {len(param_shapes)})")
         for key, v in s.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != param_shapes[i]:
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and not _state_shape(v.shape, param_shapes[i]):
                 raise CheckpointError(f"{f} is corrupt (optimizer {key} of parameter {i} has shape {tuple(v.shape)}, "
                                       f"the parameter {tuple(param_shapes[i])})")
+
+
+def _state_shape(state: torch.Size, param: torch.Size) -> bool:
+    """A state tensor's shape as an optimizer keeps one for a parameter of shape ``param``: the same, or factored
+    (Adafactor's row and column means: the same dimensions, some of them 1)."""
+    return state == param or (len(state) == len(param) and all(s in (p, 1) for s, p in zip(state, param)))
