@@ -31,6 +31,11 @@ SETTINGS = {  # clipping at the preset's 1.0 unless said: with the step in the b
     "8-bit AdamW": {"name": "adamw8bit"},
     "8-bit AdamW + in-backward": {"name": "adamw8bit", "in_backward": True},
     "4-bit AdamW + in-backward": {"name": "adamw4bit", "in_backward": True},
+    "Adafactor": {"name": "adafactor"},
+    "Adafactor + in-backward": {"name": "adafactor", "in_backward": True},
+    # Adafactor's lr caps its relative step (a fraction of each parameter's RMS), not an absolute one as AdamW's.
+    "Adafactor, lr 1e-2": {"name": "adafactor", "lr": 1e-2, "min_lr": 1e-3},
+    "Adafactor, lr 3e-2": {"name": "adafactor", "lr": 3e-2, "min_lr": 3e-3},
     # The host's CPU steps torch's fused AdamW (no temporaries): on this CPU, where host and card are one memory, the
     # tracker's peak is then still the card's alone.
     "AdamW on the host": {"offload": True, "impl": "fused"},
@@ -40,7 +45,14 @@ SETTINGS = {  # clipping at the preset's 1.0 unless said: with the step in the b
 }
 
 
-def bytes_per_param() -> None:
+def _chosen(only: list[str] | None) -> dict[str, dict]:
+    unknown = set(only or ()) - set(SETTINGS)
+    if unknown:
+        raise SystemExit(f"--only: no setting {sorted(unknown)}; choose from {list(SETTINGS)}")
+    return {k: v for k, v in SETTINGS.items() if not only or k in only}
+
+
+def bytes_per_param(settings: dict[str, dict]) -> None:
     """A model whose parameters dominate its step (25M parameters in 8 blocks of width 512, batch 1 x 16)."""
     cfg = ModelConfig(vocab_size=512, context_length=16, n_embed=512, n_head=8, n_blocks=8, dropout=0.0)
     idx = torch.randint(0, cfg.vocab_size, (1, 17), generator=torch.Generator().manual_seed(1))
@@ -48,7 +60,7 @@ def bytes_per_param() -> None:
     print("| setting | held (params + grads + state) / param | peak / param, predicted | measured | equal | host / param | "
           "plan s |")
     print("|---|---:|---:|---:|---|---:|---:|")
-    for name, kw in SETTINGS.items():
+    for name, kw in settings.items():
         optim = OptimConfig(**kw)
         t0 = time.perf_counter()
         profile = profile_model(cfg, 1, 16, "cpu", optim, fake=True)
@@ -68,12 +80,12 @@ def bytes_per_param() -> None:
               f"{seconds:.1f} |", flush=True)
 
 
-def quality(out: str) -> None:
+def quality(out: str, settings: dict[str, dict]) -> None:
     """The README's first run (tiny preset, 300 steps) under each setting, same seed and data."""
     print("| setting | train loss | val loss | vs AdamW fp32 | vs AdamW fp32 with the same clipping | seconds |")
     print("|---|---:|---:|---:|---:|---:|")
     base: dict[float, float] = {}  # grad_clip -> AdamW fp32's val loss
-    for name, kw in SETTINGS.items():
+    for name, kw in settings.items():
         if kw.get("offload"):  # the trainer offloads from a CUDA card only; its weights are AdamW's bit for bit (tested)
             continue
         cfg = load_config("tiny", overrides={"optim": kw, "out_dir": f"{out}/{name.replace(' ', '_').replace(',', '')}",
@@ -89,5 +101,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["bytes", "quality"])
     ap.add_argument("--out", default="/tmp/fitgpt-optimizers")
+    ap.add_argument("--only", nargs="+", help="these settings alone (AdamW fp32 first, for quality: the reference)")
     args = ap.parse_args()
-    bytes_per_param() if args.what == "bytes" else quality(args.out)
+    chosen = _chosen(args.only)
+    bytes_per_param(chosen) if args.what == "bytes" else quality(args.out, chosen)

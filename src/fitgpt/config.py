@@ -56,6 +56,10 @@ class OptimConfig:
     stays exact by running forward and backward twice a step (the first for the global norm); --optim.grad-clip 0
     runs once. Needs --grad-accum 1, one process, no fp16. With --optim.offload: each gradient is freed on the card once
     copied to the host, which steps after the backward (clipping exact in one pass)."""
+    rounding: Literal["stochastic", "nearest"] = "stochastic"
+    """With bf16 weights (--model.weights-dtype bf16): how each parameter's fp32 update is rounded into its bf16
+    weight. stochastic: up or down at random, unbiased, so updates under half a bf16 step are kept on average
+    (seeded; saved in checkpoints); nearest: as plain bf16 arithmetic would, losing them."""
     offload: bool = False
     """Keep the optimizer's state and step on the host (its CPU and pinned memory) of a CUDA card: the card holds the
     weights, their gradients until the backward copies them out, and only parameters under 4096 values' state
@@ -188,6 +192,8 @@ class TrainConfig:
             raise UserError("max_bad_steps must not be negative (set --max-bad-steps)")
         if self.memory_snapshot < 0:
             raise UserError("memory_snapshot must not be negative (set --memory-snapshot N, the steps to record)")
+        if self.model.weights_dtype == "bf16":
+            self._check_bf16_weights()
         if self.fsdp_offload and self.parallel != "fsdp":
             raise UserError("--fsdp-offload is FSDP's: add --parallel fsdp (and launch with torchrun)")
         if self.optim.offload:
@@ -223,6 +229,14 @@ class TrainConfig:
         if self.max_bad_steps and self.optim.steps_in_backward:
             raise UserError(f"{why}: a step is applied before it is known to be bad and cannot be skipped; "
                             "use --max-bad-steps 0 (the run stops at the first, leaving the last checkpoint as it was)")
+
+    def _check_bf16_weights(self) -> None:
+        """What pure bf16 weights cannot be combined with: each refusal names the flag to change."""
+        if self.precision == "fp16":
+            raise UserError("--model.weights-dtype bf16 computes in bf16: use --precision bf16 or auto, not fp16")
+        if self.optim.offload or self.fsdp_offload:
+            raise UserError("--model.weights-dtype bf16 steps the weights on the card, a parameter at a time: drop "
+                            "--optim.offload / --fsdp-offload (or keep fp32 weights)")
 
     def _check_offload(self) -> None:
         """What the optimizer on the host cannot do (one card: --parallel and torchrun are refused by the trainer)."""

@@ -50,6 +50,10 @@ class ModelConfig:
     """llama: base of the rotary embedding's frequencies."""
     norm_eps: float = 1e-5
     """llama: RMSNorm epsilon."""
+    weights_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The dtype the weights, and so their gradients, are kept in: fp32, or bf16 (pure bf16: 2 bytes a weight and 2 a
+    gradient, every op in bf16; the optimizer steps each parameter in fp32 and rounds the result into its bf16
+    weights, stochastically by default: --optim.rounding). One process."""
 
     def __post_init__(self) -> None:
         require_finite(self, "model.")

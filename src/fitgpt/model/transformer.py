@@ -108,6 +108,9 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.token_embed.weight
         if not any(p.is_meta for p in self.parameters()):  # on the meta device: nothing to fill until materialised
             self.init_weights()
+        if config.weights_dtype == "bf16":  # pure bf16: drawn in fp32 as any run's, then rounded (buffers stay fp32)
+            for p in self.parameters():
+                p.data = p.data.to(torch.bfloat16)
 
     def init_weights(self, fill: Fill | None = None) -> None:
         """Every parameter's initial value, drawn from the global RNG in one fixed order, each parameter whole, and

@@ -1,5 +1,6 @@
 """AdamW with weight decay on matrices only (PyTorch's, with bf16 moments: ``adamw_bf16``, or torchao's 8/4-bit:
-``lowbit``), or PyTorch's Adafactor (``factored``), stepped after the backward, inside it (``in_backward``) or on the host (``offload``), and the warmup +
+``lowbit``), or PyTorch's Adafactor (``factored``),
+stepped after the backward, inside it (``in_backward``) or on the host (``offload``), and the warmup +
 cosine learning-rate schedule."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch.nn as nn
 
 from fitgpt.config import OptimConfig
 from fitgpt.optim.adamw_bf16 import AdamWBf16
+from fitgpt.optim.bf16_weights import Bf16Weights, rounding_generator
 from fitgpt.optim.factored import Adafactor
 from fitgpt.optim.in_backward import InBackward
 from fitgpt.optim.lowbit import low_bit_adamw
@@ -75,6 +77,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
 
     if cfg.offload:
         return HostOffload(groups, make, free_grads=cfg.in_backward)
+    if any(p.dtype == torch.bfloat16 for p in decay + no_decay):  # pure bf16 weights: each step in fp32, then rounded
+        generator = rounding_generator(decay + no_decay) if cfg.rounding == "stochastic" else None
+        inner = make
+
+        def make(groups: list[dict], on: torch.device = device) -> Bf16Weights:
+            return Bf16Weights(groups, lambda g: inner(g, on), generator)
+
     return InBackward(groups, make) if cfg.in_backward else make(groups)
 
 

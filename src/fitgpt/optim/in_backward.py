@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from fitgpt.optim.bf16_weights import ROUNDING_RNG
+
 Factory = Callable[[list[dict]], torch.optim.Optimizer]
 
 
@@ -41,7 +43,7 @@ class InBackward:
 
     def _step_param(self, p: torch.Tensor) -> None:
         if self._slots is not None:  # the first of two passes: the norm only
-            torch.linalg.vector_norm(p.grad, out=self._norm_buffer[self._slots[p]])
+            torch.linalg.vector_norm(p.grad, dtype=torch.float32, out=self._norm_buffer[self._slots[p]])
             p.grad = None
             return
         if self._clip is not None:
@@ -127,7 +129,9 @@ class InBackward:
             # A group's settings as its optimizers keep them (an empty group: as it was given).
             saved = self.optimizers[params[0]].state_dict()["param_groups"][0] if params else {**self.defaults, **hyper}
             groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
-        return {"state": state, "param_groups": groups}
+        # Pure bf16 weights: the rounding's generator, one for all the parameters' optimizers.
+        rng = next(iter(self.optimizers.values())).state_dict().get(ROUNDING_RNG) if self.optimizers else None
+        return {"state": state, "param_groups": groups} | ({ROUNDING_RNG: rng} if rng is not None else {})
 
     def load_state_dict(self, state_dict: dict) -> None:
         params = [p for ps, _ in self._groups for p in ps]
@@ -135,4 +139,6 @@ class InBackward:
             hyper = {k: v for k, v in group.items() if k != "params"}
             for i in group["params"]:
                 s = state_dict["state"].get(i, state_dict["state"].get(str(i)))
-                self.optimizers[params[i]].load_state_dict({"state": {0: s} if s else {}, "param_groups": [{**hyper, "params": [0]}]})
+                rng = {ROUNDING_RNG: state_dict[ROUNDING_RNG]} if ROUNDING_RNG in state_dict else {}
+                self.optimizers[params[i]].load_state_dict({"state": {0: s} if s else {}, "param_groups": [{**hyper, "params": [0]}]}
+                                                          | rng)

@@ -36,9 +36,12 @@ LADDER: tuple[tuple[str, dict], ...] = (
     ("8-bit AdamW, step in the backward", {"name": "adamw8bit", "in_backward": True}),
     ("4-bit AdamW, step in the backward", {"name": "adamw4bit", "in_backward": True}),
     ("Adafactor, step in the backward", {"name": "adafactor", "in_backward": True}),
+    ("Adafactor, bf16 weights (stochastic rounding), step in the backward",
+     {"name": "adafactor", "in_backward": True, "weights_dtype": "bf16"}),
 )
 LADDER_SETTINGS = ("name", "state_dtype", "in_backward", "offload")
-"""The OptimConfig fields the ladder sets, a row each."""
+"""The OptimConfig fields the ladder sets, a row each (and the model's weights_dtype)."""
+MODEL_SETTINGS = ("weights_dtype",)
 ON_THE_HOST = ("AdamW on the host, each gradient freed once copied", {"offload": True, "in_backward": True})
 """The last rung for a CUDA card (--optim.offload needs one): 4 bytes a parameter on the card."""
 MAX_BLOCKS = 256
@@ -86,11 +89,19 @@ def largest_model(w: Workload, budget: int, ladder: tuple[tuple[str, dict], ...]
     fastest plan. The settings are independent searches, each single-threaded Python on fake tensors: they run in
     ``workers`` processes (default: one per CPU core, at most one per setting)."""
     rungs = ladder or LADDER + ((ON_THE_HOST,) if w.target.cuda else ())
-    jobs = [(w, budget, name, dataclasses.replace(w.train.optim, **changes), host_budget) for name, changes in rungs]
+    jobs = [(_with_model(w, changes), budget, name,
+             dataclasses.replace(w.train.optim, **{k: v for k, v in changes.items() if k not in MODEL_SETTINGS}), host_budget)
+            for name, changes in rungs]
     # The slowest searches first (low-bit steps, then steps in the backward), so that no core idles at the end.
     order = sorted(range(len(jobs)), key=lambda i: (jobs[i][3].name != "adamw", jobs[i][3].in_backward), reverse=True)
     done = dict(zip(order, in_processes(_rung, [jobs[i] for i in order], workers)))
     return [done[i] for i in range(len(jobs))]
+
+
+def _with_model(w: Workload, changes: dict) -> Workload:
+    """``w`` with a rung's model settings (pure bf16 weights) applied."""
+    model = {k: v for k, v in changes.items() if k in MODEL_SETTINGS}
+    return w.vary(model=dataclasses.replace(w.train.model, **model)) if model else w
 
 
 def _rung(w: Workload, budget: int, name: str, optim: OptimConfig, host_budget: int | None) -> Largest:
@@ -148,9 +159,10 @@ def _first_guess(base: ModelConfig, budget: int, optim: OptimConfig, host_budget
     if optim.offload:  # on the card: the weights, and their gradients unless each is freed once copied out
         per_param = 4 if optim.in_backward else 8
     else:
-        per_param = {"adamw": 4 + 4 + (4 if optim.state_dtype == "bf16" else 8), "adamw8bit": 10, "adamw4bit": 9,
-                     "adafactor": 8}[optim.name]
-        per_param -= 4 if optim.in_backward else 0
+        weight = 2 if base.weights_dtype == "bf16" else 4  # and as much for its gradient
+        per_param = 2 * weight + {"adamw": 4 if optim.state_dtype == "bf16" else 8, "adamw8bit": 2, "adamw4bit": 1,
+                                  "adafactor": 0}[optim.name]
+        per_param -= weight if optim.in_backward else 0
     lo, hi = 1, MAX_BLOCKS
     while lo < hi:
         mid = (lo + hi + 1) // 2

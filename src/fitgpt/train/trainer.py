@@ -127,6 +127,9 @@ def _check_launch(cfg: TrainConfig, info: dist_utils.DistInfo) -> None:
         raise UserError(lowbit_fsdp_refusal(cfg.optim))
     if cfg.optim.in_backward and info.enabled:
         raise UserError(IN_BACKWARD_ONE_PROCESS)
+    if cfg.model.weights_dtype == "bf16" and info.enabled:
+        raise UserError("--model.weights-dtype bf16 rounds each update into the weights in one process; under torchrun "
+                        "use fp32 weights (FSDP's pure bf16: --parallel fsdp --precision bf16), or train in one process")
     device = resolve_device(cfg.device)
     if cfg.optim.in_backward and autocast_dtype(cfg.precision, device) == torch.float16:
         raise UserError("--optim.in-backward steps before fp16's loss scaler could skip an overflow, and --precision "
@@ -149,7 +152,8 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     # The imported model's shape, on a restart too (torchrun --max-restarts runs the same command, now resuming); a
     # resumed run whose folder is gone keeps the model of its config.json.
     if cfg.init_from and (not cfg.resume or (Path(cfg.init_from) / "config.json").is_file()):
-        cfg = dataclasses.replace(cfg, model=import_config(cfg.init_from))
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(import_config(cfg.init_from),
+                                                                 weights_dtype=cfg.model.weights_dtype))
     data, cfg = load_data(cfg, info)
     # Under FSDP the model is built on the meta device; once sharded, each rank fills only its shards: with the
     # initial weights, a resumed run's, or a Hugging Face model's (--init-from).
