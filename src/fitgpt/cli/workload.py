@@ -194,10 +194,11 @@ class BudgetConfig(WorkloadConfig):
             return
         ranks = self.world_size if self.parallel == "fsdp" else 1
         params = param_count(self._source or OwnModel(self.model))
-        weights = 4 * params // ranks  # fp32, as fitgpt trains (--precision is autocast over them)
+        dtype = self.model.weights_dtype  # fp32 unless pure bf16 (--precision is autocast over the weights)
+        weights = (2 if dtype == "bf16" else 4) * params // ranks
         if weights > self.budget:
             shard = f" ({format_bytes(weights)} a rank of {ranks})" if ranks > 1 else f" ({format_bytes(weights)})"
-            raise UserError(f"the weights alone, {params:,} parameters in fp32{shard}, exceed the budget for the step's "
+            raise UserError(f"the weights alone, {params:,} parameters in {dtype}{shard}, exceed the budget for the step's "
                             f"tensors ({format_bytes(self.budget)}) before any gradient, optimizer state or activation: "
                             "no checkpointing can help; use fewer blocks (--model.n-blocks), a narrower model "
                             "(--model.n-embed), a shorter --context (a learned position table grows with it), or shard "

@@ -75,14 +75,15 @@ def too_large(cfg: TrainConfig) -> str:
 
 
 def _check_weights_fit(cfg: TrainConfig, model_cfg, device: torch.device, shards: int) -> None:
-    """Refused before anything is allocated: fp32 weights alone (a rank's shard of them) over the device's memory (a
+    """Refused before anything is allocated: the weights alone (a rank's shard of them) over the device's memory (a
     52B model on a laptop would otherwise allocate for half a minute, then fail in the allocator)."""
     with torch.device("meta"):
         params = Transformer(model_cfg).num_params(non_embedding=False)
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host_memory()
-    if 4 * params // shards > memory:
-        whose = f"fp32 weights alone (a rank's shard of {shards}: {format_bytes(4 * params // shards)})" if shards > 1 \
-            else f"fp32 weights alone ({format_bytes(4 * params)})"
+    per, dtype = (2, "bf16") if model_cfg.weights_dtype == "bf16" else (4, "fp32")
+    if per * params // shards > memory:
+        whose = f"{dtype} weights alone (a rank's shard of {shards}: {format_bytes(per * params // shards)})" if shards > 1 \
+            else f"{dtype} weights alone ({format_bytes(per * params)})"
         raise UserError(f"the model has {format_count(params)} parameters, whose {whose} exceed this {device.type} "
                         f"device's memory ({format_bytes(memory)}); " + too_large(cfg))
 
