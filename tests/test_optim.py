@@ -245,13 +245,17 @@ def test_fit_largest_model_prints_each_setting_and_the_command(capsys):
                  "--batch-size", "1", "--context", "16", "--grad-accum", "1"]) == 0
     out = capsys.readouterr().out
     for setting in ("| AdamW |", "bf16 moments |", "step in the backward |", "8-bit AdamW, step in the backward |",
-                    "4-bit AdamW, step in the backward |", "AdamW on the host, each gradient freed once copied |"):
+                    "4-bit AdamW, step in the backward |", "Adafactor, step in the backward |",
+                    "Adafactor, bf16 weights (stochastic rounding), step in the backward |",
+                    "AdamW on the host, each gradient freed once copied |"):
         assert setting in out
     rows = json.loads(out.strip().splitlines()[-1])["rows"]
-    host = rows[-1]
+    host, adamw = rows[-1], [r for r in rows[:-1] if not r["setting"].startswith("Adafactor")]
     assert host["host_bytes"] > 0 and all(r["host_bytes"] == 0 for r in rows[:-1])
-    assert host["params"] > max(r["params"] for r in rows[:-1])  # 4 bytes a parameter on the card
-    assert "train the largest: fitgpt train --preset tiny" in out and "--optim.in-backward" in out
+    assert host["params"] > max(r["params"] for r in adamw)  # 4 bytes a parameter on the card
+    bf16 = rows[-2]  # weights and gradients in 2 bytes, Adafactor's factors: the largest of all
+    assert "bf16 weights" in bf16["setting"] and bf16["params"] == max(r["params"] for r in rows)
+    assert "train the largest: fitgpt train --preset tiny" in out and "--model.weights-dtype bf16" in out
     assert main(["fit", "--preset", "tiny", "--largest-model", "--memory-budget", "12MiB", "--world-size", "2"]) == 2
 
 
