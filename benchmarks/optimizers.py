@@ -33,6 +33,8 @@ SETTINGS = {  # clipping at the preset's 1.0 unless said: with the step in the b
     "4-bit AdamW + in-backward": {"name": "adamw4bit", "in_backward": True},
     "Adafactor": {"name": "adafactor"},
     "Adafactor + in-backward": {"name": "adafactor", "in_backward": True},
+    "Muon": {"name": "muon"},
+    "Muon + in-backward": {"name": "muon", "in_backward": True},
     # Adafactor's lr caps its relative step (a fraction of each parameter's RMS), not an absolute one as AdamW's.
     "Adafactor, lr 1e-2": {"name": "adafactor", "lr": 1e-2, "min_lr": 1e-3},
     "Adafactor, lr 3e-2": {"name": "adafactor", "lr": 3e-2, "min_lr": 3e-3},

@@ -42,11 +42,13 @@ class OptimConfig:
     """AdamW's implementation: fused (one kernel a step), foreach (multi-tensor ops, torchtitan's default), for-loop
     (a parameter at a time); auto: fused on CUDA, PyTorch's default elsewhere (the for-loop on CPU). Training and
     planning build the same one: their temporaries differ."""
-    name: Literal["adamw", "adamw8bit", "adamw4bit", "adafactor"] = "adamw"
+    name: Literal["adamw", "adamw8bit", "adamw4bit", "adafactor", "muon"] = "adamw"
     """adamw (PyTorch's), torchao's AdamW with 8-bit or 4-bit block-quantized moments (about 2 or 1 bytes a
     parameter; needs the [lowbit] extra; CUDA, compiled, or the CPU, eager), or adafactor (PyTorch's: no first moment,
     the second factored into a row and a column per matrix, under 0.1 bytes a parameter; the step relative to each
-    parameter's RMS, min(lr, 1/sqrt(step)): give it --optim.lr 3e-2, measured within 0.6% of AdamW's loss)."""
+    parameter's RMS, min(lr, 1/sqrt(step)): give it --optim.lr 3e-2, measured within 0.6% of AdamW's loss), or muon
+    (PyTorch's Muon on the hidden matrices, one momentum buffer each, its lr matched to AdamW's update RMS; AdamW on
+    the embeddings, the head, norms and biases)."""
     state_dtype: Literal["fp32", "bf16"] = "fp32"
     """The dtype AdamW keeps its two moments in: fp32 (8 bytes a parameter) or bf16 (4; updated in fp32 and rounded
     to nearest, a parameter at a time, on any device)."""
@@ -275,6 +277,9 @@ OFFLOAD_ONE_PROCESS = ("--optim.offload is one card's optimizer on its host; sev
 def lowbit_fsdp_refusal(optim: OptimConfig) -> str:
     """Why FSDP cannot take a low-bit AdamW: its quantized moments have no sharded form, so no checkpoint could be
     gathered (every save would fail); the refusal names what to change."""
+    if optim.name == "muon":
+        return ("--optim.name muon under FSDP: Muon orthogonalises each whole matrix, which FSDP holds in row shards, "
+                "and PyTorch's Muon takes no sharded one: use --parallel ddp, or --optim.name adamw under FSDP")
     if optim.name == "adafactor":
         return ("--optim.name adafactor under FSDP: its factored moments (a row and a column of a matrix) do not follow "
                 "FSDP's row shards, and fitgpt has not proven its sharded step or checkpoints exact: use --parallel ddp, "

@@ -16,6 +16,7 @@ from fitgpt.optim.bf16_weights import Bf16Weights, rounding_generator
 from fitgpt.optim.factored import Adafactor
 from fitgpt.optim.in_backward import InBackward
 from fitgpt.optim.lowbit import low_bit_adamw
+from fitgpt.optim.muon import MuonAdamW, hidden_matrices
 from fitgpt.optim.offload import HostOffload
 
 
@@ -33,7 +34,7 @@ def optimizer_params(model: nn.Module) -> list[nn.Parameter]:
 def optimizer_impl(cfg: OptimConfig, device: torch.device) -> str:
     """The AdamW implementation that steps on ``device``: ``cfg.impl``, auto resolved (fused on CUDA, and on the host
     of an offloaded state, as torchao's offload does: one pass over each tensor's bytes)."""
-    if cfg.name == "adafactor":
+    if cfg.name in ("adafactor", "muon"):
         return "for-loop"
     if cfg.name != "adamw":
         return "torchao"
@@ -48,7 +49,8 @@ def describe_optimizer(cfg: OptimConfig, device: torch.device) -> str:
     """E.g. 'AdamW fused' or 'AdamW for-loop, bf16 moments, stepped in the backward'."""
     where = torch.device("cpu") if cfg.offload else device
     parts = [f"AdamW {optimizer_impl(cfg, where)}" if cfg.name == "adamw" else
-             "Adafactor (PyTorch's, factored second moments)" if cfg.name == "adafactor" else f"{cfg.name} (torchao)"]
+             "Adafactor (PyTorch's, factored second moments)" if cfg.name == "adafactor" else
+             "Muon (PyTorch's) on the hidden matrices, AdamW on the rest" if cfg.name == "muon" else f"{cfg.name} (torchao)"]
     parts += ["bf16 moments"] if cfg.state_dtype == "bf16" else []
     if cfg.offload:
         parts += ["state and step on the host" + (", each gradient freed on the card once copied" if cfg.in_backward else "")]
@@ -64,9 +66,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     decay, no_decay = _groups(model)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
+    hidden = {id(p) for p in hidden_matrices(model)} if cfg.name == "muon" else set()
+
     def make(groups: list[dict], on: torch.device = device) -> torch.optim.Optimizer:
         if cfg.name == "adafactor":
             return Adafactor(groups, lr=cfg.lr)
+        if cfg.name == "muon":
+            return _muon(groups, hidden, cfg)
         if cfg.name != "adamw":
             return low_bit_adamw(cfg.name, groups, cfg.lr, (cfg.beta1, cfg.beta2), on)
         if cfg.state_dtype == "bf16":
@@ -85,6 +91,20 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
             return Bf16Weights(groups, lambda g: inner(g, on), generator)
 
     return InBackward(groups, make) if cfg.in_backward else make(groups)
+
+
+def _muon(groups: list[dict], hidden: set[int], cfg: OptimConfig) -> torch.optim.Optimizer | MuonAdamW:
+    """Muon over the hidden matrices among ``groups``, AdamW (for-loop) over the rest: one of them, or both as one."""
+    def part(inside: bool) -> list[dict]:
+        split = [{**g, "params": [p for p in g["params"] if (id(p) in hidden) == inside]} for g in groups]
+        return [g for g in split if g["params"]]
+
+    matrices, rest = part(True), part(False)
+    muon = torch.optim.Muon(matrices, lr=cfg.lr, adjust_lr_fn="match_rms_adamw") if matrices else None
+    adamw = torch.optim.AdamW(rest, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=False) if rest else None
+    if muon is None or adamw is None:
+        return muon or adamw
+    return MuonAdamW(muon, adamw, [p for g in groups for p in g["params"]])
 
 
 def set_lr(optimizer: torch.optim.Optimizer | InBackward, lr: float) -> None:

@@ -140,5 +140,9 @@ class InBackward:
             for i in group["params"]:
                 s = state_dict["state"].get(i, state_dict["state"].get(str(i)))
                 rng = {ROUNDING_RNG: state_dict[ROUNDING_RNG]} if ROUNDING_RNG in state_dict else {}
-                self.optimizers[params[i]].load_state_dict({"state": {0: s} if s else {}, "param_groups": [{**hyper, "params": [0]}]}
+                # The group's saved settings that this parameter's optimizer has (Muon's matrices and AdamW's tables
+                # share a group, each with its own settings).
+                own = self.optimizers[params[i]].param_groups[0]
+                mine = {k: hyper.get(k, v) for k, v in own.items() if k != "params"}
+                self.optimizers[params[i]].load_state_dict({"state": {0: s} if s else {}, "param_groups": [{**mine, "params": [0]}]}
                                                           | rng)
