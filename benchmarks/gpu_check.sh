@@ -22,6 +22,8 @@
 #    --activation-checkpointing auto with each (bf16 moments, the step in the backward, torchao's 8-bit AdamW
 #    compiled, whose temporaries are planned as its eager step's; the optimizer on the host, whose step and copies
 #    are timed against the modelled ones by the step times logged), the allocator's peak beside the prediction.
+# 7. Issue 44: Adafactor, Muon and pure bf16 weights in step 6's loop; GaLore's LLaMA-7B shape (bf16 weights,
+#    Adafactor in the backward, 16 x 256) trained 5 steps under a 22 GiB plan, the allocator's peak beside it.
 # Everything lands in OUT_DIR (default gpu_check/), with a summary in OUT_DIR/summary.txt.
 set -euo pipefail
 OUT=${1:-gpu_check}
@@ -132,13 +134,24 @@ PY
 echo "== 6. optimizer memory settings on CUDA: predicted vs allocator peak"
 for OPT in "--optim.state-dtype bf16" "--optim.in-backward" "--optim.state-dtype bf16 --optim.in-backward" \
            "--optim.name adamw8bit --optim.in-backward" "--optim.name adamw4bit" "--optim.offload" \
-           "--optim.offload --optim.in-backward"; do
+           "--optim.offload --optim.in-backward" "--optim.name adafactor --optim.in-backward --optim.lr 3e-2" \
+           "--optim.name muon" "--model.weights-dtype bf16 --optim.name adafactor --optim.in-backward --optim.lr 3e-2" \
+           "--model.weights-dtype bf16 --optim.in-backward"; do
   NAME=$(echo "$OPT" | tr -d '-' | tr ' .' '__')
   # shellcheck disable=SC2086
   fitgpt train --preset small --batch-size 8 --model.context-length 1024 --grad-accum 1 --max-steps 5 --device cuda \
     --precision bf16 $OPT --activation-checkpointing auto --memory-budget 6GiB --out-dir "$OUT/opt_$NAME" --no-progress \
     2>&1 | grep -E "auto:" | sed "s/^/$OPT: /" | tee -a "$OUT/optimizers.log" || true
 done
+
+echo "== 7. issue 44: GaLore's LLaMA-7B shape (16 x 256) in a 22 GiB budget, bf16 weights, Adafactor in the backward"
+# The plan's peak (fitted to an RTX 4090's budget) against the allocator's on this card, and its tokens/s.
+fitgpt train --preset llama-1b --model.n-embed 4096 --model.n-head 32 --model.n-kv-head 32 --model.n-blocks 32 \
+  --model.ffn-hidden 11008 --model.vocab-size 32000 --model.tie-embeddings False --model.context-length 256 \
+  --batch-size 16 --grad-accum 1 --max-steps 5 --device cuda --precision bf16 --model.weights-dtype bf16 \
+  --optim.name adafactor --optim.in-backward --optim.grad-clip 0 --optim.lr 3e-2 --activation-checkpointing auto \
+  --memory-budget 22GiB --out-dir "$OUT/galore7b" --no-progress 2>&1 | grep -E "auto:|tokens/s" \
+  | sed "s/^/galore-7b-shape: /" | tee -a "$OUT/optimizers.log" || true
 
 python - "$OUT" <<'PY'
 import json, pathlib, sys
