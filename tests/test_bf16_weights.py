@@ -75,6 +75,7 @@ def test_bf16_weights_hold_about_two_bytes_a_parameter_with_adafactor_in_the_bac
     assert 2.0 < (pred.params + pred.grads + pred.optimizer) / n < 2.5  # weights 2, the factors, the largest gradient
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optim", [{}, {"name": "adafactor", "in_backward": True, "grad_clip": 0.0}])
 def test_a_bf16_weight_run_resumes_bitwise_with_its_rounding_generator(make_cfg, tmp_path, optim):
     kw = {"max_steps": 4, "checkpoint_interval": 2, "model": TINY, "optim": optim, "batch_size": 2}
