@@ -274,9 +274,9 @@ OFFLOAD_ONE_PROCESS = ("--optim.offload is one card's optimizer on its host; sev
                        "--parallel fsdp --fsdp-offload: drop --optim.offload (or train in one process, --world-size 1)")
 
 
-def lowbit_fsdp_refusal(optim: OptimConfig) -> str:
-    """Why FSDP cannot take a low-bit AdamW: its quantized moments have no sharded form, so no checkpoint could be
-    gathered (every save would fail); the refusal names what to change."""
+def fsdp_optimizer_refusal(optim: OptimConfig) -> str:
+    """Why FSDP cannot take an optimizer other than AdamW (low-bit AdamW's quantized moments have no sharded form,
+    Adafactor's factors and Muon's whole-matrix step do not follow FSDP's row shards); the refusal names what to change."""
     if optim.name == "muon":
         return ("--optim.name muon under FSDP: Muon orthogonalises each whole matrix, which FSDP holds in row shards, "
                 "and PyTorch's Muon takes no sharded one: use --parallel ddp, or --optim.name adamw under FSDP")

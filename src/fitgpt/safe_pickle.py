@@ -5,7 +5,6 @@ unpickles both with ``pickle.load``)."""
 
 from __future__ import annotations
 
-import io
 import pickle
 from collections.abc import Callable
 from typing import IO
@@ -32,10 +31,6 @@ def load(file: IO[bytes], allowed: Callable[[str, str], bool] = lambda m, n: Fal
     """The object pickled in ``file``, built only from plain data and the globals ``allowed(module, name)`` accepts.
     Raises UnsafePickleError (a pickle.UnpicklingError) for any other, before anything of it is called."""
     return _Restricted(file, allowed).load()
-
-
-def loads(data: bytes, allowed: Callable[[str, str], bool] = lambda m, n: False) -> object:
-    return load(io.BytesIO(data), allowed)
 
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata",)

@@ -18,9 +18,9 @@ from fitgpt.config import (
     OFFLOAD_ONE_PROCESS,
     OptimConfig,
     TrainConfig,
+    fsdp_optimizer_refusal,
     load_config,
     load_config_named_in,
-    lowbit_fsdp_refusal,
     offload_refusal,
 )
 from fitgpt.device import resolve_device
@@ -93,7 +93,7 @@ class WorkloadConfig:
         if self.optim.in_backward and (self.world_size or 1) > 1:
             raise UserError(IN_BACKWARD_ONE_PROCESS)
         if self.optim.name != "adamw" and self.parallel == "fsdp" and self.world_size > 1:
-            raise UserError(lowbit_fsdp_refusal(self.optim))
+            raise UserError(fsdp_optimizer_refusal(self.optim))
         if self.device is not None and (self.target or self.gpu):
             raise UserError("--device measures on this machine and --target/--gpu plan for another; give one of them")
         if self.gpu_memory is not None and self.gpu is None:

@@ -1,7 +1,7 @@
-"""AdamW with weight decay on matrices only (PyTorch's, with bf16 moments: ``adamw_bf16``, or torchao's 8/4-bit:
-``lowbit``), or PyTorch's Adafactor (``factored``),
-stepped after the backward, inside it (``in_backward``) or on the host (``offload``), and the warmup +
-cosine learning-rate schedule."""
+"""The optimizer: AdamW with weight decay on matrices only (PyTorch's, with bf16 moments: ``adamw_bf16``, or torchao's
+8/4-bit: ``lowbit``), PyTorch's Adafactor (``factored``) or Muon with AdamW (``muon``); over bf16 weights, stepped in
+fp32 and rounded (``bf16_weights``); stepped after the backward, inside it (``in_backward``) or on the host
+(``offload``); and the warmup + cosine learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -45,12 +45,14 @@ def optimizer_impl(cfg: OptimConfig, device: torch.device) -> str:
     return cfg.impl if cfg.impl != "auto" else ("fused" if device.type == "cuda" or cfg.offload else "for-loop")
 
 
+_NAMES = {"adafactor": "Adafactor (PyTorch's, factored second moments)",
+          "muon": "Muon (PyTorch's) on the hidden matrices, AdamW on the rest"}
+
+
 def describe_optimizer(cfg: OptimConfig, device: torch.device) -> str:
     """E.g. 'AdamW fused' or 'AdamW for-loop, bf16 moments, stepped in the backward'."""
     where = torch.device("cpu") if cfg.offload else device
-    parts = [f"AdamW {optimizer_impl(cfg, where)}" if cfg.name == "adamw" else
-             "Adafactor (PyTorch's, factored second moments)" if cfg.name == "adafactor" else
-             "Muon (PyTorch's) on the hidden matrices, AdamW on the rest" if cfg.name == "muon" else f"{cfg.name} (torchao)"]
+    parts = [f"AdamW {optimizer_impl(cfg, where)}" if cfg.name == "adamw" else _NAMES.get(cfg.name, f"{cfg.name} (torchao)")]
     parts += ["bf16 moments"] if cfg.state_dtype == "bf16" else []
     if cfg.offload:
         parts += ["state and step on the host" + (", each gradient freed on the card once copied" if cfg.in_backward else "")]

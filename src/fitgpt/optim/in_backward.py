@@ -135,11 +135,11 @@ class InBackward:
 
     def load_state_dict(self, state_dict: dict) -> None:
         params = [p for ps, _ in self._groups for p in ps]
+        rng = {ROUNDING_RNG: state_dict[ROUNDING_RNG]} if ROUNDING_RNG in state_dict else {}
         for group in state_dict["param_groups"]:
             hyper = {k: v for k, v in group.items() if k != "params"}
             for i in group["params"]:
                 s = state_dict["state"].get(i, state_dict["state"].get(str(i)))
-                rng = {ROUNDING_RNG: state_dict[ROUNDING_RNG]} if ROUNDING_RNG in state_dict else {}
                 # The group's saved settings that this parameter's optimizer has (Muon's matrices and AdamW's tables
                 # share a group, each with its own settings).
                 own = self.optimizers[params[i]].param_groups[0]

@@ -26,8 +26,10 @@ class MuonAdamW:
     """``muon`` over some of ``order``'s parameters and ``adamw`` over the others, as one optimizer."""
 
     def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer, order: list[torch.Tensor]) -> None:
-        self.parts, self.order = (muon, adamw), order
-        self.defaults = adamw.defaults
+        self.parts, self.defaults = (muon, adamw), adamw.defaults
+        index = {id(p): i for i, p in enumerate(order)}
+        # Where each part's parameters, in its state dict's order, stand in ``order``.
+        self.positions = [[index[id(p)] for g in opt.param_groups for p in g["params"]] for opt in self.parts]
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -46,15 +48,10 @@ class MuonAdamW:
     def state(self) -> dict:
         return {p: s for opt in self.parts for p, s in opt.state.items()}
 
-    def _positions(self, opt: torch.optim.Optimizer) -> list[int]:
-        """Where each parameter of ``opt``, in its state dict's order, stands in ``order``."""
-        index = {id(p): i for i, p in enumerate(self.order)}
-        return [index[id(p)] for g in opt.param_groups for p in g["params"]]
-
     def state_dict(self) -> dict:
         state, groups = {}, []
-        for opt in self.parts:
-            sd, where = opt.state_dict(), self._positions(opt)
+        for opt, where in zip(self.parts, self.positions):
+            sd = opt.state_dict()
             state |= {where[i]: s for i, s in sd["state"].items()}
             groups += [{**g, "params": [where[i] for i in g["params"]]} for g in sd["param_groups"]]
         return {"state": state, "param_groups": groups}
@@ -63,7 +60,7 @@ class MuonAdamW:
         """Each part's state from its parameters' entries (keyed by int or, from a distributed checkpoint, by text);
         the groups' settings are the run's own (the schedule sets lr at every step)."""
         saved = {int(k): v for k, v in state_dict["state"].items()}
-        for opt in self.parts:
-            where, own = self._positions(opt), opt.state_dict()
+        for opt, where in zip(self.parts, self.positions):
+            own = opt.state_dict()
             opt.load_state_dict({"state": {i: saved[w] for i, w in enumerate(where) if w in saved},
                                  "param_groups": own["param_groups"]})

@@ -30,9 +30,24 @@ class SafeReader(dcp.FileSystemReader):
     ``refused``)."""
 
     refused: safe_pickle.UnsafePickleError | None = None
+    _read: dict | None = None  # each metadata file read, by rank: checked before DCP reads, then not read again
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         rank = kwargs.get("rank")
+        self._read = self._read or {}
+        if rank not in self._read:
+            self._read[rank] = self._unpickle(rank)
+        metadata = self._read[rank]
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def reset(self, checkpoint_id=None) -> None:
+        super().reset(checkpoint_id)
+        self._read = None  # another checkpoint, maybe
+
+    def _unpickle(self, rank: int | None) -> Metadata:
         path = self.fs.concat_path(self.path, ".metadata" if rank is None else f"__{rank}.metadata")
         with self.fs.create_stream(path, "rb") as f:
             try:
@@ -43,9 +58,6 @@ class SafeReader(dcp.FileSystemReader):
         if not isinstance(metadata, Metadata):
             self.refused = safe_pickle.UnsafePickleError(f"it holds a {type(metadata).__name__}, not DCP's metadata")
             raise self.refused
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
         return metadata
 
 

@@ -71,7 +71,7 @@ def load_for_resume(path: Path, cfg: TrainConfig, model: nn.Module, tok_hash: st
 
 def _trained_on(meta: dict) -> str:
     data = meta.get("config", {}).get("data", {})
-    return str(data.get("dir") or data.get("path") or "as in the run's config.json")
+    return str(data.get("dir") or "as in the run's config.json")
 
 
 def check_same_model(path: Path, saved: dict, cfg: TrainConfig) -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from fitgpt.activation_checkpoint import Policy, remove_activation_checkpointing
-from fitgpt.config import IN_BACKWARD_ONE_PROCESS, OFFLOAD_ONE_PROCESS, TrainConfig, lowbit_fsdp_refusal, offload_refusal
+from fitgpt.config import IN_BACKWARD_ONE_PROCESS, OFFLOAD_ONE_PROCESS, TrainConfig, fsdp_optimizer_refusal, offload_refusal
 from fitgpt.data.loader import BatchSampler, TokenData
 from fitgpt.device import autocast, autocast_dtype, resolve_device
 from fitgpt.errors import UserError
@@ -124,7 +124,7 @@ def _check_launch(cfg: TrainConfig, info: dist_utils.DistInfo) -> None:
         raise UserError("--parallel fsdp shards the model across processes, and this is one: launch with torchrun "
                          "--nproc-per-node N (N >= 2), or use --parallel ddp (the default) to train in one process")
     if info.enabled and cfg.parallel == "fsdp" and cfg.optim.name != "adamw":
-        raise UserError(lowbit_fsdp_refusal(cfg.optim))
+        raise UserError(fsdp_optimizer_refusal(cfg.optim))
     if cfg.optim.in_backward and info.enabled:
         raise UserError(IN_BACKWARD_ONE_PROCESS)
     if cfg.model.weights_dtype == "bf16" and info.enabled:
