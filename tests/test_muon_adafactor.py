@@ -1,5 +1,7 @@
-"""Muon (issue 44, item 2): PyTorch's Muon on the hidden matrices and AdamW on the rest, as one optimizer: planned to
-the byte, checkpointed in the parameters' order, resumed bitwise, after the backward or inside it."""
+"""Optimizers other than AdamW (issue 44, item 2). Muon: PyTorch's on the hidden matrices and
+AdamW on the rest, as one optimizer: planned to the byte, checkpointed in the parameters' order, resumed bitwise,
+after the backward or inside it. Adafactor: its factored moments checkpointed and resumed bitwise (planned to the
+byte in test_optim.py, beside the other settings)."""
 
 import pytest
 import torch
@@ -55,3 +57,20 @@ def test_a_muon_run_resumes_bitwise(make_cfg, tmp_path, optim):
     train(make_cfg(run, resume=str(run / "checkpoints/step_00000002"), **kw))
     again = load_file(str(run / "checkpoints/step_00000004/model.safetensors"))
     assert all(torch.equal(first[k], again[k]) for k in first)
+
+
+def test_adafactor_keeps_factored_moments_and_resumes_bitwise(make_cfg, tmp_path):
+    """PyTorch's Adafactor: a row and a column per matrix in the checkpoint (loaded with weights_only, its shapes
+    checked as factored), and a run resumed from step 2 ends bitwise where the uninterrupted one does, with the step
+    after the backward or inside it."""
+    model = {"context_length": 32, "n_embed": 32, "n_head": 4, "n_blocks": 2, "dropout": 0.1}
+    for optim in ({"name": "adafactor"}, {"name": "adafactor", "in_backward": True, "grad_clip": 0.0}):
+        run = tmp_path / ("inside" if optim.get("in_backward") else "after")
+        kw = {"max_steps": 4, "checkpoint_interval": 2, "model": model, "optim": optim}
+        train(make_cfg(run, **kw))
+        state = torch.load(run / "checkpoints/step_00000002/state.pt", weights_only=True)["optimizer"]["state"]
+        assert {k: v.shape[1] for k, v in state[0].items() if k == "row_var"} == {"row_var": 1}
+        first = load_file(str(run / "checkpoints/step_00000004/model.safetensors"))
+        train(make_cfg(run, resume=str(run / "checkpoints/step_00000002"), **kw))
+        again = load_file(str(run / "checkpoints/step_00000004/model.safetensors"))
+        assert all(torch.equal(first[k], again[k]) for k in first), optim
