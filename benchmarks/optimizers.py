@@ -38,6 +38,17 @@ SETTINGS = {  # clipping at the preset's 1.0 unless said: with the step in the b
     # Adafactor's lr caps its relative step (a fraction of each parameter's RMS), not an absolute one as AdamW's.
     "Adafactor, lr 1e-2": {"name": "adafactor", "lr": 1e-2, "min_lr": 1e-3},
     "Adafactor, lr 3e-2": {"name": "adafactor", "lr": 3e-2, "min_lr": 3e-3},
+    # GaLore and APOLLO at a quarter of the width (the tiny preset's 128: rank 32), as GaLore's 7B recipe (1024 of 4096);
+    # APOLLO-Mini at its rank 1. The authors' recipes run lr 1e-2.
+    "GaLore AdamW": {"name": "galore-adamw", "rank": 32},
+    "GaLore AdamW + in-backward": {"name": "galore-adamw", "rank": 32, "in_backward": True},
+    "GaLore AdamW, lr 1e-2": {"name": "galore-adamw", "rank": 32, "lr": 1e-2, "min_lr": 1e-3},
+    "GaLore Adafactor": {"name": "galore-adafactor", "rank": 32},
+    "APOLLO": {"name": "apollo", "rank": 32},
+    "APOLLO, lr 1e-2": {"name": "apollo", "rank": 32, "lr": 1e-2, "min_lr": 1e-3},
+    "APOLLO-Mini": {"name": "apollo-mini"},
+    "APOLLO-Mini + in-backward": {"name": "apollo-mini", "in_backward": True},
+    "APOLLO-Mini, lr 1e-2": {"name": "apollo-mini", "lr": 1e-2, "min_lr": 1e-3},
     # The host's CPU steps torch's fused AdamW (no temporaries): on this CPU, where host and card are one memory, the
     # tracker's peak is then still the card's alone.
     "AdamW on the host": {"offload": True, "impl": "fused"},

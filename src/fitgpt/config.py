@@ -42,13 +42,26 @@ class OptimConfig:
     """AdamW's implementation: fused (one kernel a step), foreach (multi-tensor ops, torchtitan's default), for-loop
     (a parameter at a time); auto: fused on CUDA, PyTorch's default elsewhere (the for-loop on CPU). Training and
     planning build the same one: their temporaries differ."""
-    name: Literal["adamw", "adamw8bit", "adamw4bit", "adafactor", "muon"] = "adamw"
+    name: Literal["adamw", "adamw8bit", "adamw4bit", "adafactor", "muon", "galore-adamw", "galore-adamw8bit",
+                  "galore-adafactor", "apollo", "apollo-mini"] = "adamw"
     """adamw (PyTorch's), torchao's AdamW with 8-bit or 4-bit block-quantized moments (about 2 or 1 bytes a
     parameter; needs the [lowbit] extra; CUDA, compiled, or the CPU, eager), or adafactor (PyTorch's: no first moment,
     the second factored into a row and a column per matrix, under 0.1 bytes a parameter; the step relative to each
     parameter's RMS, min(lr, 1/sqrt(step)): give it --optim.lr 3e-2, measured within 0.6% of AdamW's loss), or muon
     (PyTorch's Muon on the hidden matrices, one momentum buffer each, its lr matched to AdamW's update RMS; AdamW on
-    the embeddings, the head, norms and biases)."""
+    the embeddings, the head, norms and biases), or GaLore (galore-torch's AdamW, 8-bit AdamW (CUDA only) or
+    Adafactor over each attention and MLP matrix's gradient projected on its top --optim.rank singular vectors) or
+    APOLLO (apollo-torch's: a random projection's AdamW moments scale the full gradient per channel; apollo-mini: rank
+    1, per tensor); these need the [lowrank] extra."""
+    rank: int = 0
+    """GaLore's and APOLLO's projection rank; 0: the method's own (GaLore 128, APOLLO 256, APOLLO-Mini 1). GaLore's
+    LLaMA-7B recipe: 1024."""
+    update_proj_gap: int = 0
+    """GaLore and APOLLO: steps between refreshes of each projection (an SVD of the gradient, or a new random draw);
+    0: the method's own (200). GaLore's LLaMA-7B recipe: 500."""
+    proj_scale: float = 0.0
+    """GaLore and APOLLO: the scale of the update projected back; 0: the method's own (GaLore 0.25, APOLLO 1,
+    APOLLO-Mini 128)."""
     state_dtype: Literal["fp32", "bf16"] = "fp32"
     """The dtype AdamW keeps its two moments in: fp32 (8 bytes a parameter) or bf16 (4; updated in fp32 and rounded
     to nearest, a parameter at a time, on any device)."""
@@ -88,9 +101,20 @@ class OptimConfig:
         if self.offload and self.name != "adamw":
             raise UserError(f"--optim.offload keeps AdamW's moments in host memory; {self.name} keeps less than AdamW on "
                             "the card already: use --optim.name adamw with --optim.offload, or drop --optim.offload")
+        for flag in ("rank", "update_proj_gap", "proj_scale"):
+            if getattr(self, flag) < 0:
+                raise UserError(f"optim.{flag} must not be negative (set --optim.{flag.replace('_', '-')}; 0: the method's own)")
+            if getattr(self, flag) and not self.projects:
+                raise UserError(f"--optim.{flag.replace('_', '-')} is a setting of GaLore and APOLLO: use --optim.name "
+                                "galore-adamw|galore-adafactor|apollo|apollo-mini, or drop it")
         if self.state_dtype == "bf16" and self.impl in ("fused", "foreach"):
             raise UserError(f"--optim.state-dtype bf16 steps a parameter at a time: drop --optim.impl {self.impl}")
 
+
+    @property
+    def projects(self) -> bool:
+        """GaLore or APOLLO: each hidden matrix's gradient projected to a low rank."""
+        return self.name.startswith(("galore", "apollo"))
 
     @property
     def clips_in_two_passes(self) -> bool:
@@ -284,9 +308,24 @@ def fsdp_optimizer_refusal(optim: OptimConfig) -> str:
         return ("--optim.name adafactor under FSDP: its factored moments (a row and a column of a matrix) do not follow "
                 "FSDP's row shards, and fitgpt has not proven its sharded step or checkpoints exact: use --parallel ddp, "
                 "or --optim.name adamw with --optim.state-dtype bf16 under FSDP")
+    if optim.projects:
+        return (f"--optim.name {optim.name} under FSDP: it projects each whole matrix's gradient (GaLore by its SVD, "
+                "APOLLO by a random matrix), which FSDP holds in row shards, and its library takes no sharded one: use "
+                "--parallel ddp, or --optim.name adamw under FSDP")
     return (f"--optim.name {optim.name} quantizes its moments in a form FSDP cannot shard or gather, so no checkpoint "
             "could be saved: use --parallel ddp, or --optim.name adamw with --optim.state-dtype bf16 (2-byte moments) "
             "under FSDP")
+
+
+def galore8bit_refusal(device_type: str | None) -> str | None:
+    """Why galore-adamw8bit cannot train on ``device_type`` (None: planning it) or be planned; None: it can train."""
+    if device_type == "cuda":
+        return None
+    why = ("bitsandbytes' 8-bit kernels run on CUDA only" if device_type else
+           "its 8-bit moments are made by bitsandbytes' CUDA kernels, which the planner's fake tensors cannot run, so "
+           "its state cannot be measured")
+    return (f"--optim.name galore-adamw8bit: {why}: use --optim.name galore-adamw or galore-adafactor (planned to the "
+            "byte), or train it on a CUDA card")
 
 
 def offload_refusal(device_type: str) -> str | None:

@@ -19,6 +19,7 @@ from fitgpt.config import (
     OptimConfig,
     TrainConfig,
     fsdp_optimizer_refusal,
+    galore8bit_refusal,
     load_config,
     load_config_named_in,
     offload_refusal,
@@ -106,6 +107,8 @@ class WorkloadConfig:
         if self.device is None:
             dtype = self.plan_target().autocast_dtype(self.precision)  # a precision the target has (bf16 on a T4 is refused)
             self._check_fp16(dtype)
+        if self.optim.name == "galore-adamw8bit" and (why := galore8bit_refusal(self.measured_device().type if self.device else None)):
+            raise UserError(why)
         if self.optim.offload:
             if (self.world_size or 1) > 1:
                 raise UserError(OFFLOAD_ONE_PROCESS)

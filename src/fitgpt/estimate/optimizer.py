@@ -10,7 +10,7 @@ import torch
 from fitgpt.config import OptimConfig
 from fitgpt.estimate.timing import host_seconds_per_byte
 from fitgpt.memory.flops import OpCost, OpFlops
-from fitgpt.memory.timeline import grad_bytes, optimizer_state_bytes, param_bytes
+from fitgpt.memory.timeline import grad_bytes, optimizer_state_bytes, optimizer_state_tensors, param_bytes
 from fitgpt.memory.tracker import LiveMemory, round_up, storages
 from fitgpt.optim import build_optimizer
 from fitgpt.step import optimizer_update
@@ -58,7 +58,8 @@ def optimizer_costs(model: torch.nn.Module, optim: OptimConfig, target, grad_acc
                     cost: OpCost | None) -> dict[str, int | float]:
     """Parameters, gradients, optimizer state and the optimizer step's workspace of ``model`` (the full model, on fake
     tensors, inside their mode): the step's optimizer segment (as ``profile_step`` runs it) with every gradient
-    present, the first step making the state and the second, steady one measured."""
+    present, the first step making the state and the second, steady one measured (its FLOPs: the matmuls of Muon's
+    iterations or of GaLore's projections)."""
     round_to, accumulate = target.round_to, grad_accum > 1 or persistent_grads
     optimizer = build_optimizer(model, optim, torch.device(target.device))
     create_state(optimizer)
@@ -71,14 +72,20 @@ def optimizer_costs(model: torch.nn.Module, optim: OptimConfig, target, grad_acc
                     optimizer.copy_out(p)
         second_pass(optimizer, optim)
         loss = torch.zeros(())  # the step's loss, alive since its forward
-        with LiveMemory(round_to) as live, OpFlops(cost) as clock:
-            optimizer_update(model, optimizer, loss, grad_clip=optim.grad_clip, check=False)
-            model.zero_grad(set_to_none=not accumulate)  # as profile_step ends a step
+        with LiveMemory(round_to) as live:
+            live.watch(optimizer_state_tensors(optimizer))  # a state tensor the step replaces (a projection) is freed
+            if getattr(optimizer, "steps_in_backward", False):
+                optimizer.step()  # as the backward's hooks do (the blocks' segments hold its cost); what they leave
+                live.rebase()  # (the norm's running total) is freed in this segment
+            with OpFlops(cost) as clock:
+                optimizer_update(model, optimizer, loss, grad_clip=optim.grad_clip, check=False)
+                model.zero_grad(set_to_none=not accumulate)  # as profile_step ends a step
         rises.append(live.peak)
-        times.append(clock.seconds)
+        times.append((clock.seconds, clock.total))
     params, opt = param_bytes(model, round_to), optimizer_state_bytes(optimizer, round_to)
     held = grad_bytes(model, round_to) if accumulate else 0
     grads = held if accumulate else grads_at_once(model, optim, round_to)
     return {"params": params, "optimizer": opt, "grads": grads, "baseline": params + opt + held + running_loss(grad_accum, round_to),
-            "optimizer_rise": rises[-1], "optimizer_time": times[-1] + host_step_time(optimizer, cost),
+            "optimizer_rise": rises[-1], "optimizer_time": times[-1][0] + host_step_time(optimizer, cost),
+            "optimizer_flops": times[-1][1],
             "host": optimizer.host_bytes() if hasattr(optimizer, "host_bytes") else 0}

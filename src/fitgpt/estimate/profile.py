@@ -243,7 +243,10 @@ def _deepen(run: _Subject, t0: float) -> StepProfile:
     with Forked(_fake_profile, dataclasses.replace(run, source=run.source.at(n_blocks=k), optimizer_step=False), t0) as shallow:
         costs = _fixed_costs(run)
         b = shallow.result()
-    return dataclasses.replace(b.with_blocks(n, ends), **costs, seconds=time.perf_counter() - t0)
+    deep = b.with_blocks(n, ends)
+    # The shallow profile took no step after the backward (a step inside it is in its blocks' FLOPs already).
+    flops = costs.pop("optimizer_flops")
+    return dataclasses.replace(deep, **costs, step_flops=deep.step_flops + flops, seconds=time.perf_counter() - t0)
 
 
 def _fixed_costs(run: _Subject) -> dict[str, int | float]:

@@ -104,10 +104,13 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """Every tensor in the optimizer's state (none without an optimizer)."""
+    """Every tensor in the optimizer's state, and those its state's objects hold (GaLore's projector, its matrix);
+    none without an optimizer."""
     if optimizer is None:
         return []
-    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    values = [v for state in optimizer.state.values() for v in state.values()]
+    held = [w for v in values if hasattr(v, "__dict__") and not isinstance(v, torch.Tensor) for w in vars(v).values()]
+    return [v for v in values + held if isinstance(v, torch.Tensor)]
 
 
 def grad_bytes(model: nn.Module, round_to: int = 1) -> int:
@@ -209,6 +212,7 @@ def profile_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, opt
         outs[i] = unique_bytes([h], round_to)
 
     with OpFlops(cost) as fc, LiveMemory(round_to) as live:
+        live.watch(optimizer_state_tensors(optimizer))  # in the baseline; a state tensor the step replaces is freed
         mark = _Marks(live, fc)
         with block_marks(block_list, mark, output):
             mark("start")

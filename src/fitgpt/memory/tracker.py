@@ -112,6 +112,17 @@ class LiveMemory(TorchDispatchMode):
             for st in storages(t):
                 self._track(st)
 
+    def watch(self, tensors) -> None:
+        """See the frees of ``tensors``' storages, made before the mode, without counting them as made now (an
+        optimizer state that a step replaces, as GaLore's projections are: the old one's free lowers the count)."""
+        current, peak = self.current, self.peak
+        self.hold(tensors)
+        self.current, self.peak = current, peak
+
+    def rebase(self) -> None:
+        """Count from here: what is alive now is the base (its frees still seen), the peak as high as the base."""
+        self.current = self.peak = 0
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE and type(args[0]) is FakeTensor and not args[0].fake_mode.in_kernel_invocation:
             # PyTorch's C++ asks a fake tensor's device on most ops (24,000 times in an 8B step): answered here as the

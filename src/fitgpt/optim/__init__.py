@@ -1,5 +1,5 @@
 """The optimizer: AdamW with weight decay on matrices only (PyTorch's, with bf16 moments: ``adamw_bf16``, or torchao's
-8/4-bit: ``lowbit``), PyTorch's Adafactor (``factored``) or Muon with AdamW (``muon``); over bf16 weights, stepped in
+8/4-bit: ``lowbit``), PyTorch's Adafactor (``factored``), Muon with AdamW (``muon``), or GaLore and APOLLO (``lowrank``); over bf16 weights, stepped in
 fp32 and rounded (``bf16_weights``); stepped after the backward, inside it (``in_backward``) or on the host
 (``offload``); and the warmup + cosine learning-rate schedule."""
 
@@ -15,6 +15,7 @@ from fitgpt.optim.adamw_bf16 import AdamWBf16
 from fitgpt.optim.bf16_weights import Bf16Weights, rounding_generator
 from fitgpt.optim.factored import Adafactor
 from fitgpt.optim.in_backward import InBackward
+from fitgpt.optim import lowrank
 from fitgpt.optim.lowbit import low_bit_adamw
 from fitgpt.optim.muon import MuonAdamW, hidden_matrices
 from fitgpt.optim.offload import HostOffload
@@ -34,7 +35,7 @@ def optimizer_params(model: nn.Module) -> list[nn.Parameter]:
 def optimizer_impl(cfg: OptimConfig, device: torch.device) -> str:
     """The AdamW implementation that steps on ``device``: ``cfg.impl``, auto resolved (fused on CUDA, and on the host
     of an offloaded state, as torchao's offload does: one pass over each tensor's bytes)."""
-    if cfg.name in ("adafactor", "muon"):
+    if cfg.name in ("adafactor", "muon") or cfg.projects:
         return "for-loop"
     if cfg.name != "adamw":
         return "torchao"
@@ -46,7 +47,10 @@ def optimizer_impl(cfg: OptimConfig, device: torch.device) -> str:
 
 
 _NAMES = {"adafactor": "Adafactor (PyTorch's, factored second moments)",
-          "muon": "Muon (PyTorch's) on the hidden matrices, AdamW on the rest"}
+          "muon": "Muon (PyTorch's) on the hidden matrices, AdamW on the rest",
+          "galore-adamw": "GaLore AdamW (galore-torch)", "galore-adamw8bit": "GaLore 8-bit AdamW (galore-torch)",
+          "galore-adafactor": "GaLore Adafactor (galore-torch)", "apollo": "APOLLO (apollo-torch)",
+          "apollo-mini": "APOLLO-Mini (apollo-torch)"}
 
 
 def describe_optimizer(cfg: OptimConfig, device: torch.device) -> str:
@@ -54,6 +58,9 @@ def describe_optimizer(cfg: OptimConfig, device: torch.device) -> str:
     where = torch.device("cpu") if cfg.offload else device
     parts = [f"AdamW {optimizer_impl(cfg, where)}" if cfg.name == "adamw" else _NAMES.get(cfg.name, f"{cfg.name} (torchao)")]
     parts += ["bf16 moments"] if cfg.state_dtype == "bf16" else []
+    if cfg.projects:
+        own = lowrank.settings(cfg.name, cfg.rank, cfg.update_proj_gap, cfg.proj_scale)
+        parts += [f"rank {own['rank']}, refreshed every {own['update_proj_gap']} steps, scale {own['scale']:g}"]
     if cfg.offload:
         parts += ["state and step on the host" + (", each gradient freed on the card once copied" if cfg.in_backward else "")]
     elif cfg.in_backward:
@@ -68,13 +75,19 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     decay, no_decay = _groups(model)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
-    hidden = {id(p) for p in hidden_matrices(model)} if cfg.name == "muon" else set()
+    hidden = {id(p) for p in hidden_matrices(model)} if cfg.name == "muon" or cfg.projects else set()
+    if cfg.projects:  # the attention and MLP matrices projected, as GaLore's and APOLLO's recipes do
+        groups = lowrank.projected_groups(groups, hidden, lowrank.settings(cfg.name, cfg.rank, cfg.update_proj_gap,
+                                                                           cfg.proj_scale))
+        seeds = {id(p): i + 1 for i, p in enumerate(decay + no_decay)}  # the library's numbering, from 1
 
     def make(groups: list[dict], on: torch.device = device) -> torch.optim.Optimizer:
         if cfg.name == "adafactor":
             return Adafactor(groups, lr=cfg.lr)
         if cfg.name == "muon":
             return _muon(groups, hidden, cfg)
+        if cfg.projects:
+            return lowrank.build(cfg.name, groups, cfg.lr, (cfg.beta1, cfg.beta2), seeds)
         if cfg.name != "adamw":
             return low_bit_adamw(cfg.name, groups, cfg.lr, (cfg.beta1, cfg.beta2), on)
         if cfg.state_dtype == "bf16":

@@ -42,6 +42,8 @@ class Bf16Weights:
         one model's parameters stepped in the backward); None rounds to nearest."""
         self.params = [p for g in groups for p in g["params"]]
         self.stand_in = {p: nn.Parameter(torch.empty(0, dtype=torch.float32, device=p.device)) for p in self.params}
+        for p, s in self.stand_in.items():
+            s.stands_for = p  # what an optimizer that numbers parameters (APOLLO's seeds) numbers it by
         self.inner = make([{**g, "params": [self.stand_in[p] for p in g["params"]]} for g in groups])
         self.defaults, self.generator = self.inner.defaults, generator
 

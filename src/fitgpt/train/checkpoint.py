@@ -377,6 +377,9 @@ def _check_optimizer_state(f: Path, opt: object, param_shapes: list[torch.Size] 
 
 
 def _state_shape(state: torch.Size, param: torch.Size) -> bool:
-    """A state tensor's shape as an optimizer keeps one for a parameter of shape ``param``: the same, or factored
-    (Adafactor's row and column means: the same dimensions, some of them 1)."""
-    return state == param or (len(state) == len(param) and all(s in (p, 1) for s, p in zip(state, param)))
+    """A state tensor's shape as an optimizer keeps one for a parameter of shape ``param``: the same, factored
+    (Adafactor's row and column means: the same dimensions, some of them 1), or projected (GaLore's and APOLLO's
+    low-rank moments and projections, m x r or r x n, sharing a dimension with it, and their 1-D factors)."""
+    if state == param or (len(state) == len(param) and all(s in (p, 1) for s, p in zip(state, param))):
+        return True
+    return len(param) == 2 and len(state) in (1, 2) and (len(state) == 1 or any(s in param for s in state))

@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 
 from fitgpt.activation_checkpoint import Policy, remove_activation_checkpointing
-from fitgpt.config import IN_BACKWARD_ONE_PROCESS, OFFLOAD_ONE_PROCESS, TrainConfig, fsdp_optimizer_refusal, offload_refusal
+from fitgpt.config import (IN_BACKWARD_ONE_PROCESS, OFFLOAD_ONE_PROCESS, TrainConfig, fsdp_optimizer_refusal,
+                           galore8bit_refusal, offload_refusal)
 from fitgpt.data.loader import BatchSampler, TokenData
 from fitgpt.device import autocast, autocast_dtype, resolve_device
 from fitgpt.errors import UserError
@@ -134,6 +135,8 @@ def _check_launch(cfg: TrainConfig, info: dist_utils.DistInfo) -> None:
     if cfg.optim.in_backward and autocast_dtype(cfg.precision, device) == torch.float16:
         raise UserError("--optim.in-backward steps before fp16's loss scaler could skip an overflow, and --precision "
                         "auto is fp16 on this device: use --precision fp32")
+    if cfg.optim.name == "galore-adamw8bit" and (why := galore8bit_refusal(device.type)):
+        raise UserError(why)
     if cfg.optim.offload:
         if info.enabled:
             raise UserError(OFFLOAD_ONE_PROCESS)
