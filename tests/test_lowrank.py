@@ -75,8 +75,9 @@ def test_planned_to_the_byte_on_the_refresh_step(tiny_model_config, name, in_bac
 def test_a_deep_model_is_planned_as_every_block_profiled(tiny_model_config, monkeypatch, name, in_backward):
     """A deep model's optimizer step is profiled whole, apart from its blocks: each projection the refresh replaces
     is freed there (counted as held before), as the full profile sees it."""
-    from fitgpt.estimate import profile as prof
     from test_fake import _fields
+
+    from fitgpt.estimate import profile as prof
 
     cfg = tiny_model_config(n_blocks=prof.DEEP + 2, n_embed=40, n_head=5, vocab_size=200)
     optim = _opt(name, in_backward=in_backward, grad_clip=0.0)
@@ -136,7 +137,8 @@ def test_stepping_in_the_backward_is_the_same_optimizer(tiny_model_config):
     (["plan", "--preset", "tiny", "--gpu", "rtx-4090", "--optim.name", "galore-adamw8bit"], "bitsandbytes' CUDA kernels"),
     (["plan", "--preset", "tiny", "--gpu", "rtx-4090", "--optim.rank", "8"], "setting of GaLore and APOLLO"),
     (["plan", "--preset", "tiny", "--gpu", "rtx-4090", "--optim.name", "apollo", "--optim.update-proj-gap", "-1"], "must not be negative"),
-    (["plan", "--preset", "tiny", "--gpu", "rtx-4090", "--world-size", "2", "--parallel", "fsdp", "--optim.name", "galore-adamw"], "row shards"),
+    (["plan", "--preset", "tiny", "--gpu", "rtx-4090", "--world-size", "2", "--parallel", "fsdp", "--optim.name",
+      "galore-adamw"], "row shards"),
 ])
 def test_what_cannot_run_is_refused_in_one_line(argv, says, capsys):
     assert main(argv) == 2

@@ -1,5 +1,6 @@
 """The optimizer: AdamW with weight decay on matrices only (PyTorch's, with bf16 moments: ``adamw_bf16``, or torchao's
-8/4-bit: ``lowbit``), PyTorch's Adafactor (``factored``), Muon with AdamW (``muon``), or GaLore and APOLLO (``lowrank``); over bf16 weights, stepped in
+8/4-bit: ``lowbit``), PyTorch's Adafactor (``factored``), Muon with AdamW (``muon``), or GaLore and APOLLO
+(``lowrank``); over bf16 weights, stepped in
 fp32 and rounded (``bf16_weights``); stepped after the backward, inside it (``in_backward``) or on the host
 (``offload``); and the warmup + cosine learning-rate schedule."""
 
@@ -11,11 +12,11 @@ import torch
 import torch.nn as nn
 
 from fitgpt.config import OptimConfig
+from fitgpt.optim import lowrank
 from fitgpt.optim.adamw_bf16 import AdamWBf16
 from fitgpt.optim.bf16_weights import Bf16Weights, rounding_generator
 from fitgpt.optim.factored import Adafactor
 from fitgpt.optim.in_backward import InBackward
-from fitgpt.optim import lowrank
 from fitgpt.optim.lowbit import low_bit_adamw
 from fitgpt.optim.muon import MuonAdamW, hidden_matrices
 from fitgpt.optim.offload import HostOffload

@@ -18,8 +18,14 @@ import torch
 import torch.nn as nn
 
 from fitgpt.activation_checkpoint import Policy, remove_activation_checkpointing
-from fitgpt.config import (IN_BACKWARD_ONE_PROCESS, OFFLOAD_ONE_PROCESS, TrainConfig, fsdp_optimizer_refusal,
-                           galore8bit_refusal, offload_refusal)
+from fitgpt.config import (
+    IN_BACKWARD_ONE_PROCESS,
+    OFFLOAD_ONE_PROCESS,
+    TrainConfig,
+    fsdp_optimizer_refusal,
+    galore8bit_refusal,
+    offload_refusal,
+)
 from fitgpt.data.loader import BatchSampler, TokenData
 from fitgpt.device import autocast, autocast_dtype, resolve_device
 from fitgpt.errors import UserError
