@@ -3,6 +3,7 @@ preset's first run under each (val loss vs AdamW fp32's, the same steps).
 
     python benchmarks/optimizers.py bytes     # a few minutes
     python benchmarks/optimizers.py quality   # the README's first run once per setting (about 1 min each)
+    python benchmarks/optimizers.py curves    # one picture of every setting's loss curve, from quality's runs
 
 Each prints a Markdown table for benchmarks/RESULTS.md.
 """
@@ -10,7 +11,9 @@ Each prints a Markdown table for benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -93,6 +96,43 @@ def bytes_per_param(settings: dict[str, dict]) -> None:
               f"{seconds:.1f} |", flush=True)
 
 
+def _run_dir(out: str, name: str) -> Path:
+    return Path(out) / name.replace(" ", "_").replace(",", "")
+
+
+# The picture's panels: each setting's family.
+PANELS = {"AdamW and its low-memory forms": ("AdamW", "in-backward", "bf16", "8-bit", "4-bit"),
+          "Adafactor and Muon": ("Adafactor", "Muon"), "GaLore and APOLLO": ("GaLore", "APOLLO")}
+
+
+def curves(out: str, settings: dict[str, dict], png: str) -> None:
+    """One picture of every setting's training loss on the README's first run (the runs ``quality`` left in ``out``),
+    AdamW fp32's curve in each panel, its validation losses as points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(6 * len(PANELS), 4.5), sharey=True)
+    for ax, (title, prefixes) in zip(axes, PANELS.items()):
+        for name in settings:
+            runs = _run_dir(out, name) / "metrics.jsonl"
+            if not runs.exists() or not (name == "AdamW fp32" or name.startswith(prefixes)):
+                continue
+            rows = [json.loads(line) for line in runs.read_text().splitlines()]
+            train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+            line, = ax.plot(*zip(*train), label=name, lw=2.5 if name == "AdamW fp32" else 1.2,
+                            color="black" if name == "AdamW fp32" else None)
+            ax.plot(*zip(*[(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]), "o", color=line.get_color())
+        ax.set(title=title, xlabel="step", ylim=(3.0, 7.5))
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("train loss (lines), val loss (points)")
+    fig.suptitle("The README's first run (tiny preset, 300 steps, one seed) under each optimizer setting")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"picture: {png}")
+
+
 def quality(out: str, settings: dict[str, dict]) -> None:
     """The README's first run (tiny preset, 300 steps) under each setting, same seed and data."""
     print("| setting | train loss | val loss | vs AdamW fp32 | vs AdamW fp32 with the same clipping | seconds |")
@@ -101,7 +141,7 @@ def quality(out: str, settings: dict[str, dict]) -> None:
     for name, kw in settings.items():
         if kw.get("offload"):  # the trainer offloads from a CUDA card only; its weights are AdamW's bit for bit (tested)
             continue
-        cfg = load_config("tiny", overrides={"optim": kw, "out_dir": f"{out}/{name.replace(' ', '_').replace(',', '')}",
+        cfg = load_config("tiny", overrides={"optim": kw, "out_dir": str(_run_dir(out, name)),
                                              "overwrite": True, "progress": False, "tensorboard": False})
         s = train(cfg)
         base.setdefault(cfg.optim.grad_clip, s["val_loss"])
@@ -112,9 +152,15 @@ def quality(out: str, settings: dict[str, dict]) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["bytes", "quality"])
+    ap.add_argument("what", choices=["bytes", "quality", "curves"])
     ap.add_argument("--out", default="/tmp/fitgpt-optimizers")
+    ap.add_argument("--png", default="docs/optimizer-loss.png", help="curves: the picture (quality's runs, from --out)")
     ap.add_argument("--only", nargs="+", help="these settings alone (AdamW fp32 first, for quality: the reference)")
     args = ap.parse_args()
     chosen = _chosen(args.only)
-    bytes_per_param(chosen) if args.what == "bytes" else quality(args.out, chosen)
+    if args.what == "bytes":
+        bytes_per_param(chosen)
+    elif args.what == "quality":
+        quality(args.out, chosen)
+    else:
+        curves(args.out, chosen, args.png)

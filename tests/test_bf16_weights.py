@@ -11,7 +11,7 @@ from fitgpt.config import OptimConfig
 from fitgpt.errors import UserError
 from fitgpt.estimate.profile import profile_model
 from fitgpt.optim import build_optimizer
-from fitgpt.optim.bf16_weights import ROUNDING_RNG, Bf16Weights, round_stochastic
+from fitgpt.optim.bf16_weights import COMPENSATION, ROUNDING_RNG, Bf16Weights, round_stochastic
 from fitgpt.plan import Plan, predict
 from fitgpt.train.trainer import train
 
@@ -33,21 +33,32 @@ def test_stochastic_rounding_is_unbiased_lands_on_a_neighbour_and_is_seeded():
 def test_updates_under_half_a_bf16_step_are_kept_stochastically_and_lost_to_nearest():
     """SGD of 1e-3 a step on weights of 1.0 (bf16's step there: 2^-7, half of it 3.9e-3): to nearest nothing moves;
     stochastically the weights end where fp32 does, on average."""
-    ends = {}
-    for name, generator in (("nearest", None), ("stochastic", torch.Generator().manual_seed(0))):
+    ends, opts = {}, {}
+    for name, generator in (("nearest", None), ("stochastic", torch.Generator().manual_seed(0)), ("kahan", None)):
         p = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
-        opt = Bf16Weights([{"params": [p]}], lambda g: torch.optim.SGD(g, lr=1e-3), generator)
+        opts[name] = Bf16Weights([{"params": [p]}], lambda g: torch.optim.SGD(g, lr=1e-3), generator, kahan=name == "kahan")
         for _ in range(100):
             p.grad = torch.ones_like(p)
-            opt.step()
-        ends[name] = p.float().mean().item()
-    assert ends["nearest"] == 1.0
-    assert ends["stochastic"] == pytest.approx(0.9, abs=2e-3)
+            opts[name].step()
+        ends[name] = p.float()
+    assert torch.all(ends["nearest"] == 1.0)
+    assert ends["stochastic"].mean().item() == pytest.approx(0.9, abs=2e-3)
+    # Compensated: every weight is the bf16 nearest 0.9 (0.8984375), what it lacks kept in its bf16 compensation (to
+    # 1e-4 in all: the compensation's own rounding, against nearest's 0.1).
+    assert torch.all(ends["kahan"] == 0.8984375)
+    (state,) = opts["kahan"].state.values()
+    lost = state[COMPENSATION]
+    assert lost.dtype == torch.bfloat16 and (ends["kahan"] + lost.float() - 0.9).abs().max() < 1e-4
+    q = torch.nn.Parameter(ends["kahan"].to(torch.bfloat16))
+    loaded = Bf16Weights([{"params": [q]}], lambda g: torch.optim.SGD(g, lr=1e-3), None, kahan=True)
+    loaded.load_state_dict(opts["kahan"].state_dict())  # optimizers load state in the parameter's dtype: bf16 again
+    assert torch.equal(loaded.state[q][COMPENSATION], lost)
 
 
 SETTINGS = {
     "adamw": OptimConfig(grad_clip=0),
     "adamw, nearest": OptimConfig(grad_clip=0, rounding="nearest"),
+    "adamw, kahan": OptimConfig(grad_clip=0, rounding="kahan"),
     "adafactor+in-backward": OptimConfig(grad_clip=0, name="adafactor", in_backward=True),
     "adamw, clipped, in-backward": OptimConfig(in_backward=True),
 }
@@ -76,13 +87,18 @@ def test_bf16_weights_hold_about_two_bytes_a_parameter_with_adafactor_in_the_bac
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optim", [{}, {"name": "adafactor", "in_backward": True, "grad_clip": 0.0}])
+@pytest.mark.parametrize("optim", [{}, {"name": "adafactor", "in_backward": True, "grad_clip": 0.0},
+                                   {"rounding": "kahan", "in_backward": True, "grad_clip": 0.0}])
 def test_a_bf16_weight_run_resumes_bitwise_with_its_rounding_generator(make_cfg, tmp_path, optim):
+    """The generator of stochastic rounding, or Kahan's compensations (bf16 again once loaded), saved and resumed."""
     kw = {"max_steps": 4, "checkpoint_interval": 2, "model": TINY, "optim": optim, "batch_size": 2}
     run = tmp_path / "run"
     train(make_cfg(run, **kw))
     state = torch.load(run / "checkpoints/step_00000002/state.pt", weights_only=True)["optimizer"]
-    assert ROUNDING_RNG in state
+    if optim.get("rounding") == "kahan":
+        assert all(s[COMPENSATION].dtype == torch.bfloat16 for s in state["state"].values())
+    else:
+        assert ROUNDING_RNG in state
     first = load_file(str(run / "checkpoints/step_00000004/model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in first.values())
     train(make_cfg(run, resume=str(run / "checkpoints/step_00000002"), **kw))
@@ -94,4 +110,6 @@ def test_what_bf16_weights_cannot_do_is_refused_naming_the_flag(make_cfg, tmp_pa
     for kw, flag in (({"precision": "fp16"}, "--precision"), ({"optim": {"offload": True}}, "--optim.offload")):
         with pytest.raises(UserError, match=flag):
             make_cfg(tmp_path / "r", model=TINY, **kw)
+    with pytest.raises(UserError, match="add --model.weights-dtype bf16, or drop --optim.rounding"):
+        make_cfg(tmp_path / "r", optim={"rounding": "kahan"})  # fp32 weights: nothing to round
     assert isinstance(build_optimizer(torch.nn.Linear(2, 2), OptimConfig(), torch.device("cpu")), torch.optim.AdamW)

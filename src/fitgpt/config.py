@@ -71,10 +71,12 @@ class OptimConfig:
     stays exact by running forward and backward twice a step (the first for the global norm); --optim.grad-clip 0
     runs once. Needs --grad-accum 1, one process, no fp16. With --optim.offload: each gradient is freed on the card once
     copied to the host, which steps after the backward (clipping exact in one pass)."""
-    rounding: Literal["stochastic", "nearest"] = "stochastic"
+    rounding: Literal["stochastic", "nearest", "kahan"] = "stochastic"
     """With bf16 weights (--model.weights-dtype bf16): how each parameter's fp32 update is rounded into its bf16
     weight. stochastic: up or down at random, unbiased, so updates under half a bf16 step are kept on average
-    (seeded; saved in checkpoints); nearest: as plain bf16 arithmetic would, losing them."""
+    (seeded; saved in checkpoints); nearest: as plain bf16 arithmetic would, losing them; kahan: to nearest, what
+    the rounding lost kept in a bf16 compensation a parameter (2 more bytes each) and added back at the next step,
+    so no update is lost (compensated summation)."""
     offload: bool = False
     """Keep the optimizer's state and step on the host (its CPU and pinned memory) of a CUDA card: the card holds the
     weights, their gradients until the backward copies them out, and only parameters under 4096 values' state
@@ -220,6 +222,9 @@ class TrainConfig:
             raise UserError("memory_snapshot must not be negative (set --memory-snapshot N, the steps to record)")
         if self.model.weights_dtype == "bf16":
             self._check_bf16_weights()
+        elif self.optim.rounding != "stochastic":
+            raise UserError(f"--optim.rounding {self.optim.rounding} rounds the updates of bf16 weights; these are fp32: "
+                            "add --model.weights-dtype bf16, or drop --optim.rounding")
         if self.fsdp_offload and self.parallel != "fsdp":
             raise UserError("--fsdp-offload is FSDP's: add --parallel fsdp (and launch with torchrun)")
         if self.optim.offload:

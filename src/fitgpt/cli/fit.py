@@ -15,7 +15,7 @@ from fitgpt.errors import UserError
 from fitgpt.estimate.timing import roofline
 from fitgpt.estimate.workload import workload_for
 from fitgpt.memory.picture import draw
-from fitgpt.plan.family import LADDER_SETTINGS, largest_model
+from fitgpt.plan.family import LADDER_SETTINGS, LOSS_COST, largest_model
 from fitgpt.plan.fastest import fastest, format_choices
 from fitgpt.plan.largest import largest
 from fitgpt.plan.solver import solve
@@ -69,7 +69,7 @@ class FitConfig(BudgetConfig):
             if getattr(self.optim, name) != getattr(base, name):
                 flag = f"--optim.{name.replace('_', '-')}"
                 raise UserError(f"--largest-model compares the optimizer memory settings itself, a row each (AdamW, bf16 "
-                                f"moments, the step in the backward, 8-bit and 4-bit AdamW, on the host): drop {flag}")
+                                f"moments, the step in the backward, 8-bit and 4-bit AdamW, Adafactor, APOLLO-Mini, on the host): drop {flag}")
 
 
 def run(args: list[str]) -> int:
@@ -139,21 +139,26 @@ def _largest_model(cfg: FitConfig) -> int:
           f"{w.where()}, {w.precision_name()}; "
           f"budget {format_bytes(cfg.budget)}"
           + (f", host memory {format_bytes(cfg.host_budget)}" if w.target.cuda else "") + ":\n")
-    print("| optimizer | blocks x width | parameters | vs AdamW | predicted peak | host memory | tokens/s | checkpointing |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print("| optimizer | blocks x width | parameters | vs AdamW | held / parameter | predicted peak | host memory | "
+          "tokens/s | val loss vs AdamW | checkpointing |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     first = rows[0].params or None
     for r in rows:
+        loss = LOSS_COST.get(r.setting, "-")
         if r.model is None:
-            print(f"| {r.setting} | - | - | - | - | - | - | {r.note or 'not even one block fits'} |")
+            print(f"| {r.setting} | - | - | - | - | - | - | - | {loss} | {r.note or 'not even one block fits'} |")
             continue
         vs = f"{r.params / first:.2f}x" if first else "-"
-        print(f"| {r.setting} | {r.model.n_blocks} x {r.model.n_embed} | {format_count(r.params)} | {vs} | "
+        held = (r.prediction.params + r.prediction.grads + r.prediction.optimizer) / r.params
+        print(f"| {r.setting} | {r.model.n_blocks} x {r.model.n_embed} | {format_count(r.params)} | {vs} | {held:.2f} | "
               f"{format_bytes(r.prediction.peak)} | {format_bytes(r.host) if r.host else '-'} | {r.tokens_per_s:,.0f} | "
-              f"`{r.plan.spec()}` |")
+              f"{loss} | `{r.plan.spec()}` |")
     clip = w.train.optim.grad_clip
     print(f"\n({sum(r.profiles for r in rows)} profiles, each size's own, exact. "
           + (f"Clipping at {clip:g}: with the step in the backward, two forward and backward passes a step "
              "(--optim.grad-clip 0: one). " if clip > 0 else "")
+          + "Held: weights, gradients and optimizer state at the peak, per parameter. Val loss: the README's first run, "
+            "one run each (benchmarks/RESULTS.md). "
           + "Low-bit AdamW steps compiled on CUDA; planned here as its eager step (temporaries measured on CPU), "
             "not yet checked on a card."
           + (" Host memory: pinned, the optimizer's (weights' fp32 copies, gradients, moments); its step timed at this "
@@ -167,5 +172,6 @@ def _largest_model(cfg: FitConfig) -> int:
     print(json.dumps({"budget": cfg.budget, "rows": [
         {"setting": r.setting, "n_blocks": r.model and r.model.n_blocks, "n_embed": r.model and r.model.n_embed,
          "params": r.params, "policy": r.plan and r.plan.spec(), "predicted_peak": r.prediction and r.prediction.peak,
-         "tokens_per_s": r.tokens_per_s, "profiles": r.profiles, "note": r.note, "host_bytes": r.host} for r in rows]}))
+         "tokens_per_s": r.tokens_per_s, "profiles": r.profiles, "note": r.note, "host_bytes": r.host,
+         "val_loss_vs_adamw": LOSS_COST.get(r.setting)} for r in rows]}))
     return 0

@@ -104,7 +104,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
         inner = make
 
         def make(groups: list[dict], on: torch.device = device) -> Bf16Weights:
-            return Bf16Weights(groups, lambda g: inner(g, on), generator)
+            return Bf16Weights(groups, lambda g: inner(g, on), generator, kahan=cfg.rounding == "kahan")
 
     return InBackward(groups, make) if cfg.in_backward else make(groups)
 

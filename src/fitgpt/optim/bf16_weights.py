@@ -6,6 +6,9 @@ its gradient upcast, the inner optimizer's step, then the result rounded back. R
 than half a bf16 step (1/256 of the weight) is lost every time; rounded stochastically, up or down with the
 probabilities that make the rounding unbiased, it is kept on average (the random bits come from a generator of this
 optimizer's own, seeded from the run's seed and saved in its state dict, so a resumed run is bitwise the same).
+Compensated (Kahan) summation keeps it exactly instead: the weight rounded to nearest, and what the rounding lost kept
+in a bf16 tensor of the parameter's shape (2 bytes a parameter, saved with the optimizer's state), added to the
+weight before its next step.
 
 The inner optimizer keeps its state for the stand-ins, in its own dtype (AdamW: fp32 moments; Adafactor: a row and
 a column). Between steps a stand-in holds no memory; during one, one parameter's fp32 weight and gradient, and the
@@ -21,6 +24,7 @@ import torch
 import torch.nn as nn
 
 ROUNDING_RNG = "rounding_rng"
+COMPENSATION = "kahan_compensation"
 
 
 @torch.no_grad()
@@ -37,15 +41,16 @@ class Bf16Weights:
     parameters) and rounds the result: ``stochastic`` (default) or to nearest."""
 
     def __init__(self, groups: list[dict], make: Callable[[list[dict]], torch.optim.Optimizer],
-                 generator: torch.Generator | None) -> None:
+                 generator: torch.Generator | None, kahan: bool = False) -> None:
         """``generator``: the random bits of stochastic rounding (``rounding_generator``; shared by the optimizers of
-        one model's parameters stepped in the backward); None rounds to nearest."""
+        one model's parameters stepped in the backward); None rounds to nearest, and ``kahan`` keeps what that
+        rounding lost (a bf16 tensor a parameter, ``COMPENSATION`` in its inner state) to add back the next step."""
         self.params = [p for g in groups for p in g["params"]]
         self.stand_in = {p: nn.Parameter(torch.empty(0, dtype=torch.float32, device=p.device)) for p in self.params}
         for p, s in self.stand_in.items():
             s.stands_for = p  # what an optimizer that numbers parameters (APOLLO's seeds) numbers it by
         self.inner = make([{**g, "params": [self.stand_in[p] for p in g["params"]]} for g in groups])
-        self.defaults, self.generator = self.inner.defaults, generator
+        self.defaults, self.generator, self.kahan = self.inner.defaults, generator, kahan
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -56,8 +61,18 @@ class Bf16Weights:
     def _step_param(self, p: torch.Tensor) -> None:
         s = self.stand_in[p]
         s.data, s.grad = p.float(), p.grad.float()  # this parameter's fp32 weight and gradient, for its step only
+        lost = self.inner.state[s].get(COMPENSATION) if self.kahan else None
+        if lost is not None:
+            s.data.add_(lost)  # the weight as it would be, had no rounding lost anything
         self.inner.step()  # steps s alone: the other stand-ins have no gradient
-        p.copy_(round_stochastic(s.data, self.generator) if self.generator is not None else s.data)
+        if self.generator is not None:
+            p.copy_(round_stochastic(s.data, self.generator))
+        else:
+            p.copy_(s.data)  # to nearest
+        if self.kahan:  # what that rounding lost, exact in fp32, kept to bf16's precision
+            if lost is None:
+                lost = self.inner.state[s][COMPENSATION] = torch.empty_like(p)
+            lost.copy_(s.data.sub_(p))
         s.data, s.grad = torch.empty(0, dtype=torch.float32, device=p.device), None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -82,6 +97,10 @@ class Bf16Weights:
         if rng is not None and self.generator is not None:
             self.generator.set_state(rng)
         self.inner.load_state_dict({k: v for k, v in state_dict.items() if k != ROUNDING_RNG})
+        for p, s in self.stand_in.items():  # loaded in the stand-in's fp32, as optimizers load state: kept in bf16
+            state = self.inner.state.get(s, {})
+            if COMPENSATION in state:
+                state[COMPENSATION] = state[COMPENSATION].to(p.dtype)
 
 
 def rounding_generator(params: list[torch.Tensor]) -> torch.Generator:

@@ -40,7 +40,25 @@ LADDER: tuple[tuple[str, dict], ...] = (
     ("Adafactor, step in the backward", {"name": "adafactor", "in_backward": True, "lr": 3e-2, "min_lr": 3e-3}),
     ("Adafactor, bf16 weights (stochastic rounding), step in the backward",
      {"name": "adafactor", "in_backward": True, "lr": 3e-2, "min_lr": 3e-3, "weights_dtype": "bf16"}),
+    # APOLLO-Mini: a rank-1 projection's moments scale each whole gradient (apollo-torch, the [lowrank] extra); lr as
+    # its authors' recipes run it.
+    ("APOLLO-Mini, bf16 weights (stochastic rounding), step in the backward",
+     {"name": "apollo-mini", "in_backward": True, "lr": 1e-2, "min_lr": 1e-3, "weights_dtype": "bf16"}),
 )
+LOSS_COST: dict[str, str] = {
+    "AdamW": "reference",
+    "AdamW, bf16 moments": "+0.04%",
+    "AdamW, bf16 moments, step in the backward": "+0.04%",
+    "8-bit AdamW, step in the backward": "-0.12%",
+    "4-bit AdamW, step in the backward": "-0.40%",
+    "Adafactor, step in the backward": "+0.57%",
+    "Adafactor, bf16 weights (stochastic rounding), step in the backward": "+0.57% (bf16 weights: -0.13%)",
+    "APOLLO-Mini, bf16 weights (stochastic rounding), step in the backward": "APOLLO_MINI",
+    "AdamW on the host, each gradient freed once copied": "+0.00% (AdamW's weights)",
+}
+"""Each rung's validation loss against AdamW fp32's after the same steps, measured on the README's first run
+(``python benchmarks/optimizers.py quality``; bf16 weights on a smaller run: benchmarks/RESULTS.md): one run each,
+the same seed and data."""
 LADDER_SETTINGS = ("name", "state_dtype", "in_backward", "offload")
 """The OptimConfig fields the ladder sets, a row each (and the model's weights_dtype)."""
 MODEL_SETTINGS = ("weights_dtype",)
@@ -162,8 +180,8 @@ def _first_guess(base: ModelConfig, budget: int, optim: OptimConfig, host_budget
         per_param = 4 if optim.in_backward else 8
     else:
         weight = 2 if base.weights_dtype == "bf16" else 4  # and as much for its gradient
-        per_param = 2 * weight + {"adamw": 4 if optim.state_dtype == "bf16" else 8, "adamw8bit": 2, "adamw4bit": 1,
-                                  "adafactor": 0}[optim.name]
+        moments = {"adamw": 4 if optim.state_dtype == "bf16" else 8, "adamw8bit": 2, "adamw4bit": 1, "muon": 4}
+        per_param = 2 * weight + moments.get(optim.name, 0)  # Adafactor, GaLore, APOLLO: a fraction of a byte
         per_param -= weight if optim.in_backward else 0
     lo, hi = 1, MAX_BLOCKS
     while lo < hi:
