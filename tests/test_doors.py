@@ -4,28 +4,18 @@ torchrun. Each test failed on the code before its fix (issue 21)."""
 import dataclasses
 import gzip
 import json
-import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 
-from fitgpt.activation_checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
 from fitgpt.cli import main
 from fitgpt.config import OptimConfig, TrainConfig
 from fitgpt.data.config import DataConfig
 from fitgpt.data.corpus import expand_inputs
 from fitgpt.data.loader import TokenData
 from fitgpt.data.prepare import prepare
-from fitgpt.data.shards import PROGRESS_FILE, ShardWriter, save_progress
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, Transformer
 from fitgpt.train.trainer import train
@@ -243,94 +233,6 @@ def test_resuming_with_another_model_names_the_setting(trained_run, cli_train_ar
         assert code == 2 and one_line(err) and f"set {flag}" in err and "corrupt" not in err, err
 
 
-# ---- activation checkpointing on other models ------------------------------------------------------------
-
-def _hf_models():
-    tf = pytest.importorskip("transformers")
-    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=3, n_head=4,
-                                             bos_token_id=0, eos_token_id=0))
-    llama = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                               bos_token_id=0, eos_token_id=0))
-    return {"gpt2": gpt2, "llama": llama}
-
-
-@pytest.mark.parametrize("spec", ["selective", "pointwise", "block"])
-def test_op_level_policies_run_on_hugging_face_models_with_their_default_cache(spec):
-    for name, model in _hf_models().items():
-        assert model.config.use_cache  # the default, as a user has it
-        apply_activation_checkpointing(model, spec)
-        model.train()
-        idx = torch.randint(0, 128, (2, 16))
-        model(input_ids=idx, labels=idx).loss.backward()  # raised mid-backward before
-        remove_activation_checkpointing(model)
-        assert model.config.use_cache, name  # back as it was
-
-
-class NanoBlock(nn.Module):
-    """A nanoGPT-style block: hand-written causal attention (softmax, dropout on the weights), GELU MLP, dropout."""
-
-    def __init__(self, C=32, H=4, p=0.1):
-        super().__init__()
-        self.ln_1, self.ln_2, self.H = nn.LayerNorm(C), nn.LayerNorm(C), H
-        self.c_attn, self.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
-        self.c_fc, self.mlp_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
-        self.attn_dropout, self.resid_dropout, self.mlp_dropout = nn.Dropout(p), nn.Dropout(p), nn.Dropout(p)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.H, C // self.H).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.H)
-        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).tril().logical_not(), float("-inf"))
-        y = self.attn_dropout(F.softmax(att, dim=-1)) @ v  # (B, nh, T, hs)
-        x = x + self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
-        return x + self.mlp_dropout(self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)))))
-
-
-class NanoGPT(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.wte, self.h, self.head = nn.Embedding(128, 32), nn.ModuleList(NanoBlock() for _ in range(4)), nn.Linear(32, 128)
-
-    def forward(self, idx, targets):
-        x = self.wte(idx)
-        for block in self.h:
-            x = block(x)
-        return None, F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
-
-
-def _step_flops(model, loss) -> int:
-    model.train()
-    with FlopCounterMode(display=False) as fc:
-        loss(model).backward()
-    return fc.get_total_flops()
-
-
-def test_pointwise_runs_no_matmul_twice_with_dropout_and_gqa():
-    """Before: 1.087x none's FLOPs on GPT-2 with dropout, 1.10x nanoGPT, 1.087x HF GPT-2, 1.025x Llama with GQA."""
-    idx = torch.randint(0, 128, (2, 32))
-    ours = lambda m: m(idx, idx)[1]  # noqa: E731
-    hf = lambda m: m(input_ids=idx, labels=idx).loss  # noqa: E731
-    models = {
-        "gpt2+dropout": (Transformer(ModelConfig(vocab_size=128, context_length=32, n_embed=32, n_head=4, n_blocks=4,
-                                                 dropout=0.1)), ours),
-        "llama+gqa": (Transformer(ModelConfig(arch="llama", vocab_size=128, context_length=32, n_embed=32, n_head=4,
-                                              n_kv_head=2, n_blocks=4)), ours),
-        "nanogpt": (NanoGPT(), ours),
-    }
-    tf_models = _hf_models()
-    tf_models["gpt2"].config.resid_pdrop = 0.1
-    models |= {f"hf-{k}": (m, hf) for k, m in tf_models.items()}
-    for name, (model, loss) in models.items():
-        torch.manual_seed(0)
-        none = _step_flops(model, loss)
-        apply_activation_checkpointing(model, "pointwise")
-        torch.manual_seed(0)
-        assert _step_flops(model, loss) == none, name
-        remove_activation_checkpointing(model)
-
-
 # ---- one line instead of a traceback ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -433,73 +335,3 @@ def test_no_setting_takes_nan_or_infinity(cls, section, capsys):
         for bad in ("inf", "nan", "-inf"):
             code, err = run_cli(["train", f"--{section}{name.replace('_', '-')}", bad], capsys)
             assert code == 2 and one_line(err) and f"--{section}{name.replace('_', '-')}" in err, (name, bad, err)
-
-
-# ---- scale -----------------------------------------------------------------------------------------------
-
-def test_a_checkpoint_of_prepare_costs_what_happened_since_the_last(tmp_path):
-    """progress.json stays the same size however many shards closed before (it listed them all: quadratic)."""
-    dtype = np.dtype(np.uint16)
-    w = ShardWriter(tmp_path, "train", dtype, shard_tokens=2)
-    state: dict = {}
-    sizes = []
-    for _i in range(400):
-        w.write(np.arange(3, dtype=dtype), doc_end=True)
-        save_progress(tmp_path, {"train": w}, state)
-        sizes.append((tmp_path / PROGRESS_FILE).stat().st_size)
-    assert len(w.shards) == 400 and sizes[-1] - sizes[9] <= 8  # a few digits more, not 390 entries
-
-
-def test_only_rank_0_keeps_the_gathered_state():
-    from fitgpt.train import distributed as du
-
-    model = nn.Linear(4, 4)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.ones(1, 4)).sum().backward()
-    opt.step()
-    assert du.full_model_state(model, keep=False) == {} and du.full_optimizer_state(opt, keep=False) is None
-    assert set(du.full_model_state(model, keep=True)) == {"weight", "bias"}
-
-
-def test_the_torch_floor_is_the_one_fsdp2_needs():
-    root = Path(__file__).resolve().parent.parent
-    assert '"torch>=2.6"' in (root / "pyproject.toml").read_text()
-    assert "torch >= 2.6" in (root / "README.md").read_text()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_under_torchrun_a_config_error_on_rank_0_stops_every_rank_in_one_line(data_dir, corpus_dir, tmp_path):
-    from test_distributed import torchrun, train_flags
-
-    run = tmp_path / "run"
-    p = torchrun(train_flags(data_dir, corpus_dir, run, 2, "--activation-checkpointing", "auto", "--memory-budget", "1KiB"),
-                 tmp_path)
-    out, err = p.communicate(timeout=240)
-    assert p.returncode != 0
-    assert err.count("fitgpt train: error: ") == 2, err[-3000:]  # each rank, one line
-    assert "Connection closed by peer" not in err and "src/fitgpt" not in err, err[-3000:]  # no traceback of ours
-    code = subprocess.run([sys.executable, "-m", "fitgpt", *train_flags(data_dir, corpus_dir, run, 2)], cwd=tmp_path,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert code.returncode == 0, code.stderr[-2000:]  # the failed run left nothing that blocks the retry
-
-
-def _rss() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident size from /proc")
-def test_resuming_maps_the_optimizer_state_instead_of_reading_it(tmp_path):
-    """Every rank resuming under FSDP loads state.pt: mapped, its 64 MiB of moments are not resident until used
-    (before, each rank read the whole optimizer state into memory)."""
-    from fitgpt.train import checkpoint as ckpt
-
-    moments = {0: {"step": torch.tensor(1.0), "exp_avg": torch.randn(8 << 20), "exp_avg_sq": torch.rand(8 << 20)}}
-    state = {"optimizer": {"state": moments, "param_groups": [{"params": [0]}]}, "scaler": {},
-             "rng": {"torch": torch.get_rng_state()}}
-    torch.save(state, tmp_path / ckpt.STATE_FILE)
-    del state, moments
-    before = _rss()
-    loaded = ckpt.load_state(tmp_path, {}, [torch.Size([8 << 20])])
-    assert _rss() - before < 16 << 20
-    assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"][:4], loaded["optimizer"]["state"][0]["exp_avg"][:4])
