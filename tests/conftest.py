@@ -2,6 +2,7 @@ import os
 import random
 import shutil
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,38 @@ def exact_allocator():
     """Allocators that count exact live bytes, no blocks or caching (what LiveMemory counts): a replay through one
     is checked against a real step measured on this CPU."""
     return Counting
+
+
+# ---- the suite's time budget (issue 47): a report, not a failing test ----------------------------------------
+
+SLOW_S = 10.0
+"""A test that takes this long here is marked slow (the quick loop, -m "not slow", leaves it to CI)."""
+BUDGET_S = {"full": 8 * 60, "quick": 3 * 60}
+"""What the whole suite and the quick loop should take on this machine (2 cores)."""
+_durations: dict[str, tuple[float, bool]] = {}
+_started = time.monotonic()
+
+
+def pytest_runtest_logreport(report):
+    """Each test's setup and call, added up (a session fixture's setup counts for the test that made it)."""
+    if report.when in ("setup", "call"):
+        took, _ = _durations.get(report.nodeid, (0.0, False))
+        _durations[report.nodeid] = (took + report.duration, "slow" in report.keywords)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The ten slowest tests, those over SLOW_S not marked slow, and the session against its budget."""
+    if not _durations:
+        return
+    tr = terminalreporter
+    quick = "not slow" in (config.getoption("markexpr") or "")
+    budget = BUDGET_S["quick" if quick else "full"]
+    wall = time.monotonic() - _started
+    tr.section("time budget (tests/conftest.py)")
+    tr.write_line(f"{len(_durations)} tests in {wall:.0f} s; the {'quick loop' if quick else 'full suite'}'s budget "
+                  f"on this machine: {budget} s ({wall / budget:.2f}x)")
+    for nodeid, (d, slow) in sorted(_durations.items(), key=lambda kv: -kv[1][0])[:10]:
+        tr.write_line(f"  {d:7.1f} s  {nodeid}{'' if slow else '  (not marked slow)' if d >= SLOW_S else ''}")
+    unmarked = [n for n, (d, slow) in _durations.items() if d >= SLOW_S and not slow]
+    if unmarked:
+        tr.write_line(f"{len(unmarked)} tests took {SLOW_S:.0f} s or more without the slow mark: mark them slow")

@@ -13,7 +13,6 @@ from fitgpt.cli.workload import BudgetConfig, parse_workload
 from fitgpt.command import train_command
 from fitgpt.errors import UserError
 from fitgpt.estimate.timing import roofline
-from fitgpt.estimate.workload import workload_for
 from fitgpt.memory.picture import draw
 from fitgpt.plan.family import LADDER_SETTINGS, LOSS_COST, largest_model
 from fitgpt.plan.fastest import fastest, format_choices
@@ -69,7 +68,8 @@ class FitConfig(BudgetConfig):
             if getattr(self.optim, name) != getattr(base, name):
                 flag = f"--optim.{name.replace('_', '-')}"
                 raise UserError(f"--largest-model compares the optimizer memory settings itself, a row each (AdamW, bf16 "
-                                f"moments, the step in the backward, 8-bit and 4-bit AdamW, Adafactor, APOLLO-Mini, on the host): drop {flag}")
+                                f"moments, the step in the backward, 8-bit and 4-bit AdamW, Adafactor, APOLLO-Mini, on the "
+                                f"host): drop {flag}")
 
 
 def run(args: list[str]) -> int:
@@ -109,7 +109,7 @@ def _refuse_fixed_costs_over(cfg: FitConfig) -> None:
     if (cfg.world_size or 1) > 1 or cfg.device:  # FSDP would shard them; a measured step is the search's own
         return
     # Bytes only: the time model (seconds of measuring) is left to the search, and a roofline stands in for it here.
-    w = workload_for(cfg.train_config(), target=cfg.plan_target(), fake=True, cost=roofline(None, None), source=cfg._source)
+    w = cfg.workload_timed_by(roofline(None, None))
     p = w.profile(batch_size=1)
     if p.params + p.grads + p.optimizer >= cfg.budget:
         solve(p, cfg.budget)  # raises, saying what takes the memory and what to change

@@ -14,15 +14,10 @@ import tyro
 
 from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.config import (
-    IN_BACKWARD_ONE_PROCESS,
-    OFFLOAD_ONE_PROCESS,
     OptimConfig,
     TrainConfig,
-    fsdp_optimizer_refusal,
-    galore8bit_refusal,
     load_config,
     load_config_named_in,
-    offload_refusal,
 )
 from fitgpt.device import resolve_device
 from fitgpt.errors import UserError, require_not_empty
@@ -30,7 +25,9 @@ from fitgpt.estimate.hardware import CUDA_CONTEXT, Target, find_gpu
 from fitgpt.estimate.source import OwnModel, param_count, read_hf_config
 from fitgpt.estimate.workload import Workload, workload_for
 from fitgpt.memory.allocator import expandable_from
+from fitgpt.memory.flops import OpCost
 from fitgpt.model.config import ModelConfig, require_positive_ints
+from fitgpt.refusals import IN_BACKWARD_ONE_PROCESS, OFFLOAD_ONE_PROCESS, fsdp_optimizer_refusal, galore8bit_refusal, offload_refusal
 from fitgpt.units import format_bytes, parse_bytes
 from fitgpt.utils import host_memory
 
@@ -126,11 +123,16 @@ class WorkloadConfig:
     @functools.cached_property
     def workload(self) -> Workload:
         """The one resolved workload these flags name: measured on --device, else planned on fake tensors."""
+        return self.workload_timed_by(None)
+
+    def workload_timed_by(self, cost: OpCost | None) -> Workload:
+        """That workload, built anew with the time model ``cost`` (None: the target's own; a roofline where only
+        bytes are asked, so that nothing is measured)."""
         if self.device:
             return workload_for(self.train_config(), device=self.measured_device(), fake=False, world_size=self.world_size,
-                                source=self._source)
+                                cost=cost, source=self._source)
         return workload_for(self.train_config(), target=self.plan_target(), fake=True, world_size=self.world_size,
-                            source=self._source)
+                            cost=cost, source=self._source)
 
     def check_policy(self, spec: str) -> None:
         """A policy plan or fit is given, refused before anything is profiled: misspelt, or a chunked loss for a model

@@ -112,7 +112,7 @@ def _layouts(w: Workload) -> list[Layout]:
     cuda = w.target.cuda
     if w.world_size == 1:  # FSDP (and its offload) shards across processes: the trainer runs it under torchrun, N >= 2
         return [Layout("single")]
-    if w.train.optim.name != "adamw":  # only AdamW shards (config.fsdp_optimizer_refusal)
+    if w.train.optim.name != "adamw":  # only AdamW shards (refusals.fsdp_optimizer_refusal)
         return [Layout("ddp")]
     return [Layout("ddp"), Layout("fsdp")] + ([Layout("fsdp", True)] if cuda else [])
 

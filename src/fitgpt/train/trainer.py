@@ -18,14 +18,7 @@ import torch
 import torch.nn as nn
 
 from fitgpt.activation_checkpoint import Policy, remove_activation_checkpointing
-from fitgpt.config import (
-    IN_BACKWARD_ONE_PROCESS,
-    OFFLOAD_ONE_PROCESS,
-    TrainConfig,
-    fsdp_optimizer_refusal,
-    galore8bit_refusal,
-    offload_refusal,
-)
+from fitgpt.config import TrainConfig
 from fitgpt.data.loader import BatchSampler, TokenData
 from fitgpt.device import autocast, autocast_dtype, resolve_device
 from fitgpt.errors import UserError
@@ -33,6 +26,7 @@ from fitgpt.hf import import_config
 from fitgpt.memory.allocator import expandable_from
 from fitgpt.optim import build_optimizer, describe_optimizer
 from fitgpt.parallel import materialise, precision_roles
+from fitgpt.refusals import IN_BACKWARD_ONE_PROCESS, OFFLOAD_ONE_PROCESS, fsdp_optimizer_refusal, galore8bit_refusal, offload_refusal
 from fitgpt.step import grad_scaler
 from fitgpt.train import distributed as dist_utils
 from fitgpt.train.dist_checkpoint import DistributedSaver, load_optimizer
