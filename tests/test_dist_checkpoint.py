@@ -201,7 +201,9 @@ RESHARD = textwrap.dedent('''
     ckpt.load_weights(path, model)
     optimizer = build_optimizer(model, cfg.optim, cpu)
     load_optimizer(optimizer, ckpt.load_state(path, ckpt.verify_checkpoint(path))["optimizer"], info)
-    weights, state = du.full_model_state(model, keep=info.is_main), du.full_optimizer_state(optimizer, keep=info.is_main)
+    from gathered import full_model_state, full_optimizer_state
+
+    weights, state = full_model_state(model, keep=info.is_main), full_optimizer_state(optimizer, keep=info.is_main)
     save_and_leave(info, {"model": weights, "optimizer": state})
 ''')
 

@@ -9,7 +9,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
+import gathered
 import pytest
 import torch
 import torch.distributed as dist
@@ -73,8 +75,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, cfg) -> None:
             xs, ys = x[mine], y[mine]
             batches = [(xs[:1], ys[:1]), (xs[1:], ys[1:])] if accum else [(xs, ys)]
             opt = _one_step(model, step_model, batches)
-            weights = du.full_model_state(model)
-            opt_state = du.full_optimizer_state(opt)
+            weights = gathered.full_model_state(model)
+            opt_state = gathered.full_optimizer_state(opt)
             if parallel == "fsdp" and spec == "none":
                 # A full optimizer state loads back into the sharded optimizer, shard for shard.
                 again = build_optimizer(model, OPTIM, CPU)
@@ -220,12 +222,20 @@ SAVE_AND_LEAVE = textwrap.dedent('''
 """The end of a torchrun helper script (prepended to it): ``save_and_leave(info, obj)``."""
 
 
+TESTS = str(Path(__file__).parent)
+"""Where helper scripts import the tests' own helpers from (``gathered``)."""
+
+
+def _on_path(folder: str) -> str:
+    return os.pathsep.join([folder, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def torchrun(args, cwd, nproc=2, script=None, **kw):
     target = [script] if script else ["-m", "fitgpt"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
            *target, *args]
     return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kw)
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _on_path(TESTS)}, **kw)
 
 
 def train_flags(data_dir, corpus_dir, out, steps, *extra):

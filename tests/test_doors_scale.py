@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gathered
 import numpy as np
 import pytest
 import torch
@@ -30,14 +31,13 @@ def test_a_checkpoint_of_prepare_costs_what_happened_since_the_last(tmp_path):
 
 
 def test_only_rank_0_keeps_the_gathered_state():
-    from fitgpt.train import distributed as du
 
     model = nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 4)).sum().backward()
     opt.step()
-    assert du.full_model_state(model, keep=False) == {} and du.full_optimizer_state(opt, keep=False) is None
-    assert set(du.full_model_state(model, keep=True)) == {"weight", "bias"}
+    assert gathered.full_model_state(model, keep=False) == {} and gathered.full_optimizer_state(opt, keep=False) is None
+    assert set(gathered.full_model_state(model, keep=True)) == {"weight", "bias"}
 
 
 def test_the_torch_floor_is_the_one_fsdp2_needs():

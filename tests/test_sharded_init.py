@@ -33,7 +33,9 @@ SCRIPT = textwrap.dedent('''
     prepare_model(model, parse_policy("block"), cfg, info, torch.device("cpu"), None)
     materialise(model, torch.device("cpu"), cfg.seed)
     assert not cfg.model.tied or model.lm_head.weight is model.token_embed.weight
-    full = dist_utils.full_model_state(model, keep=info.is_main)
+    from gathered import full_model_state
+
+    full = full_model_state(model, keep=info.is_main)
     if info.is_main:
         save_file({k: v.contiguous() for k, v in full.items() if k != "lm_head.weight" or not cfg.model.tied}, sys.argv[1])
     dist_utils.leave_together(info)  # no rank tears its connections down while rank 0 still writes
@@ -105,7 +107,9 @@ INIT_FROM = textwrap.dedent('''
     prepare_model(model, cfg.policy, cfg, info, cpu, None)
     materialise(model, cpu, cfg.seed)
     init_from_hf(cfg, model, info, cpu, sharded=True)
-    save_and_leave(info, du.full_model_state(model, keep=info.is_main))
+    from gathered import full_model_state
+
+    save_and_leave(info, full_model_state(model, keep=info.is_main))
 ''')
 
 

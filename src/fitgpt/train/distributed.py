@@ -273,34 +273,6 @@ def broadcast_weights(info: DistInfo, model: nn.Module, weights: dict[str, torch
 # ---- full state for checkpoints ---------------------------------------------------------------------
 
 
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _gathered(t, keep: bool):
-    """One tensor gathered whole (a collective: every rank calls it), kept in host memory only where ``keep``: the
-    other ranks hold one gathered tensor at a time, never the whole state."""
-    full = _full(t)
-    return full.detach().cpu() if keep else None
-
-
-def full_model_state(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
-    """The whole model's weights on CPU on the ranks that ``keep`` them (rank 0 under FSDP; a collective: call it on
-    every rank); an empty dict on the others."""
-    gathered = {k: _gathered(v, keep) for k, v in model.state_dict().items()}
-    return gathered if keep else {}
-
-
-def full_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool = True) -> dict | None:
-    """``optimizer.state_dict()`` with sharded states gathered whole, the single-process format, on the ranks that
-    ``keep`` it (a collective); None on the others."""
-    sd = optimizer.state_dict()
-    state = {i: {k: _gathered(v, keep) if isinstance(v, torch.Tensor) else v for k, v in s.items()} for i, s in sd["state"].items()}
-    return {**sd, "state": state} if keep else None
-
-
 def load_full_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict) -> None:
     """Load a single-process optimizer state into an optimizer over (maybe sharded) parameters."""
     from torch.distributed.tensor import DTensor, distribute_tensor
