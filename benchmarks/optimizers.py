@@ -11,6 +11,7 @@ Each prints a Markdown table for benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -85,7 +86,9 @@ def bytes_per_param(settings: dict[str, dict]) -> None:
         torch.manual_seed(0)
         model = Transformer(cfg)
         apply_activation_checkpointing(model, "none")
-        opt = build_optimizer(model, optim, torch.device("cpu"))
+        # GaLore and APOLLO: the plan is the step that refreshes the projection (the larger); measure that one.
+        real = dataclasses.replace(optim, update_proj_gap=1) if optim.projects else optim
+        opt = build_optimizer(model, real, torch.device("cpu"))
         step_kw = {"grad_clip": optim.grad_clip}
         measure_train_step(model, opt, batches, **step_kw)  # the optimizer state exists from here on
         measured = measure_train_step(model, opt, batches, **step_kw).peak
