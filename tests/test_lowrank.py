@@ -55,8 +55,8 @@ def test_galore_keeps_the_rank_rows_not_the_whole_svd_factor(tiny_model_config):
     assert held == sum(4 * 4 * min(p.shape) for p in hidden_matrices(model))
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("in_backward", [False, True])
+@pytest.mark.parametrize("name, in_backward", [(n, False) for n in NAMES] + [("galore-adamw", True)] + [
+    pytest.param(n, True, marks=pytest.mark.slow) for n in NAMES[1:]])
 def test_planned_to_the_byte_on_the_refresh_step(tiny_model_config, name, in_backward):
     """The plan is the step that refreshes the projection (an SVD or a random draw: gap 1 refreshes every step),
     measured to the byte; an ordinary step (gap 1000) holds no more."""
@@ -71,7 +71,8 @@ def test_planned_to_the_byte_on_the_refresh_step(tiny_model_config, name, in_bac
         assert ordinary.peak(plan) <= refresh.peak(plan)
 
 
-@pytest.mark.parametrize("name, in_backward", [("galore-adamw", False), ("apollo", True), ("adamw", True)])
+@pytest.mark.parametrize("name, in_backward", [("galore-adamw", False), pytest.param("apollo", True, marks=pytest.mark.slow),
+                                               pytest.param("adamw", True, marks=pytest.mark.slow)])
 def test_a_deep_model_is_planned_as_every_block_profiled(tiny_model_config, monkeypatch, name, in_backward):
     """A deep model's optimizer step is profiled whole, apart from its blocks: each projection the refresh replaces
     is freed there (counted as held before), as the full profile sees it."""

@@ -43,15 +43,16 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(C, C, bias=False)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        B, T, C = x.shape
-        hd, kv = self.head_dim, self.n_kv_head
-        q = self.q_proj(x).view(B, T, self.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, kv, hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, kv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        B, T, _ = x.shape
+        hd = self.head_dim
+        # The heads are counted from the projections (-1): under tensor parallelism each rank holds some of them.
+        q = self.q_proj(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
         cos, sin = rotary(T, hd, self.theta, x.device, cache.pos if cache else 0)
         q, k = apply_rotary(q, cos, sin).type_as(v), apply_rotary(k, cos, sin).type_as(v)
         y = attend(q, k, v, cache, self.dropout if self.training else 0.0)  # (B, nh, T, hd)
-        return self.o_proj(y.transpose(1, 2).contiguous().view(B, T, C))  # (B, T, C)
+        return self.o_proj(y.transpose(1, 2).contiguous().view(B, T, -1))  # (B, T, C)
 
 
 class SwiGLU(nn.Module):

@@ -1,0 +1,108 @@
+"""Tensor and sequence parallelism over fitgpt's Llama model, with PyTorch's own tensor parallelism (DTensor,
+``parallelize_module``, ``SequenceParallel``, ``loss_parallel``), laid out as torchtitan lays out Llama and as
+Korthikanti et al. (2022) describe it:
+
+- each block's query, key, value, gate and up projections column-wise (each rank holds some heads and some of the MLP's
+  hidden units), its output and down projections row-wise, their results reduce-scattered on the sequence;
+- the norms (and the dropout after each residual branch) sequence-parallel: between blocks every activation is
+  sharded on the sequence, (B, T / tp, C) a rank; each branch all-gathers its input;
+- the token embedding row-wise (the vocabulary sharded) into sequence shards, and the head column-wise into logits
+  sharded on the vocabulary, which ``loss_parallel`` reduces to the loss without ever gathering them whole.
+
+Dropout on a sharded activation draws from DTensor's RNG tracker: the ranks share one seed, each shard its own
+offset, so the masks are consistent across the TP ranks (a replicated tensor gets the same mask on each).
+
+The model knows nothing of this: its attention counts its heads from its projections, which is all it needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from fitgpt.model.config import ModelConfig
+
+
+def tensor_parallel_refusal(cfg: ModelConfig, tp: int) -> str | None:
+    """Why ``cfg``'s model cannot be split over ``tp`` ranks (one line naming what to change); None: it can."""
+    if cfg.arch != "llama":
+        return (f"--tensor-parallel {tp}: GPT-2's block projects query, key and value in one fused matrix, which is not "
+                "split by heads yet: use --model.arch llama (or drop --tensor-parallel)")
+    if cfg.tie_embeddings:
+        return (f"--tensor-parallel {tp} shards the embedding and the head on different sides of the vocabulary: "
+                "untie them (--model.tie-embeddings False)")
+    for name, n in (("n_head", cfg.n_head), ("n_kv_head", cfg.kv_heads), ("vocab_size", cfg.vocab_size),
+                    ("ffn_hidden", cfg.mlp_hidden)):
+        if n % tp:
+            return (f"--tensor-parallel {tp} splits the model's {name} ({n}) into {tp} equal parts: choose a degree that "
+                    f"divides it, or change --model.{name.replace('_', '-')}")
+    return None
+
+
+class _LossParallelHead(ColwiseParallel):
+    """The head column-wise (its weight sharded on the vocabulary), taking the block's sequence shards and giving
+    logits sharded on the vocabulary, kept as a DTensor for ``loss_parallel``. fitgpt's head also takes the targets
+    and returns (logits, loss): both pass through."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs[:1], device_mesh)
+        return (x, *inputs[1:])
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if isinstance(outputs, tuple):  # (logits, loss): the loss is loss_parallel's, already whole
+            return (ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs[0], device_mesh),
+                    *outputs[1:])
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
+def _block_plan() -> dict:
+    gathered = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {
+        "ln1": SequenceParallel(),
+        # The attention's inputs: the normed activation, all-gathered, and the key/value cache (None in training).
+        "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
+        "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "ln2": SequenceParallel(),
+        "mlp": gathered,
+        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Split ``model`` (fitgpt's Llama ``Transformer``, whole on every rank, the same weights) over ``mesh``'s ranks
+    in place: each rank keeps its shards. Before activation checkpointing, compile and FSDP."""
+    if why := tensor_parallel_refusal(model.config, mesh.size()):
+        raise ValueError(why)
+    for block in model.attn_blocks:
+        parallelize_module(block, mesh, _block_plan())
+    parallelize_module(model, mesh, {
+        "token_embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "layer_norm": SequenceParallel(),
+        "lm_head": _LossParallelHead(),
+    })
+
+
+def step_context(model: nn.Module) -> contextlib.AbstractContextManager:
+    """What a step of ``model`` runs in: ``loss_parallel`` where its head gives vocabulary-sharded logits (the loss's
+    forward and backward both need it), else nothing."""
+    head = getattr(model, "lm_head", None)
+    return loss_parallel() if isinstance(getattr(head, "weight", None), DTensor) else contextlib.nullcontext()
+
