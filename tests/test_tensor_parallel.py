@@ -89,3 +89,59 @@ def test_what_cannot_be_split_is_refused_in_one_line(change, words):
     why = tensor_parallel_refusal(dataclasses.replace(CFG, **change), 2)
     assert why is not None and words in why and "\n" not in why
     assert tensor_parallel_refusal(CFG, 4) is None and tensor_parallel_refusal(CFG, 8) is not None  # 4 kv heads
+
+
+def _flags(data_dir, corpus_dir, out, *extra):
+    """Llama (the llama-tiny preset, untied), no dropout, 6 steps of batch 4, a checkpoint at 3 and 6."""
+    return ["train", "--preset", "llama-tiny", "--model.tie-embeddings", "False", "--data.dir", str(data_dir),
+            "--data.inputs", str(corpus_dir), "--data.vocab-size", "512", "--batch-size", "4", "--max-steps", "6",
+            "--checkpoint-interval", "3", "--log-interval", "1", "--eval-interval", "3", "--eval-batches", "2",
+            "--out-dir", str(out), "--no-progress", "--no-tensorboard", *extra]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_torchrun_tensor_parallel_trains_as_one_process_and_its_checkpoint_opens_in_one(data_dir, corpus_dir, tmp_path,
+                                                                                      capsys):
+    """`torchrun --nproc-per-node 2 -m fitgpt train --tensor-parallel 2`: every logged loss within fp32 rounding of
+    one process's (the same batches on both ranks, which draw them as one process does), its distributed checkpoint
+    read whole by `generate` in one process, and a resume from it under torchrun ends where the straight run did."""
+    import json
+
+    from test_distributed import finish, torchrun
+
+    from fitgpt.cli import main
+
+    assert main(_flags(data_dir, corpus_dir, tmp_path / "one", "--activation-checkpointing", "block")) == 0
+    _, err = finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "tp", "--tensor-parallel", "2",
+                                    "--activation-checkpointing", "block"), tmp_path))
+    assert "global batch 4 = 4 per micro-batch x 1 accumulation x 1 data-parallel process, tensor parallel over 2" in err
+
+    def losses(run):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
+
+    (one, one_val), (tp, tp_val) = losses(tmp_path / "one"), losses(tmp_path / "tp")
+    assert len(one) == len(tp) == 6 and len(one_val) == len(tp_val) == 2
+    torch.testing.assert_close(torch.tensor(tp + tp_val), torch.tensor(one + one_val), rtol=1e-4, atol=0)
+    capsys.readouterr()
+    assert main(["generate", "--run", str(tmp_path / "tp"), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+    assert "def " in capsys.readouterr().out
+    # Resumed at step 3 under torchrun: the same losses after.
+    finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "tp", "--tensor-parallel", "2", "--activation-checkpointing",
+                           "block", "--resume", str(tmp_path / "tp" / "checkpoints" / "step_00000003")), tmp_path))
+    again, again_val = losses(tmp_path / "tp")
+    torch.testing.assert_close(torch.tensor(again[-3:] + again_val[-1:]), torch.tensor(tp[-3:] + tp_val[-1:]), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--tensor-parallel", "2"], "launch exactly 2"),
+    (["--tensor-parallel", "0"], "tensor_parallel"),
+])
+def test_a_launch_tensor_parallelism_cannot_take_is_refused_in_one_line(extra, words, data_dir, corpus_dir, tmp_path, capsys):
+    from fitgpt.cli import main
+
+    assert main(_flags(data_dir, corpus_dir, tmp_path / "run", *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run" / "checkpoints").exists()

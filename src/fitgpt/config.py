@@ -173,6 +173,9 @@ class TrainConfig:
     block+chunked-loss, ..., or auto (needs --memory-budget)."""
     parallel: Literal["ddp", "fsdp"] = "ddp"
     """Under torchrun: ddp (a full replica per process) or fsdp (weights, gradients and optimizer state sharded)."""
+    tensor_parallel: int = 1
+    """Under torchrun, split each block over this many processes (tensor and sequence parallelism, PyTorch's; Llama,
+    untied): as many as torchrun starts, every one on the same batch."""
     fsdp_offload: bool = False
     """With --parallel fsdp: keep parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy);
     the optimizer steps on the CPU. For weights and optimizer state larger than the card."""
@@ -211,7 +214,7 @@ class TrainConfig:
         require_not_empty(self, ("preset", "config", "device", "activation_checkpointing", "memory_budget", "out_dir",
                                  "init_from", "resume"))
         require_positive_ints(self, ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval",
-                                     "checkpoint_interval", "keep_last"))
+                                     "checkpoint_interval", "keep_last", "tensor_parallel"))
         if self.resume and self.overwrite:
             raise UserError("--resume continues the run in --out-dir and --overwrite removes it; drop one of them")
         if not self.dist_timeout > 0:
@@ -384,8 +387,7 @@ def load_config(preset: str = "tiny", config: str | None = None, overrides: dict
 
 
 def load_config_named_in(args: list[str]) -> TrainConfig:
-    """The config that --preset and --config in ``args`` name (the other flags are parsed over it, as the defaults of
-    `fitgpt train`, and of `plan`, `fit` and `bench`, which take train's flags)."""
+    """The config --preset and --config in ``args`` name: the defaults train, plan, fit and bench parse flags over."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", default="tiny")
     pre.add_argument("--config", default=None)
@@ -393,7 +395,7 @@ def load_config_named_in(args: list[str]) -> TrainConfig:
     return load_config(known.preset, known.config)
 
 
-def to_dict(cfg: TrainConfig) -> dict:
+def to_dict(cfg: TrainConfig) -> dict:  # noqa: D103
     d = dataclasses.asdict(cfg)
     d["data"]["inputs"] = list(d["data"]["inputs"])
     return d

@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from fitgpt.config import TrainConfig
 from fitgpt.model.config import ModelConfig
 
 
@@ -50,6 +51,26 @@ def tensor_parallel_refusal(cfg: ModelConfig, tp: int) -> str | None:
     return None
 
 
+def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
+    """Why ``cfg`` cannot train with --tensor-parallel under a launch of ``world`` processes (one line naming what to
+    change); None: it can. What is not built yet is refused rather than left to fail."""
+    tp = cfg.tensor_parallel
+    if world != tp:
+        return (f"--tensor-parallel {tp} under {world} process{'es' if world > 1 else ''}: launch exactly {tp} "
+                f"(torchrun --nproc-per-node {tp}); a data-parallel dimension beside it (FSDP x TP) is not built yet")
+    if cfg.parallel == "fsdp":
+        return f"--tensor-parallel {tp} with --parallel fsdp (FSDP x TP) is not built yet: drop --parallel fsdp"
+    if cfg.optim.name != "adamw" or cfg.optim.offload:
+        return f"--tensor-parallel {tp} is tested with AdamW on the card: use --optim.name adamw without --optim.offload"
+    if cfg.compile:
+        return f"--tensor-parallel {tp} is not yet tested with --compile: drop --compile"
+    spec = cfg.activation_checkpointing
+    if spec == "auto" or "loss" in spec or "offload" in spec:
+        return (f"--tensor-parallel {tp} takes the per-block policies (none, block, selective, pointwise, ...), not "
+                f"{spec!r}: auto is not planned per TP rank yet, and the loss heads and offload are not split yet")
+    return tensor_parallel_refusal(cfg.model, tp)
+
+
 class _LossParallelHead(ColwiseParallel):
     """The head column-wise (its weight sharded on the vocabulary), taking the block's sequence shards and giving
     logits sharded on the vocabulary, kept as a DTensor for ``loss_parallel``. fitgpt's head also takes the targets
@@ -65,9 +86,10 @@ class _LossParallelHead(ColwiseParallel):
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        if isinstance(outputs, tuple):  # (logits, loss): the loss is loss_parallel's, already whole
-            return (ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs[0], device_mesh),
-                    *outputs[1:])
+        if isinstance(outputs, tuple):  # (logits, loss): loss_parallel's loss is whole on every rank, handed on local
+            logits, loss = outputs
+            logits = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, logits, device_mesh)
+            return logits, loss.to_local() if isinstance(loss, DTensor) else loss
         return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 

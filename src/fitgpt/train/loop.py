@@ -94,7 +94,7 @@ class Progress:
 
 
 def tokens_per_step(cfg: TrainConfig, info: dist_utils.DistInfo) -> int:
-    return cfg.batch_size * cfg.grad_accum * cfg.model.context_length * info.world
+    return cfg.batch_size * cfg.grad_accum * cfg.model.context_length * info.world // cfg.tensor_parallel
 
 
 def run_loop(run: LoopState, start_step: int) -> Progress:

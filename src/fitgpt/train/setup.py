@@ -145,10 +145,17 @@ def choose_policy(cfg: TrainConfig, planner: Planner | None, device: torch.devic
 
 def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist_utils.DistInfo, device: torch.device,
                   dtype: torch.dtype | None, inspect: Callable[[nn.Module], None] | None = None) -> nn.Module:
-    """The one place a model is made ready to train, in this order on every rank: activation checkpointing
-    (in place), then torch.compile (the whole model; under FSDP each block, as torchtitan does), then DDP or FSDP.
+    """The one place a model is made ready to train, in this order on every rank: tensor parallelism (in place), then
+    activation checkpointing (in place), then torch.compile (the whole model; under FSDP each block, as torchtitan
+    does), then DDP or FSDP.
     Returns the module the steps call. ``inspect`` sees the checkpointed model before it is compiled or sharded (the
     trainer measures its activations there)."""
+    if cfg.tensor_parallel > 1:  # split first, as torchtitan orders them; the processes are its only dimension
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from fitgpt.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, init_device_mesh(device.type, (cfg.tensor_parallel,), mesh_dim_names=("tp",)))
     apply_activation_checkpointing(model, policy)
     log.info("checkpointing %s", policy.describe(cfg.model.n_blocks))
     if inspect is not None:
@@ -158,4 +165,6 @@ def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist
         compile_blocks(model)
     step_model = torch.compile(model) if cfg.compile and not sharded else model
     _, param_dtype = precision_roles(dtype, cfg.parallel == "fsdp")
+    if cfg.tensor_parallel > 1:  # every process is one tensor-parallel group's: no data-parallel wrapper
+        return step_model
     return dist_utils.wrap(step_model, info, cfg.parallel, device, param_dtype, cfg.fsdp_offload)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from fitgpt import tensor_parallel
 from fitgpt.activation_checkpoint import Policy, remove_activation_checkpointing
 from fitgpt.config import TrainConfig
 from fitgpt.data.loader import BatchSampler, TokenData
@@ -128,6 +129,8 @@ def _check_launch(cfg: TrainConfig, info: dist_utils.DistInfo) -> None:
         raise UserError(fsdp_optimizer_refusal(cfg.optim))
     if cfg.optim.in_backward and info.enabled:
         raise UserError(IN_BACKWARD_ONE_PROCESS)
+    if cfg.tensor_parallel > 1 and (why := tensor_parallel.launch_refusal(cfg, info.world)):
+        raise UserError(why)
     if cfg.model.weights_dtype == "bf16" and info.enabled:
         raise UserError("--model.weights-dtype bf16 rounds each update into the weights in one process; under torchrun "
                         "use fp32 weights (FSDP's pure bf16: --parallel fsdp --precision bf16), or train in one process")
@@ -165,13 +168,16 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     if cfg.init_from and not cfg.resume and shards == 1:
         init_from_hf(cfg, model, info, device, sharded=False)
     scaler = grad_scaler(device, dtype)
-    # Each rank samples its own windows; rank 0 draws exactly what a single process would.
-    sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + info.rank,
+    # Each data-parallel rank samples its own windows (the ranks of one tensor-parallel group, the same ones); rank 0
+    # draws exactly what a single process would.
+    sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length,
+                           seed=cfg.seed + info.rank // cfg.tensor_parallel,
                            vocab_size=data.vocab_size)
     if info.is_main and not cfg.resume:  # a fresh run's, before planning (its retry after a failed plan is not blocked)
         write_run_files(cfg)
     policy, planned = choose_policy(cfg, planner, device, info)
-    act = _measure_activations(model, policy, cfg, data, device, info) if shards == 1 else None
+    whole = shards == 1 and cfg.tensor_parallel == 1  # the model each rank trains is the whole model
+    act = _measure_activations(model, policy, cfg, data, device, info) if whole else None
     if shards > 1:
         log.info("activation memory: not measured before sharding (the model is never whole on a rank); "
                  "metrics.jsonl records each logged step's peak, and with --activation-checkpointing auto every rank's "
@@ -201,7 +207,8 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
                     planned, metrics, saver)
     t_start = time.perf_counter()
     try:
-        progress = run_loop(run, start_step)
+        with tensor_parallel.step_context(model):  # loss_parallel, over a head split on the vocabulary
+            progress = run_loop(run, start_step)
     except BaseException:
         if saver:
             saver.close_after_failure()
@@ -222,12 +229,14 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
 
 def _log_start(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, device: torch.device, dtype: torch.dtype | None,
                start_step: int) -> None:
+    tp = cfg.tensor_parallel
+    layout = f", tensor parallel over {tp}" if tp > 1 else f", {cfg.parallel}" if info.enabled else ""
     log.info(
         "training %s (%.2fM params) on %s, %s, %d tokens/step (global batch %d = %d per micro-batch x %d accumulation x %d "
-        "process%s%s), %s, steps %d -> %d, run dir %s",
+        "data-parallel process%s%s), %s, steps %d -> %d, run dir %s",
         cfg.preset, model.num_params() / 1e6, device, dtype or "fp32", tokens_per_step(cfg, info),
-        cfg.batch_size * cfg.grad_accum * info.world, cfg.batch_size, cfg.grad_accum, info.world, "es" if info.world > 1 else "",
-        f", {cfg.parallel}" if info.enabled else "", describe_optimizer(cfg.optim, device), start_step, cfg.max_steps,
+        cfg.batch_size * cfg.grad_accum * info.world // tp, cfg.batch_size, cfg.grad_accum, info.world // tp,
+        "es" if info.world // tp > 1 else "", layout, describe_optimizer(cfg.optim, device), start_step, cfg.max_steps,
         cfg.run_dir,
     )
     if device.type == "cuda":  # what the plan's replay should model: plan --alloc-conf, or the same environment
