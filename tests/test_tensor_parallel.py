@@ -77,6 +77,53 @@ def test_tensor_parallel_equals_one_process(tp, tmp_path):
             torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-7, msg=f"{spec} {name}")
 
 
+def _memory_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Each rank's measured peak of a steady step (the trainer's train_step, AdamW's state made by a first step)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fitgpt.config import OptimConfig
+    from fitgpt.memory.timeline import measure_train_step
+    from fitgpt.optim import build_optimizer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo")
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        peaks = {}
+        for spec in ("none", "block", "selective"):
+            torch.manual_seed(0)
+            model = Transformer(CFG)
+            apply_tensor_parallel(model, mesh)
+            apply_activation_checkpointing(model, spec)
+            opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
+            with step_context(model):
+                measure_train_step(model, opt, [_batch()], grad_clip=1.0)  # the optimizer state exists from here on
+                peaks[spec] = measure_train_step(model, opt, [_batch()], grad_clip=1.0).peak
+        torch.save(peaks, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_each_tensor_parallel_rank_is_planned_to_the_byte(tmp_path):
+    """`plan --tensor-parallel 2`'s profile: one rank's step on 2 fake ranks, split as the trainer splits it, against
+    each gloo rank's measured peak, for none, block and selective."""
+    from fitgpt.config import OptimConfig
+    from fitgpt.estimate.profile import profile_model
+    from fitgpt.plan import Plan, predict
+
+    out = str(tmp_path / "peaks")
+    mp.spawn(_memory_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    profile = profile_model(CFG, 2, CFG.context_length, "cpu", OptimConfig(), fake=True, tp_ranks=2)
+    whole = profile_model(CFG, 2, CFG.context_length, "cpu", OptimConfig(), fake=True)
+    for rank in range(2):
+        measured = torch.load(f"{out}.{rank}")
+        for spec, peak in measured.items():
+            predicted = predict(profile, Plan.uniform(CFG.n_blocks, spec)).peak
+            assert predicted == peak, (rank, spec, predicted, peak)
+            assert predicted < predict(whole, Plan.uniform(CFG.n_blocks, spec)).peak
+
+
 @pytest.mark.parametrize("change, words", [
     ({"arch": "gpt2", "n_kv_head": None}, "--model.arch llama"),
     ({"tie_embeddings": True}, "--model.tie-embeddings False"),
@@ -145,3 +192,39 @@ def test_a_launch_tensor_parallelism_cannot_take_is_refused_in_one_line(extra, w
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_plan_takes_the_tensor_parallel_degree_and_prints_the_torchrun_command(capsys):
+    """One rank of two, profiled on fake ranks: the weights, gradients and moments are half the whole model's, and the
+    command it prints launches the split."""
+    import json
+
+    from fitgpt.cli import main
+
+    flags = ["plan", "--preset", "llama-tiny", "--model.tie-embeddings", "False", "--gpu", "rtx-4090",
+             "--activation-checkpointing", "block"]
+    assert main(flags) == 0
+    whole = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*flags, "--tensor-parallel", "2"]) == 0
+    out = capsys.readouterr().out
+    split = json.loads(out.strip().splitlines()[-1])
+    assert "torchrun --nproc-per-node 2 -m fitgpt train" in out and "--tensor-parallel 2" in out
+    assert "--activation-checkpointing auto" not in out  # the trainer plans auto for one rank's whole model only
+    for part in ("params", "optimizer"):
+        assert abs(split["breakdown"][part] - whole["breakdown"][part] / 2) <= 512 * 64, part  # the norms stay whole
+    assert split["predicted_peak"] < whole["predicted_peak"]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--tensor-parallel", "2", "--world-size", "4", "--parallel", "fsdp"], "FSDP x TP is not built yet"),
+    (["--tensor-parallel", "2", "--report", "REPORT"], "not built yet: drop --report"),
+    (["--tensor-parallel", "2", "--model.tie-embeddings", "True"], "--model.tie-embeddings False"),
+    (["--tensor-parallel", "2", "--activation-checkpointing", "block+fused-loss"], "loss heads"),
+])
+def test_plan_refuses_what_it_cannot_split_in_one_line(extra, words, tmp_path, capsys):
+    from fitgpt.cli import main
+
+    args = ["plan", "--preset", "llama-tiny", "--model.tie-embeddings", "False", "--gpu", "rtx-4090"]
+    assert main([*args, *[str(tmp_path / "r") if a == "REPORT" else a for a in extra]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1, err

@@ -19,8 +19,10 @@ from fitgpt.estimate.profile import BLOCK_OPTIONS, named_options
 from fitgpt.estimate.timing import host_seconds_per_byte
 from fitgpt.memory.picture import draw, peak_of, timeline
 from fitgpt.memory.snapshot import first_difference, read_snapshot, write_snapshot
+from fitgpt.model.config import require_positive_ints
 from fitgpt.optim import describe_optimizer
 from fitgpt.plan.solver import Plan, PlanError, predict, solve
+from fitgpt.tensor_parallel import launch_refusal
 from fitgpt.units import format_bytes
 from fitgpt.utils import outputs_apart, writable_dir
 
@@ -41,6 +43,9 @@ class PlanConfig(BudgetConfig):
     compare: Optional[str] = None
     """A measured snapshot (fitgpt train --memory-snapshot N, or torch.cuda.memory._dump_snapshot) to compare the
     plan's step with: the first point where they part is named, and --report draws both."""
+    tensor_parallel: int = 1
+    """As for fitgpt train: one rank of this many, each block split over them (tensor and sequence parallelism),
+    profiled on fake ranks; --world-size is this many."""
 
     def __post_init__(self) -> None:
         require_not_empty(self, ("report", "memory_snapshot", "compare"))
@@ -49,6 +54,7 @@ class PlanConfig(BudgetConfig):
                       [("--memory-snapshot", self.memory_snapshot), ("--report", report and report / "plan.json"),
                        ("--report", report and report / "plan.png")])
         super().__post_init__()
+        self._check_tensor_parallel()
         if self.activation_checkpointing != "auto":
             self.check_policy(self.activation_checkpointing)
         if self.compare:  # read now: a file that is not a snapshot is refused before anything is profiled
@@ -61,6 +67,33 @@ class PlanConfig(BudgetConfig):
             if Path(self.memory_snapshot).is_dir():
                 raise UserError(f"--memory-snapshot {self.memory_snapshot} is a folder; name a file, e.g. plan.pickle")
             writable_dir(Path(self.memory_snapshot).parent, "--memory-snapshot")
+
+
+    def _check_tensor_parallel(self) -> None:
+        """What planning per tensor-parallel rank takes: the trainer's refusals, and what is not planned yet."""
+        tp = self.tensor_parallel
+        require_positive_ints(self, ("tensor_parallel",))
+        if tp == 1:
+            return
+        if self.world_size not in (1, tp) or self.parallel == "fsdp":
+            raise UserError(f"--tensor-parallel {tp} is planned over {tp} ranks alone (FSDP x TP is not built yet): drop "
+                            "--world-size and --parallel fsdp")
+        if self.hf_config or self.device:
+            raise UserError(f"--tensor-parallel {tp} splits fitgpt's own model, planned on fake ranks: drop "
+                            f"{'--hf-config' if self.hf_config else '--device'}")
+        if self.report or self.memory_snapshot or self.compare:
+            raise UserError(f"--tensor-parallel {tp}: the pictures and snapshots of a split step are not built yet: drop "
+                            "--report, --memory-snapshot and --compare")
+        why = launch_refusal(dataclasses.replace(self.train_config(), activation_checkpointing="none"), tp)
+        if why:
+            raise UserError(why)
+        if "loss" in self.activation_checkpointing or "offload" in self.activation_checkpointing:
+            raise UserError(f"--tensor-parallel {tp}: the loss heads and offload are not split yet: use a per-block "
+                            "policy or auto")
+        self.world_size = tp
+
+    def train_config(self) -> TrainConfig:
+        return dataclasses.replace(super().train_config(), tensor_parallel=self.tensor_parallel)
 
 
 def _pictures(cfg: PlanConfig, spec: str, budget: int) -> None:
@@ -238,8 +271,9 @@ def run(args: list[str]) -> int:
         print(f"no train command: this plan does not fit {where}")
     else:
         planned = dataclasses.replace(tcfg, activation_checkpointing=spec)
-        print(w.how_to_train(planned) + ("" if w.source else
-                                         f"   (or: --activation-checkpointing auto --memory-budget {_budget_flag(cfg, budget)})"))
+        auto = not w.source and cfg.tensor_parallel == 1  # the trainer plans auto in one rank's shape only
+        print(w.how_to_train(planned) + (f"   (or: --activation-checkpointing auto --memory-budget {_budget_flag(cfg, budget)})"
+                                         if auto else ""))
     _pictures(cfg, spec, budget)
     print(json.dumps({"policy": spec, "budget": budget, "predicted_peak": pred.peak, "where": pred.where,
                       "breakdown": pred.breakdown(), "flops_ratio": pred.flops_ratio, "profile_seconds": profile.seconds,

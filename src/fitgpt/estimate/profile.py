@@ -43,6 +43,7 @@ from fitgpt.memory.timeline import (
 from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
 from fitgpt.parallel import fsdp_shard, precision_roles
+from fitgpt.tensor_parallel import step_context
 from fitgpt.utils import Forked
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,8 @@ def _head_option(tl: StepTimeline, base: StepTimeline, held: int = 0) -> HeadOpt
 def profile_model(model: ModelConfig | ModelSource, batch_size: int, context: int | None = None, device: str | torch.device = "cpu",
                   optim_cfg=None, grad_accum: int = 1, dtype: torch.dtype | None = None, seed: int = 0,
                   persistent_grads: bool = False, fake: bool = False, target: Target | None = None,
-                  cost: OpCost | None = None, fsdp_ranks: int = 1, extra_options: tuple[str, ...] = ()) -> StepProfile:
+                  cost: OpCost | None = None, fsdp_ranks: int = 1, extra_options: tuple[str, ...] = (),
+                  tp_ranks: int = 1) -> StepProfile:
     """Profile one training step per option (four, and one per extra option) of ``model`` on ``device``: fitgpt's own of a config,
     or any model a `fitgpt.estimate.source` builds (a Hugging Face config's, a module's).
 
@@ -175,14 +177,20 @@ def profile_model(model: ModelConfig | ModelSource, batch_size: int, context: in
     (``fitgpt.parallel``) on a fake process group in this process: every gather, reduce-scatter and shard
     is the real one's, in its dtype (tested equal to each rank's measured peak under torchrun).
     ``extra_options``: options of EXTRA_OPTIONS to profile besides BLOCK_OPTIONS (one more step each).
+    ``tp_ranks``: above 1, the step of one rank of that many under tensor and sequence parallelism, split as the
+    trainer splits (``fitgpt.tensor_parallel``) on a fake process group (not with ``fsdp_ranks`` yet).
     """
-    with fake_ranks(fsdp_ranks) if fsdp_ranks > 1 else contextlib.nullcontext() as mesh:
+    if fsdp_ranks > 1 and tp_ranks > 1:
+        raise ValueError("FSDP x TP is not planned yet")  # refused before, by the flags
+    ranks = max(fsdp_ranks, tp_ranks)
+    with fake_ranks(ranks) if ranks > 1 else contextlib.nullcontext() as mesh:
         return _profile_model(as_source(model), batch_size, context, device, optim_cfg, grad_accum, dtype, seed,
-                              persistent_grads, fake, target, cost, mesh, extra_options)
+                              persistent_grads, fake, target, cost, mesh if fsdp_ranks > 1 else None, extra_options,
+                              mesh if tp_ranks > 1 else None)
 
 
 def _profile_model(source, batch_size, context, device, optim_cfg, grad_accum, dtype, seed, persistent_grads, fake,
-                   target, cost, mesh, extra_options) -> StepProfile:
+                   target, cost, mesh, extra_options, tp_mesh=None) -> StepProfile:
     t0 = time.perf_counter()
     device = torch.device(device)
     target = target or Target(device.type)
@@ -192,7 +200,7 @@ def _profile_model(source, batch_size, context, device, optim_cfg, grad_accum, d
     if context > source.context_length:
         source = source.at(context=context)
     run = _Subject(source, batch_size, context, device, optim_cfg or OptimConfig(), grad_accum, dtype, persistent_grads, target,
-               simulated=target.cuda and device.type != "cuda", cost=cost, mesh=mesh,
+               simulated=target.cuda and device.type != "cuda", cost=cost, mesh=mesh, tp_mesh=tp_mesh,
                options=BLOCK_OPTIONS + tuple(o for o in EXTRA_OPTIONS if o in extra_options))
     torch.manual_seed(seed)
     if not fake:
@@ -216,7 +224,11 @@ def fake_model(source: ModelSource, device: torch.device) -> tuple[torch.nn.Modu
 
 
 def _sharded(model: torch.nn.Module, run: _Subject) -> torch.nn.Module:
-    """The model as one rank of ``run``'s FSDP holds it (unchanged without FSDP)."""
+    """The model as one rank of ``run``'s FSDP, or of its tensor parallelism, holds it (unchanged without either)."""
+    if run.tp_mesh is not None:
+        from fitgpt.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, run.tp_mesh)
     if run.mesh is not None:
         fsdp_shard(model, precision_roles(run.dtype, True)[1], mesh=run.mesh)  # as the trainer: pure half precision
     return model
@@ -279,6 +291,8 @@ class _Subject:
     """The fake ranks' DeviceMesh when the step is one rank's under FSDP (None: one process, or DDP)."""
     options: tuple[str, ...] = BLOCK_OPTIONS
     """The block options profiled, one step each."""
+    tp_mesh: object = None
+    """The fake ranks' DeviceMesh when the step is one rank's under tensor parallelism (None: not split)."""
 
     @property
     def backend(self) -> str:
@@ -312,10 +326,12 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
 
     accumulate = grad_accum > 1 or run.persistent_grads
     timelines: dict[str, StepTimeline] = {}
-    runs = {o: r for o, r in (_RUNS if run.source.chunked_head else _PLAIN_RUNS).items() if o in run.options}
+    # The loss heads replace the head's forward, which tensor parallelism splits: its plans keep the plain head.
+    chunked = run.source.chunked_head and run.tp_mesh is None
+    runs = {o: r for o, r in (_RUNS if chunked else _PLAIN_RUNS).items() if o in run.options}
     # A CUDA step's tensors get CUDA autocast's dtypes, not the CPU's we run on.
     rules = cuda_autocast_rules() if run.simulated and run.dtype else contextlib.nullcontext()
-    with rules, sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext():
+    with rules, sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext(), step_context(model):
         if accumulate:  # gradients stay allocated between micro-batches: give them their tensors up front
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)

@@ -58,8 +58,8 @@ class Workload:
 
     @property
     def persistent_grads(self) -> bool:
-        """DDP keeps every gradient in its buckets between steps."""
-        return self.world_size > 1 and self.train.parallel == "ddp"
+        """DDP keeps every gradient in its buckets between steps (tensor parallelism has no DDP around it)."""
+        return self.world_size > 1 and self.train.parallel == "ddp" and self.train.tensor_parallel == 1
 
     @property
     def fsdp_ranks(self) -> int:
@@ -74,7 +74,7 @@ class Workload:
         args = (self.model, batch_size or t.batch_size, context or self.context, self.device)
         kw = {"optim_cfg": t.optim, "grad_accum": t.grad_accum, "dtype": self.dtype, "seed": t.seed,
               "persistent_grads": self.persistent_grads, "fake": self.fake, "target": self.target, "cost": self.cost,
-              "fsdp_ranks": self.fsdp_ranks, "extra_options": extra_options}
+              "fsdp_ranks": self.fsdp_ranks, "extra_options": extra_options, "tp_ranks": t.tensor_parallel}
         try:
             return profile_model(*args, **kw)
         except RanksBusy:  # under torchrun: the fake ranks get a process of their own
@@ -86,6 +86,8 @@ class Workload:
         otherwise."""
         if not (self.target.cuda and self.fake) or "offload" in policy or self.train.fsdp_offload:
             return None  # offload copies nothing on the CPU the replay runs on
+        if self.train.tensor_parallel > 1:
+            return None  # a split step is not replayed through the allocator yet
         t = self.train
         args = (self.model, policy, t.batch_size, self.context, t.grad_accum, self.dtype, t.optim, self.target)
         kw = {"ranks": self.world_size, "parallel": t.parallel}
