@@ -1,0 +1,128 @@
+"""Tensor parallelism on gloo CPU ranks (issue 45): each rank's measured peak against the plan of one rank (fake ranks),
+per policy, at 1 x 2 and 1 x 4; each block's kept activation bytes per rank beside Korthikanti et al.'s formulas; and
+the step time the split costs on this CPU against one process.
+
+    python benchmarks/tp_check.py            # a minute or two on 2 cores
+
+Prints Markdown tables for benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fitgpt.activation_checkpoint import apply_activation_checkpointing
+from fitgpt.config import OptimConfig
+from fitgpt.estimate.profile import profile_model
+from fitgpt.memory.timeline import measure_train_step
+from fitgpt.model import ModelConfig, Transformer
+from fitgpt.optim import build_optimizer
+from fitgpt.plan import Plan, predict
+from fitgpt.tensor_parallel import apply_tensor_parallel, step_context
+
+# Llama, 8 heads sharing 4 key/value heads, 256 wide, 4 blocks, untied; batch 4 x 256.
+CFG = ModelConfig(arch="llama", vocab_size=2048, context_length=256, n_embed=256, n_head=8, n_kv_head=4, n_blocks=4,
+                  dropout=0.0, tie_embeddings=False)
+B = 4
+POLICIES = ("none", "block", "selective")
+
+
+def _batch():
+    idx = torch.randint(0, CFG.vocab_size, (B, CFG.context_length + 1), generator=torch.Generator().manual_seed(1))
+    return [(idx[:, :-1].contiguous(), idx[:, 1:].contiguous())]
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        rows = {}
+        for spec in POLICIES:
+            torch.manual_seed(0)
+            model = Transformer(CFG)
+            apply_tensor_parallel(model, mesh)
+            apply_activation_checkpointing(model, spec)
+            opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
+            with step_context(model):
+                measure_train_step(model, opt, _batch(), grad_clip=1.0)
+                t0 = time.perf_counter()
+                peak = measure_train_step(model, opt, _batch(), grad_clip=1.0).peak
+                rows[spec] = (peak, time.perf_counter() - t0)
+        torch.save(rows, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_process() -> dict[str, float]:
+    times = {}
+    for spec in POLICIES:
+        torch.manual_seed(0)
+        model = Transformer(CFG)
+        apply_activation_checkpointing(model, spec)
+        opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
+        measure_train_step(model, opt, _batch(), grad_clip=1.0)
+        t0 = time.perf_counter()
+        measure_train_step(model, opt, _batch(), grad_clip=1.0)
+        times[spec] = time.perf_counter() - t0
+    return times
+
+
+def _korthikanti(tp: int) -> dict[str, float]:
+    """Bytes a layer keeps in fp32 by their formulas (they count 2-byte activations: doubled here), s x b x h."""
+    s, b, h, a = CFG.context_length, B, CFG.n_embed, CFG.n_head
+    sbh = s * b * h
+    return {"none, no TP": 2 * sbh * (34 + 5 * a * s / h),
+            "none, TP": 2 * sbh * (10 + 24 / tp + 5 * a * s / (h * tp)),
+            "none, TP + SP": 2 * sbh / tp * (34 + 5 * a * s / h),
+            "block (full recompute), TP + SP": 2 * 2 * sbh / tp}
+
+
+def main() -> None:
+    whole = profile_model(CFG, B, CFG.context_length, "cpu", OptimConfig(), fake=True)
+    one = _one_process()
+    print("| layout | policy | rank | measured peak | predicted peak | equal | kept a block (predicted) | step s | vs one process |")
+    print("|---|---|---:|---:|---:|---|---:|---:|---:|")
+    for spec in POLICIES:
+        pred = predict(whole, Plan.uniform(CFG.n_blocks, spec))
+        kept = whole.blocks[1][spec].saved
+        print(f"| one process | {spec} | 0 | - | {pred.peak:,} | | {kept:,} | {one[spec]:.3f} | 1.00x |")
+    for tp in (2, 4):
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "rows")
+            mp.spawn(_worker, args=(tp, _port(), out), nprocs=tp, join=True)
+            measured = [torch.load(f"{out}.{r}") for r in range(tp)]
+        profile = profile_model(CFG, B, CFG.context_length, "cpu", OptimConfig(), fake=True, tp_ranks=tp)
+        for spec in POLICIES:
+            pred = predict(profile, Plan.uniform(CFG.n_blocks, spec)).peak
+            kept = profile.blocks[1][spec].saved
+            for r, rows in enumerate(measured):
+                peak, secs = rows[spec]
+                print(f"| 1 x {tp} | {spec} | {r} | {peak:,} | {pred:,} | {'=' if peak == pred else f'{peak - pred:+,}'} | "
+                      f"{kept:,} | {secs:.3f} | {secs / one[spec]:.2f}x |", flush=True)
+    print()
+    print("| Korthikanti et al. (2022), a layer, fp32 | tp = 2 | tp = 4 |")
+    print("|---|---:|---:|")
+    k2, k4 = _korthikanti(2), _korthikanti(4)
+    for name in k2:
+        print(f"| {name} | {k2[name]:,.0f} | {k4[name]:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
