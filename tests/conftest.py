@@ -238,3 +238,23 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     unmarked = [n for n, (d, slow) in _durations.items() if d >= SLOW_S and not slow]
     if unmarked:
         tr.write_line(f"{len(unmarked)} tests took {SLOW_S:.0f} s or more without the slow mark: mark them slow")
+
+
+@pytest.fixture
+def resumes_bitwise(make_cfg):
+    """``resumes_bitwise(run, **overrides)``: a run of 4 steps, checkpointed every 2, trained straight in ``run`` and
+    then resumed from step 2, ends on the same weights bit for bit (asserted); returns those weights."""
+    from safetensors.torch import load_file
+
+    from fitgpt.train.trainer import train
+
+    def check(run: Path, **kw) -> dict:
+        kw = {"max_steps": 4, "checkpoint_interval": 2, **kw}
+        train(make_cfg(run, **kw))
+        first = load_file(str(run / "checkpoints/step_00000004/model.safetensors"))
+        train(make_cfg(run, resume=str(run / "checkpoints/step_00000002"), **kw))
+        again = load_file(str(run / "checkpoints/step_00000004/model.safetensors"))
+        assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+        return first
+
+    return check
