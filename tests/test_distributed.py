@@ -222,12 +222,8 @@ SAVE_AND_LEAVE = textwrap.dedent('''
 """The end of a torchrun helper script (prepended to it): ``save_and_leave(info, obj)``."""
 
 
-TESTS = str(Path(__file__).parent)
-"""Where helper scripts import the tests' own helpers from (``gathered``)."""
-
-
-def _on_path(folder: str) -> str:
-    return os.pathsep.join([folder, *filter(None, [os.environ.get("PYTHONPATH")])])
+TESTS = str(Path(__file__).parent)  # where helper scripts import the tests' own helpers from (``gathered``)
+_on_path = lambda folder: os.pathsep.join([folder, *filter(None, [os.environ.get("PYTHONPATH")])])  # noqa: E731
 
 
 def torchrun(args, cwd, nproc=2, script=None, **kw):

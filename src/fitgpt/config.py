@@ -174,8 +174,7 @@ class TrainConfig:
     parallel: Literal["ddp", "fsdp"] = "ddp"
     """Under torchrun: ddp (a full replica per process) or fsdp (weights, gradients and optimizer state sharded)."""
     tensor_parallel: int = 1
-    """Under torchrun, split each block over this many processes (tensor and sequence parallelism, PyTorch's; Llama,
-    untied): as many as torchrun starts, every one on the same batch."""
+    """Under torchrun, split each block over this many processes, all of them (tensor and sequence parallelism)."""
     fsdp_offload: bool = False
     """With --parallel fsdp: keep parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy);
     the optimizer steps on the CPU. For weights and optimizer state larger than the card."""
@@ -281,8 +280,7 @@ class TrainConfig:
             raise UserError("--optim.offload is one card's optimizer on its host; --fsdp-offload offloads FSDP's shards "
                             "(parameters, gradients and state): keep one of them")
 
-    def background_saves(self, device_type: str) -> bool:
-        """Whether checkpoints under torchrun are written in the background on a device of ``device_type``."""
+    def background_saves(self, device_type: str) -> bool:  # checkpoints written in the background on this device
         return self.async_checkpoint == "on" or (self.async_checkpoint == "auto" and device_type == "cuda")
 
     @property
