@@ -48,7 +48,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             with step_context(model):
                 loss = model(x, y)[1]
                 loss.backward()
-            results[spec] = {"loss": loss.full_tensor(), "grads": _grads(model), "q_rows": q_rows}
+            results[spec] = {"loss": loss.detach(), "grads": _grads(model), "q_rows": q_rows}  # whole on every rank
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -162,7 +162,7 @@ def test_torchrun_tensor_parallel_trains_as_one_process_and_its_checkpoint_opens
     assert main(_flags(data_dir, corpus_dir, tmp_path / "one", "--activation-checkpointing", "block")) == 0
     _, err = finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "tp", "--tensor-parallel", "2",
                                     "--activation-checkpointing", "block"), tmp_path))
-    assert "global batch 4 = 4 per micro-batch x 1 accumulation x 1 data-parallel process, tensor parallel over 2" in err
+    assert "global batch 4 = 4 per micro-batch x 1 accumulation x 1 process, tensor parallel over 2" in err
 
     def losses(run):
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

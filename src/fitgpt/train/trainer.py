@@ -233,7 +233,7 @@ def _log_start(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, de
     layout = f", tensor parallel over {tp}" if tp > 1 else f", {cfg.parallel}" if info.enabled else ""
     log.info(
         "training %s (%.2fM params) on %s, %s, %d tokens/step (global batch %d = %d per micro-batch x %d accumulation x %d "
-        "data-parallel process%s%s), %s, steps %d -> %d, run dir %s",
+        "process%s%s), %s, steps %d -> %d, run dir %s",
         cfg.preset, model.num_params() / 1e6, device, dtype or "fp32", tokens_per_step(cfg, info),
         cfg.batch_size * cfg.grad_accum * info.world // tp, cfg.batch_size, cfg.grad_accum, info.world // tp,
         "es" if info.world // tp > 1 else "", layout, describe_optimizer(cfg.optim, device), start_step, cfg.max_steps,
