@@ -84,12 +84,10 @@ class PlanConfig(BudgetConfig):
         if self.report or self.memory_snapshot or self.compare:
             raise UserError(f"--tensor-parallel {tp}: the pictures and snapshots of a split step are not built yet: drop "
                             "--report, --memory-snapshot and --compare")
-        why = launch_refusal(dataclasses.replace(self.train_config(), activation_checkpointing="none"), tp)
-        if why:
+        # As the trainer refuses it, but for auto: the trainer cannot plan it per rank, this command does.
+        spec = "none" if self.activation_checkpointing == "auto" else self.activation_checkpointing
+        if why := launch_refusal(dataclasses.replace(self.train_config(), activation_checkpointing=spec), tp):
             raise UserError(why)
-        if "loss" in self.activation_checkpointing or "offload" in self.activation_checkpointing:
-            raise UserError(f"--tensor-parallel {tp}: the loss heads and offload are not split yet: use a per-block "
-                            "policy or auto")
         self.world_size = tp
 
     def train_config(self) -> TrainConfig:

@@ -146,9 +146,10 @@ def build(name: str, groups: list[dict], lr: float, betas: tuple[float, float], 
         def step(self, closure=None):
             for g in self.param_groups:  # GaLore's projectors made here, as its step would, but of the class above
                 for p in g["params"]:
-                    if "rank" in g and p.grad is not None and not name.startswith("apollo"):
-                        self.state[p].setdefault("projector", svd(g["rank"], update_proj_gap=g["update_proj_gap"],
-                                                                  scale=g["scale"], proj_type=g["proj_type"]))
+                    state = self.state[p]
+                    if "rank" in g and p.grad is not None and not name.startswith("apollo") and "projector" not in state:
+                        state["projector"] = svd(g["rank"], update_proj_gap=g["update_proj_gap"], scale=g["scale"],
+                                                 proj_type=g["proj_type"])
             fake = any(_fake(p) for g in self.param_groups for p in g["params"])
             with _fake_branches() if fake else contextlib.nullcontext():
                 return super().step(closure)
@@ -162,10 +163,9 @@ def build(name: str, groups: list[dict], lr: float, betas: tuple[float, float], 
             projections = {k: (s.pop(PROJECTION, None), s.pop(SEED, None)) for k, s in saved.items()}
             super().load_state_dict({**state_dict, "state": saved})
             self._seeds()  # a parameter that never stepped has none saved (the same numbers)
-            params = [p for g in self.param_groups for p in g["params"]]
+            params = [(p, g) for g in self.param_groups for p in g["params"]]  # in the state dict's order
             for k, (matrix, seed) in projections.items():
-                p = params[int(k)]
-                group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+                p, group = params[int(k)]
                 if matrix is None or "rank" not in group:
                     continue
                 state = self.state[p]
