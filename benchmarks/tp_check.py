@@ -60,6 +60,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 peak = measure_train_step(model, opt, _batch(), grad_clip=1.0).peak
                 rows[spec] = (peak, time.perf_counter() - t0)
         torch.save(rows, f"{out}.{rank}")
+        dist.barrier()  # no rank tears its connections down while another still works: that aborts it
     finally:
         dist.destroy_process_group()
 

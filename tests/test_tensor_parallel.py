@@ -51,6 +51,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             results[spec] = {"loss": loss.detach(), "grads": _grads(model), "q_rows": q_rows}  # whole on every rank
         if rank == 0:
             torch.save(results, out)
+        dist.barrier()  # no rank tears its connections down while another still works: that aborts it
     finally:
         dist.destroy_process_group()
 
@@ -100,6 +101,7 @@ def _memory_worker(rank: int, world: int, port: int, out: str) -> None:
                 measure_train_step(model, opt, [_batch()], grad_clip=1.0)  # the optimizer state exists from here on
                 peaks[spec] = measure_train_step(model, opt, [_batch()], grad_clip=1.0).peak
         torch.save(peaks, f"{out}.{rank}")
+        dist.barrier()  # no rank tears its connections down while another still works: that aborts it
     finally:
         dist.destroy_process_group()
 
