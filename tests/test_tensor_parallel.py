@@ -2,6 +2,7 @@
 tensor parallelism gives one process's loss and gradients within fp32 rounding, under the checkpointing policies,
 with grouped-query attention; what cannot be split is refused in one line."""
 
+import json
 import os
 
 import pytest
@@ -12,7 +13,7 @@ from test_distributed import _free_port
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.model import ModelConfig, Transformer
-from fitgpt.tensor_parallel import apply_tensor_parallel, step_context, tensor_parallel_refusal
+from fitgpt.tensor_parallel import apply_tensor_parallel, launch_refusal, step_context, tensor_parallel_refusal
 
 # Llama with grouped-query attention (8 query heads sharing 4 key/value heads), untied, no dropout.
 CFG = ModelConfig(arch="llama", vocab_size=128, context_length=16, n_embed=64, n_head=8, n_kv_head=4, n_blocks=2,
@@ -30,25 +31,31 @@ def _grads(model):
     return {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int, port: int, out: str, tp: int) -> None:
+    from fitgpt.parallel import fsdp_shard
+    from fitgpt.tensor_parallel import training_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo")
     try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        x, y = _batch()
+        mesh = training_mesh("cpu", world, tp)
+        dp, dp_rank = world // tp, mesh["dp"].get_local_rank()
+        x, y = (t[dp_rank::dp] for t in _batch())  # each data-parallel rank its rows; FSDP averages their gradients
         results = {}
         for spec in POLICIES:
             torch.manual_seed(0)
             model = Transformer(CFG)  # whole on every rank, the same weights; each keeps its shards
-            apply_tensor_parallel(model, mesh)
+            apply_tensor_parallel(model, mesh["tp"])
             q_rows = model.attn_blocks[0].attn.q_proj.weight.to_local().shape[0]
             apply_activation_checkpointing(model, spec)  # after the split, as torchtitan orders them
+            if dp > 1:
+                fsdp_shard(model, None, mesh=mesh["dp"])
             with step_context(model):
                 loss = model(x, y)[1]
                 loss.backward()
-            results[spec] = {"loss": loss.detach(), "grads": _grads(model), "q_rows": q_rows}  # whole on every rank
+            loss = loss.detach()
+            dist.all_reduce(loss, group=mesh["dp"].get_group())  # the whole batch's mean (equal rows per rank)
+            results[spec] = {"loss": loss / dp, "grads": _grads(model), "q_rows": q_rows}  # whole on every rank
         if rank == 0:
             torch.save(results, out)
         dist.barrier()  # no rank tears its connections down while another still works: that aborts it
@@ -57,12 +64,13 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tensor_parallel_equals_one_process(tp, tmp_path):
-    """1 x 2 and 1 x 4 (each rank 8 / tp query heads and 4 / tp key/value heads), every policy in one launch: the
-    loss and every gradient within fp32 rounding of one process's, each rank holding 1 / tp of each projection."""
+@pytest.mark.parametrize("world, tp", [(2, 2), (4, 2), (4, 4)])
+def test_tensor_parallel_equals_one_process(world, tp, tmp_path):
+    """1 x 2, 2 x 2 (FSDP over the data-parallel pair, each its half of the batch) and 1 x 4 (each rank 8 / tp query
+    heads and 4 / tp key/value heads), every policy in one launch: the loss and every gradient within fp32 rounding of
+    one process's, each rank holding 1 / tp of each projection."""
     out = str(tmp_path / "tp.pt")
-    mp.spawn(_worker, args=(tp, _free_port(), out), nprocs=tp, join=True)
+    mp.spawn(_worker, args=(world, _free_port(), out, tp), nprocs=world, join=True)
     results = torch.load(out)
     x, y = _batch()
     for spec in POLICIES:
@@ -78,24 +86,27 @@ def test_tensor_parallel_equals_one_process(tp, tmp_path):
             torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-7, msg=f"{spec} {name}")
 
 
-def _memory_worker(rank: int, world: int, port: int, out: str) -> None:
-    """Each rank's measured peak of a steady step (the trainer's train_step, AdamW's state made by a first step)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+def _memory_worker(rank: int, world: int, port: int, out: str, tp: int) -> None:
+    """Each rank's measured peak of a steady step (the trainer's train_step, AdamW's state made by a first step), on
+    the trainer's mesh: world / tp data-parallel ranks (FSDP's, where more than one) x tp."""
     from fitgpt.config import OptimConfig
     from fitgpt.memory.timeline import measure_train_step
     from fitgpt.optim import build_optimizer
+    from fitgpt.parallel import fsdp_shard
+    from fitgpt.tensor_parallel import training_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo")
     try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        mesh = training_mesh("cpu", world, tp)
         peaks = {}
         for spec in ("none", "block", "selective"):
             torch.manual_seed(0)
             model = Transformer(CFG)
-            apply_tensor_parallel(model, mesh)
+            apply_tensor_parallel(model, mesh["tp"])
             apply_activation_checkpointing(model, spec)
+            if world > tp:
+                fsdp_shard(model, None, mesh=mesh["dp"])
             opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
             with step_context(model):
                 measure_train_step(model, opt, [_batch()], grad_clip=1.0)  # the optimizer state exists from here on
@@ -107,18 +118,21 @@ def _memory_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_each_tensor_parallel_rank_is_planned_to_the_byte(tmp_path):
-    """`plan --tensor-parallel 2`'s profile: one rank's step on 2 fake ranks, split as the trainer splits it, against
-    each gloo rank's measured peak, for none, block and selective."""
+@pytest.mark.parametrize("world, tp", [(2, 2), (4, 2)])
+def test_each_tensor_parallel_rank_is_planned_to_the_byte(world, tp, tmp_path):
+    """`plan --tensor-parallel 2`'s profile (1 x 2; and 2 x 2, FSDP over the data-parallel pair): one rank's step on
+    fake ranks, split and sharded as the trainer does it, against each gloo rank's measured peak, for none, block and
+    selective."""
     from fitgpt.config import OptimConfig
     from fitgpt.estimate.profile import profile_model
     from fitgpt.plan import Plan, predict
 
     out = str(tmp_path / "peaks")
-    mp.spawn(_memory_worker, args=(2, _free_port(), out), nprocs=2, join=True)
-    profile = profile_model(CFG, 2, CFG.context_length, "cpu", OptimConfig(), fake=True, tp_ranks=2)
+    mp.spawn(_memory_worker, args=(world, _free_port(), out, tp), nprocs=world, join=True)
+    profile = profile_model(CFG, 2, CFG.context_length, "cpu", OptimConfig(), fake=True, tp_ranks=tp,
+                            fsdp_ranks=world // tp)
     whole = profile_model(CFG, 2, CFG.context_length, "cpu", OptimConfig(), fake=True)
-    for rank in range(2):
+    for rank in range(world):
         measured = torch.load(f"{out}.{rank}")
         for spec, peak in measured.items():
             predicted = predict(profile, Plan.uniform(CFG.n_blocks, spec)).peak
@@ -148,6 +162,12 @@ def _flags(data_dir, corpus_dir, out, *extra):
             "--out-dir", str(out), "--no-progress", "--no-tensorboard", *extra]
 
 
+def _losses(run):
+    """A run's logged train and validation losses."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_torchrun_tensor_parallel_trains_as_one_process_and_its_checkpoint_opens_in_one(data_dir, corpus_dir, tmp_path,
@@ -155,8 +175,6 @@ def test_torchrun_tensor_parallel_trains_as_one_process_and_its_checkpoint_opens
     """`torchrun --nproc-per-node 2 -m fitgpt train --tensor-parallel 2`: every logged loss within fp32 rounding of
     one process's (the same batches on both ranks, which draw them as one process does), its distributed checkpoint
     read whole by `generate` in one process, and a resume from it under torchrun ends where the straight run did."""
-    import json
-
     from test_distributed import finish, torchrun
 
     from fitgpt.cli import main
@@ -166,11 +184,7 @@ def test_torchrun_tensor_parallel_trains_as_one_process_and_its_checkpoint_opens
                                     "--activation-checkpointing", "block"), tmp_path))
     assert "global batch 4 = 4 per micro-batch x 1 accumulation x 1 process, tensor parallel over 2" in err
 
-    def losses(run):
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        return [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
-
-    (one, one_val), (tp, tp_val) = losses(tmp_path / "one"), losses(tmp_path / "tp")
+    (one, one_val), (tp, tp_val) = _losses(tmp_path / "one"), _losses(tmp_path / "tp")
     assert len(one) == len(tp) == 6 and len(one_val) == len(tp_val) == 2
     torch.testing.assert_close(torch.tensor(tp + tp_val), torch.tensor(one + one_val), rtol=1e-4, atol=0)
     capsys.readouterr()
@@ -179,12 +193,41 @@ def test_torchrun_tensor_parallel_trains_as_one_process_and_its_checkpoint_opens
     # Resumed at step 3 under torchrun: the same losses after.
     finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "tp", "--tensor-parallel", "2", "--activation-checkpointing",
                            "block", "--resume", str(tmp_path / "tp" / "checkpoints" / "step_00000003")), tmp_path))
-    again, again_val = losses(tmp_path / "tp")
+    again, again_val = _losses(tmp_path / "tp")
     torch.testing.assert_close(torch.tensor(again[-3:] + again_val[-1:]), torch.tensor(tp[-3:] + tp_val[-1:]), rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_torchrun_fsdp_by_tensor_parallel_trains_as_fsdp_alone_and_reshards(data_dir, corpus_dir, tmp_path, capsys):
+    """FSDP 2 x TP 2 on 4 processes: every logged loss within fp32 rounding of FSDP 2's on 2 (each data-parallel rank
+    draws FSDP's rank's batches; tensor parallelism changes only who computes them). Its step-3 checkpoint resumes
+    on FSDP 2 with the same data order, ending where the straight run did, and `generate` reads it in one process."""
+    from test_distributed import finish, torchrun
+
+    from fitgpt.cli import main
+
+    block = ("--activation-checkpointing", "block", "--parallel", "fsdp")
+    finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "fsdp", *block), tmp_path))
+    _, err = finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "2d", *block, "--tensor-parallel", "2"), tmp_path,
+                             nproc=4))
+    assert "x 2 processes, tensor parallel over 2, FSDP over 2 x 2" in err
+    (fsdp, fsdp_val), (two, two_val) = _losses(tmp_path / "fsdp"), _losses(tmp_path / "2d")
+    assert len(fsdp) == len(two) == 6
+    torch.testing.assert_close(torch.tensor(two + two_val), torch.tensor(fsdp + fsdp_val), rtol=1e-6, atol=0)
+    _, err = finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "2d", *block, "--resume",
+                                    str(tmp_path / "2d" / "checkpoints" / "step_00000003")), tmp_path))
+    assert "data order differs" not in err
+    again, again_val = _losses(tmp_path / "2d")
+    torch.testing.assert_close(torch.tensor(again[-3:] + again_val[-1:]), torch.tensor(two[-3:] + two_val[-1:]),
+                               rtol=1e-6, atol=0)
+    capsys.readouterr()
+    assert main(["generate", "--run", str(tmp_path / "2d"), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+    assert "def " in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("extra, words", [
-    (["--tensor-parallel", "2"], "launch exactly 2"),
+    (["--tensor-parallel", "2"], "use a multiple of 2"),
     (["--tensor-parallel", "0"], "tensor_parallel"),
 ])
 def test_a_launch_tensor_parallelism_cannot_take_is_refused_in_one_line(extra, words, data_dir, corpus_dir, tmp_path, capsys):
@@ -196,6 +239,7 @@ def test_a_launch_tensor_parallelism_cannot_take_is_refused_in_one_line(extra, w
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_plan_takes_the_tensor_parallel_degree_and_prints_the_torchrun_command(capsys):
     """One rank of two, profiled on fake ranks: the weights, gradients and moments are half the whole model's, and the
     command it prints launches the split."""
@@ -215,10 +259,20 @@ def test_plan_takes_the_tensor_parallel_degree_and_prints_the_torchrun_command(c
     for part in ("params", "optimizer"):
         assert abs(split["breakdown"][part] - whole["breakdown"][part] / 2) <= 512 * 64, part  # the norms stay whole
     assert split["predicted_peak"] < whole["predicted_peak"]
+    # 2 x 2: FSDP shards each split again over the data-parallel pair (in bf16 on the card, FSDP's pure half precision).
+    assert main([*flags, "--tensor-parallel", "2", "--world-size", "4", "--parallel", "fsdp", "--precision", "fp32"]) == 0
+    out = capsys.readouterr().out
+    two = json.loads(out.strip().splitlines()[-1])
+    assert "torchrun --nproc-per-node 4 -m fitgpt train" in out and "--parallel fsdp --tensor-parallel 2" in out
+    assert "per rank of 4 under FSDP 2 x TP 2" in out
+    for part in ("params", "optimizer"):
+        assert abs(two["breakdown"][part] - whole["breakdown"][part] / 4) <= 512 * 64, part
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--tensor-parallel", "2", "--world-size", "4", "--parallel", "fsdp"], "FSDP x TP is not built yet"),
+    (["--tensor-parallel", "2", "--world-size", "4"], "add --parallel fsdp"),
+    (["--tensor-parallel", "2", "--world-size", "3"], "use a multiple of 2"),
+    (["--tensor-parallel", "2", "--parallel", "fsdp"], "shards nothing"),
     (["--tensor-parallel", "2", "--report", "REPORT"], "not built yet: drop --report"),
     (["--tensor-parallel", "2", "--model.tie-embeddings", "True"], "--model.tie-embeddings False"),
     (["--tensor-parallel", "2", "--activation-checkpointing", "block+fused-loss"], "loss heads"),
@@ -230,3 +284,20 @@ def test_plan_refuses_what_it_cannot_split_in_one_line(extra, words, tmp_path, c
     assert main([*args, *[str(tmp_path / "r") if a == "REPORT" else a for a in extra]]) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("world, parallel, words", [
+    (3, "ddp", "use a multiple of 2"),
+    (4, "ddp", "add --parallel fsdp"),
+    (2, "fsdp", "shards nothing"),
+    (4, "fsdp", None),
+    (2, "ddp", None),
+])
+def test_the_mesh_a_launch_makes_is_checked_before_anything_runs(world, parallel, words):
+    """N x tp processes: FSDP over the N data-parallel groups, tp alone without it; anything else in one line."""
+    from fitgpt.config import load_config
+
+    cfg = load_config("llama-tiny", overrides={"tensor_parallel": 2, "parallel": parallel,
+                                                "model": {"tie_embeddings": False}})
+    why = launch_refusal(cfg, world)
+    assert (why is None) if words is None else (words in why and "\n" not in why), why

@@ -53,15 +53,21 @@ def tensor_parallel_refusal(cfg: ModelConfig, tp: int) -> str | None:
 
 def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
     """Why ``cfg`` cannot train with --tensor-parallel under a launch of ``world`` processes (one line naming what to
-    change); None: it can. What is not built yet is refused rather than left to fail."""
+    change); None: it can. The processes are a mesh of world / tp data-parallel shards (FSDP) x tp. What is not built
+    yet is refused rather than left to fail."""
     tp = cfg.tensor_parallel
-    if world != tp:
-        return (f"--tensor-parallel {tp} under {world} process{'es' if world > 1 else ''}: launch exactly {tp} "
-                f"(torchrun --nproc-per-node {tp}); a data-parallel dimension beside it (FSDP x TP) is not built yet")
-    if cfg.parallel == "fsdp":
-        return f"--tensor-parallel {tp} with --parallel fsdp (FSDP x TP) is not built yet: drop --parallel fsdp"
-    if cfg.optim.name != "adamw" or cfg.optim.offload:
-        return f"--tensor-parallel {tp} is tested with AdamW on the card: use --optim.name adamw without --optim.offload"
+    if world % tp:
+        return (f"--tensor-parallel {tp} over {world} rank{'s' if world > 1 else ''}: use a multiple of {tp} (torchrun "
+                f"--nproc-per-node {tp}, or N x {tp} ranks with --parallel fsdp; plan's --world-size)")
+    if world > tp and cfg.parallel != "fsdp":
+        return (f"--tensor-parallel {tp} over {world} ranks makes {world // tp} data-parallel groups, which FSDP "
+                f"shards: add --parallel fsdp (or use {tp} ranks)")
+    if world == tp and cfg.parallel == "fsdp":
+        return (f"--parallel fsdp with --tensor-parallel {tp} over {tp} ranks shards over one data-parallel rank, "
+                f"which shards nothing: drop --parallel fsdp, or use N x {tp} ranks")
+    if cfg.optim.name != "adamw" or cfg.optim.offload or cfg.fsdp_offload:
+        return (f"--tensor-parallel {tp} is tested with AdamW on the card: use --optim.name adamw without "
+                "--optim.offload or --fsdp-offload")
     if cfg.compile:
         return f"--tensor-parallel {tp} is not yet tested with --compile: drop --compile"
     spec = cfg.activation_checkpointing
@@ -69,6 +75,14 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
         return (f"--tensor-parallel {tp} takes the per-block policies (none, block, selective, pointwise, ...), not "
                 f"{spec!r}: auto is not planned per TP rank yet, and the loss heads and offload are not split yet")
     return tensor_parallel_refusal(cfg.model, tp)
+
+
+def training_mesh(device_type: str, world: int, tp: int) -> DeviceMesh:
+    """The processes as a 2-D mesh, ("dp", "tp"): world / tp data-parallel shards (FSDP's) of tp ranks each, a
+    tensor-parallel group being tp consecutive ranks (one node's, where a node has tp cards), as torchtitan lays it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
 class _LossParallelHead(ColwiseParallel):

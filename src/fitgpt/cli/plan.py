@@ -44,8 +44,9 @@ class PlanConfig(BudgetConfig):
     """A measured snapshot (fitgpt train --memory-snapshot N, or torch.cuda.memory._dump_snapshot) to compare the
     plan's step with: the first point where they part is named, and --report draws both."""
     tensor_parallel: int = 1
-    """As for fitgpt train: one rank of this many, each block split over them (tensor and sequence parallelism),
-    profiled on fake ranks; --world-size is this many."""
+    """As for fitgpt train: one rank of a group of this many, each block split over them (tensor and sequence
+    parallelism), profiled on fake ranks; --world-size (default: this many) is N of them, FSDP over N with
+    --parallel fsdp."""
 
     def __post_init__(self) -> None:
         require_not_empty(self, ("report", "memory_snapshot", "compare"))
@@ -75,9 +76,7 @@ class PlanConfig(BudgetConfig):
         require_positive_ints(self, ("tensor_parallel",))
         if tp == 1:
             return
-        if self.world_size not in (1, tp) or self.parallel == "fsdp":
-            raise UserError(f"--tensor-parallel {tp} is planned over {tp} ranks alone (FSDP x TP is not built yet): drop "
-                            "--world-size and --parallel fsdp")
+        world = tp if self.world_size == 1 else self.world_size  # --world-size: all the ranks, FSDP's x TP's
         if self.hf_config or self.device:
             raise UserError(f"--tensor-parallel {tp} splits fitgpt's own model, planned on fake ranks: drop "
                             f"{'--hf-config' if self.hf_config else '--device'}")
@@ -86,9 +85,9 @@ class PlanConfig(BudgetConfig):
                             "--report, --memory-snapshot and --compare")
         # As the trainer refuses it, but for auto: the trainer cannot plan it per rank, this command does.
         spec = "none" if self.activation_checkpointing == "auto" else self.activation_checkpointing
-        if why := launch_refusal(dataclasses.replace(self.train_config(), activation_checkpointing=spec), tp):
+        if why := launch_refusal(dataclasses.replace(self.train_config(), activation_checkpointing=spec), world):
             raise UserError(why)
-        self.world_size = tp
+        self.world_size = world
 
     def train_config(self) -> TrainConfig:
         return dataclasses.replace(super().train_config(), tensor_parallel=self.tensor_parallel)

@@ -178,15 +178,17 @@ def profile_model(model: ModelConfig | ModelSource, batch_size: int, context: in
     is the real one's, in its dtype (tested equal to each rank's measured peak under torchrun).
     ``extra_options``: options of EXTRA_OPTIONS to profile besides BLOCK_OPTIONS (one more step each).
     ``tp_ranks``: above 1, the step of one rank of that many under tensor and sequence parallelism, split as the
-    trainer splits (``fitgpt.tensor_parallel``) on a fake process group (not with ``fsdp_ranks`` yet).
+    trainer splits (``fitgpt.tensor_parallel``) on a fake process group; with ``fsdp_ranks`` too, one rank of the
+    trainer's 2-D mesh (fsdp_ranks x tp_ranks), each split sharded by FSDP over the data-parallel ranks.
     """
-    if fsdp_ranks > 1 and tp_ranks > 1:
-        raise ValueError("FSDP x TP is not planned yet")  # refused before, by the flags
-    ranks = max(fsdp_ranks, tp_ranks)
-    with fake_ranks(ranks) if ranks > 1 else contextlib.nullcontext() as mesh:
+    ranks = fsdp_ranks * tp_ranks
+    with fake_ranks(ranks, tp_ranks) if ranks > 1 else contextlib.nullcontext() as mesh:
+        if fsdp_ranks > 1 and tp_ranks > 1:
+            dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
+        else:
+            dp_mesh, tp_mesh = (mesh if fsdp_ranks > 1 else None), (mesh if tp_ranks > 1 else None)
         return _profile_model(as_source(model), batch_size, context, device, optim_cfg, grad_accum, dtype, seed,
-                              persistent_grads, fake, target, cost, mesh if fsdp_ranks > 1 else None, extra_options,
-                              mesh if tp_ranks > 1 else None)
+                              persistent_grads, fake, target, cost, dp_mesh, extra_options, tp_mesh)
 
 
 def _profile_model(source, batch_size, context, device, optim_cfg, grad_accum, dtype, seed, persistent_grads, fake,

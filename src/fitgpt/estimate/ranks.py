@@ -21,8 +21,9 @@ class RanksBusy(RuntimeError):
 
 
 @contextlib.contextmanager
-def fake_ranks(world: int) -> Iterator[object]:
-    """A DeviceMesh of ``world`` fake ranks (this process as rank 0), for as long as the context lasts."""
+def fake_ranks(world: int, tp: int = 1) -> Iterator[object]:
+    """A DeviceMesh of ``world`` fake ranks (this process as rank 0), for as long as the context lasts; with ``tp``
+    above 1 and below ``world``, the trainer's 2-D mesh of them, ("dp", "tp")."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -30,9 +31,10 @@ def fake_ranks(world: int) -> Iterator[object]:
         raise RanksBusy(f"a process group is already initialised; {world} fake ranks need a process of their own")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        with _pieces_when_indexed():
+        with _pieces_when_indexed(), _meshes_joined_on_real_tensors():
             # Made outside any fake tensor mode: the mesh's setup reads values.
-            yield init_device_mesh("cpu", (world,))
+            yield init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp")) if 1 < tp < world \
+                else init_device_mesh("cpu", (world,))
     finally:
         dist.destroy_process_group()
 
@@ -58,6 +60,29 @@ class LazyChunks(Sequence):
             return self[0].new_empty(0)
         start = i * self.step
         return self.t.narrow(self.dim, start, min(self.step, self.size - start))
+
+
+@contextlib.contextmanager
+def _meshes_joined_on_real_tensors() -> Iterator[None]:
+    """FSDP2 over a tensor-parallel DTensor joins the two meshes (``DeviceMesh._concatenate``), which indexes the
+    ranks' tensor: under the planner's fake tensor mode that tensor is real, and the join must be too."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__dict__.get("_concatenate")
+    if original is None:  # another layout of PyTorch's internals
+        yield
+        return
+
+    def concatenate(meshes):
+        with unset_fake_temporarily():
+            return original.__func__(meshes)
+
+    DeviceMesh._concatenate = staticmethod(concatenate)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = original
 
 
 @contextlib.contextmanager

@@ -152,6 +152,9 @@ class Workload:
         t = self.train
         accum = f", grad accum {t.grad_accum}" if t.grad_accum > 1 else ""
         ranks = f", per rank of {self.world_size} under {t.parallel}" if self.world_size > 1 else ""
+        if t.tensor_parallel > 1:
+            dp = self.world_size // t.tensor_parallel
+            ranks = f", per rank of {self.world_size} under {f'FSDP {dp} x ' if dp > 1 else ''}TP {t.tensor_parallel}"
         if self.source is not None:
             origin = getattr(self.source, "path", "") or "a module"
         else:
@@ -188,8 +191,10 @@ def workload_for(cfg: TrainConfig, *, target: Target | None = None, device: torc
 
 
 def _fsdp_ranks(cfg: TrainConfig, world_size: int) -> int:
-    """Ranks a step of ``cfg`` is sharded over: all of them under FSDP with more than one, else 1."""
-    return world_size if world_size > 1 and cfg.parallel == "fsdp" else 1
+    """Ranks a step of ``cfg`` is sharded over under FSDP: the data-parallel ones (all but a tensor-parallel
+    group's), 1 if not sharded."""
+    dp = world_size // cfg.tensor_parallel
+    return dp if dp > 1 and cfg.parallel == "fsdp" else 1
 
 
 def _dtype(precision: str, target: Target, device: torch.device, fake: bool) -> torch.dtype | None:

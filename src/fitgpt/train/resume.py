@@ -40,12 +40,15 @@ def resume_run(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, sc
     path, (ck_meta, state) = ckpt.resolve_resume(
         cfg.run_dir, cfg.resume, lambda p: load_for_resume(p, cfg, model, data.tokenizer_sha256))
     scaler.load_state_dict(state["scaler"])
-    ranks = ck_meta.get("world_size", 1)
-    if ranks != info.world:
+    # The data is drawn per data-parallel rank (a tensor-parallel group's ranks draw alike): a 2 x 2 run resumes on
+    # FSDP 2 with the same data order, data-parallel rank d taking the first sampler of group d.
+    ranks, ck_tp = ck_meta.get("world_size", 1), ck_meta["config"].get("tensor_parallel", 1)
+    dp_ranks, dp_rank = info.world // cfg.tensor_parallel, info.rank // cfg.tensor_parallel
+    if ranks // ck_tp != dp_ranks:
         log.warning("resuming a %d-process run on %d processes: the data order differs from the original run", ranks, info.world)
     samplers, rngs = ck_meta.get("sampler_ranks", [ck_meta["sampler"]]), state.get("rng_ranks", [state["rng"]])
-    if info.rank < len(samplers):
-        sampler.load_state_dict(samplers[info.rank])
+    if dp_rank * ck_tp < len(samplers):
+        sampler.load_state_dict(samplers[dp_rank * ck_tp])
     set_rng_state(rngs[info.rank] if info.rank < len(rngs) else rngs[0], device)
     step = ck_meta["step"]
     if step >= cfg.max_steps:

@@ -23,7 +23,7 @@ from fitgpt.hf import check_tokenizer, hf_weights, import_weights
 from fitgpt.memory import measure_step_memory
 from fitgpt.memory.tracker import round_up
 from fitgpt.model import Transformer
-from fitgpt.parallel import compile_blocks, precision_roles
+from fitgpt.parallel import compile_blocks, fsdp_shard, precision_roles
 from fitgpt.train import distributed as dist_utils
 from fitgpt.train.checkpoint import tied_parameter_names
 from fitgpt.train.resume import rng_state, set_rng_state
@@ -145,17 +145,17 @@ def choose_policy(cfg: TrainConfig, planner: Planner | None, device: torch.devic
 
 def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist_utils.DistInfo, device: torch.device,
                   dtype: torch.dtype | None, inspect: Callable[[nn.Module], None] | None = None) -> nn.Module:
-    """The one place a model is made ready to train, in this order on every rank: tensor parallelism (in place), then
-    activation checkpointing (in place), then torch.compile (the whole model; under FSDP each block, as torchtitan
-    does), then DDP or FSDP.
+    """The one place a model is made ready to train, in this order on every rank: tensor parallelism (in place, over
+    the mesh's "tp" dimension), then activation checkpointing (in place), then torch.compile (the whole model; under
+    FSDP each block, as torchtitan does), then DDP or FSDP (over the mesh's "dp" dimension, with tensor parallelism).
     Returns the module the steps call. ``inspect`` sees the checkpointed model before it is compiled or sharded (the
     trainer measures its activations there)."""
-    if cfg.tensor_parallel > 1:  # split first, as torchtitan orders them; the processes are its only dimension
-        from torch.distributed.device_mesh import init_device_mesh
+    mesh = None
+    if cfg.tensor_parallel > 1:  # split first, as torchtitan orders them; FSDP then shards the splits over "dp"
+        from fitgpt.tensor_parallel import apply_tensor_parallel, training_mesh
 
-        from fitgpt.tensor_parallel import apply_tensor_parallel
-
-        apply_tensor_parallel(model, init_device_mesh(device.type, (cfg.tensor_parallel,), mesh_dim_names=("tp",)))
+        mesh = training_mesh(device.type, info.world, cfg.tensor_parallel)
+        apply_tensor_parallel(model, mesh["tp"])
     apply_activation_checkpointing(model, policy)
     log.info("checkpointing %s", policy.describe(cfg.model.n_blocks))
     if inspect is not None:
@@ -165,6 +165,6 @@ def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist
         compile_blocks(model)
     step_model = torch.compile(model) if cfg.compile and not sharded else model
     _, param_dtype = precision_roles(dtype, cfg.parallel == "fsdp")
-    if cfg.tensor_parallel > 1:  # every process is one tensor-parallel group's: no data-parallel wrapper
-        return step_model
+    if mesh is not None:  # FSDP over the data-parallel groups, or (one group) no data-parallel wrapper
+        return fsdp_shard(step_model, param_dtype, mesh=mesh["dp"]) if sharded else step_model
     return dist_utils.wrap(step_model, info, cfg.parallel, device, param_dtype, cfg.fsdp_offload)

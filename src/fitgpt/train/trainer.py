@@ -161,9 +161,9 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(import_config(cfg.init_from),
                                                                  weights_dtype=cfg.model.weights_dtype))
     data, cfg = load_data(cfg, info)
-    # Under FSDP the model is built on the meta device; once sharded, each rank fills only its shards: with the
-    # initial weights, a resumed run's, or a Hugging Face model's (--init-from).
-    shards = info.world if info.enabled and cfg.parallel == "fsdp" else 1
+    # Under FSDP or tensor parallelism the model is built on the meta device; once sharded, each rank fills only its
+    # shards: with the initial weights, a resumed run's, or a Hugging Face model's (--init-from).
+    shards = info.world if info.enabled and (cfg.parallel == "fsdp" or cfg.tensor_parallel > 1) else 1
     model = build_model(cfg, cfg.model.vocab_size, device, shards)
     if cfg.init_from and not cfg.resume and shards == 1:
         init_from_hf(cfg, model, info, device, sharded=False)
@@ -176,7 +176,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     if info.is_main and not cfg.resume:  # a fresh run's, before planning (its retry after a failed plan is not blocked)
         write_run_files(cfg)
     policy, planned = choose_policy(cfg, planner, device, info)
-    whole = shards == 1 and cfg.tensor_parallel == 1  # the model each rank trains is the whole model
+    whole = shards == 1  # the model each rank trains is the whole model
     act = _measure_activations(model, policy, cfg, data, device, info) if whole else None
     if shards > 1:
         log.info("activation memory: not measured before sharding (the model is never whole on a rank); "
@@ -230,7 +230,9 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
 def _log_start(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, device: torch.device, dtype: torch.dtype | None,
                start_step: int) -> None:
     tp = cfg.tensor_parallel
-    layout = f", tensor parallel over {tp}" if tp > 1 else f", {cfg.parallel}" if info.enabled else ""
+    layout = f", {cfg.parallel}" if info.enabled else ""
+    if tp > 1:
+        layout = f", tensor parallel over {tp}" + (f", FSDP over {info.world // tp} x {tp}" if info.world > tp else "")
     log.info(
         "training %s (%.2fM params) on %s, %s, %d tokens/step (global batch %d = %d per micro-batch x %d accumulation x %d "
         "process%s%s), %s, steps %d -> %d, run dir %s",
