@@ -45,7 +45,8 @@ def resume_run(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, sc
     ranks, ck_tp = ck_meta.get("world_size", 1), ck_meta["config"].get("tensor_parallel", 1)
     dp_ranks, dp_rank = info.world // cfg.tensor_parallel, info.rank // cfg.tensor_parallel
     if ranks // ck_tp != dp_ranks:
-        log.warning("resuming a %d-process run on %d processes: the data order differs from the original run", ranks, info.world)
+        log.warning("resuming a %d-process run on %d processes: the data order differs from the original run (%d "
+                    "data-parallel ranks then, %d now)", ranks, info.world, ranks // ck_tp, dp_ranks)
     samplers, rngs = ck_meta.get("sampler_ranks", [ck_meta["sampler"]]), state.get("rng_ranks", [state["rng"]])
     if dp_rank * ck_tp < len(samplers):
         sampler.load_state_dict(samplers[dp_rank * ck_tp])
