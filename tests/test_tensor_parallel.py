@@ -301,3 +301,15 @@ def test_the_mesh_a_launch_makes_is_checked_before_anything_runs(world, parallel
                                                 "model": {"tie_embeddings": False}})
     why = launch_refusal(cfg, world)
     assert (why is None) if words is None else (words in why and "\n" not in why), why
+
+
+def test_a_tensor_parallel_rank_is_counted_its_share_of_the_flops():
+    """Every matmul and attention of a split step runs on 1 / tp of the heads or hidden units, so a rank does exactly
+    1 / tp of the step's FLOPs; DTensor's own shape propagation (each new op run once on the whole shapes) is no
+    work, and counted, it gave each rank of 2 the FLOPs of 0.98 of the model."""
+    from fitgpt.config import OptimConfig
+    from fitgpt.estimate.profile import profile_model
+
+    whole, split = (profile_model(CFG, 2, CFG.context_length, "cpu", OptimConfig(), fake=True, tp_ranks=tp)
+                    for tp in (1, 2))
+    assert split.block_flops == [f // 2 for f in whole.block_flops] and split.step_flops == whole.step_flops // 2

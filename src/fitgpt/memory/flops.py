@@ -7,6 +7,7 @@ for the CUDA kernels.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -76,9 +77,26 @@ class OpFlops(TorchDispatchMode):
         """Each CPU attention kernel call: (query shape (B, heads, T, head dim), given a mask). What a CUDA kernel
         would save instead depends on them (``fitgpt.estimate.hardware.attention_saved_delta``)."""
 
+    def __enter__(self):
+        self._propagating = 0
+        self._restore = _quiet_while_propagating(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._restore()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(getattr(t, "__name__", "") == "DTensor" for t in types):
+            # A tensor-parallel rank's op: DTensor runs it as local ops on its shards, which this mode then sees. The
+            # op itself has the whole tensors' shapes: counted here, each rank was given the whole model's FLOPs.
+            return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self._propagating:
+            return out
         if func is _CPU_ATTENTION:
             self.attention.append((tuple(args[0].shape), kwargs.get("attn_mask") is not None))
         flops = op_flops(func, args, kwargs, out)
@@ -86,3 +104,28 @@ class OpFlops(TorchDispatchMode):
         if self.cost is not None:
             self.seconds += self.cost(func, args, kwargs, out, flops)
         return out
+
+
+def _quiet_while_propagating(counter: OpFlops) -> Callable[[], None]:
+    """While DTensor learns a new op's output shape it runs the op on fake tensors of the whole shapes (under the
+    planner's own fake mode when there is one, so they look like the step's): ``counter`` counts nothing meanwhile.
+    Returns what undoes it. Nothing to do where DTensor is not loaded: no tensor-parallel op can run."""
+    prop = sys.modules.get("torch.distributed.tensor._sharding_prop")
+    cls = getattr(prop, "ShardingPropagator", None)
+    original = getattr(cls, "_propagate_tensor_meta_non_cached", None)
+    if original is None:  # not loaded, or another layout of PyTorch's internals
+        return lambda: None
+
+    def propagate(self, op_schema):
+        counter._propagating += 1
+        try:
+            return original(self, op_schema)
+        finally:
+            counter._propagating -= 1
+
+    cls._propagate_tensor_meta_non_cached = propagate
+
+    def restore() -> None:
+        cls._propagate_tensor_meta_non_cached = original
+
+    return restore
