@@ -265,6 +265,8 @@ def test_plan_takes_the_tensor_parallel_degree_and_prints_the_torchrun_command(c
     two = json.loads(out.strip().splitlines()[-1])
     assert "torchrun --nproc-per-node 4 -m fitgpt train" in out and "--parallel fsdp --tensor-parallel 2" in out
     assert "per rank of 4 under FSDP 2 x TP 2" in out
+    step_s = two["step_seconds"]  # two data-parallel groups' batches a step, each split over its pair
+    assert f"{2 * 16 * 128 / step_s:,.0f} tokens/s predicted" in out
     for part in ("params", "optimizer"):
         assert abs(two["breakdown"][part] - whole["breakdown"][part] / 4) <= 512 * 64, part
 

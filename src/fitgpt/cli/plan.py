@@ -234,7 +234,8 @@ def run(args: list[str]) -> int:
         p = predict(profile, row)  # the table's rows: the plan solved above stays `plan`
         print(f"| {row.spec()} | {format_bytes(p.peak)} | {p.step_time * 1e3:.0f} ms | {p.time_ratio:.3f}x | "
               f"{p.flops_ratio:.3f}x | {'yes' if p.peak <= budget else 'no'} |")
-    tokens = tcfg.batch_size * tcfg.grad_accum * w.context * cfg.world_size
+    # The ranks of one tensor-parallel group train the same batch: the step's tokens are the data-parallel groups'.
+    tokens = tcfg.batch_size * tcfg.grad_accum * w.context * cfg.world_size // tcfg.tensor_parallel
     how = (f"as given{'' if exact else f', predicted as {plan.spec()}, its nearest profiled plan'}; "
            f"{'fits' if pred.peak <= budget else 'DOES NOT FIT the budget'}") if given else "the fastest that fits"
     print(f"\nplan: {spec} ({how}: {pred.step_time * 1e3:.0f} ms a step, "
