@@ -26,6 +26,8 @@
 #    LLaMA-7B shape (bf16 weights, Adafactor in the backward, 16 x 256) trained 5 steps under a 22 GiB plan, the
 #    allocator's peak beside it; and GaLore's own recipe (8-bit GaLore AdamW, rank 1024: bitsandbytes, not planned)
 #    on that shape, its allocator peak beside the 22.8 GB its README gives. Needs pip install '.[lowbit,lowrank]'.
+# 8. Issue 45: torchtitan's 70B recipe (FSDP 32 x TP 8) planned from the CPU; TP 2 on 2 GPUs and FSDP 2 x TP 2 on 4,
+#    trained (llama-1b, bf16, 4 x 1024), rank 0's allocator peak beside the plan of one rank.
 # Everything lands in OUT_DIR (default gpu_check/), with a summary in OUT_DIR/summary.txt.
 set -euo pipefail
 OUT=${1:-gpu_check}
@@ -177,6 +179,25 @@ if peaks:
                   "(its README: 22.8 GB)\n")
 PY
 
+echo "== 8. issue 45: tensor parallelism on the cards (NCCL), each rank's allocator peak beside one rank's plan"
+# torchtitan's Llama-3.1-70B recipe (FSDP 32 x TP 8 on 256 H100s, full checkpointing, 16 x 8192, bf16), planned
+# from the CPU; then TP 2 (2 GPUs) and FSDP 2 x TP 2 (4 GPUs) trained at a size a card runs, their plans beside them.
+CUDA_VISIBLE_DEVICES="" fitgpt plan --preset llama-1b --model.n-embed 8192 --model.n-blocks 80 --model.n-head 64 \
+  --model.n-kv-head 8 --model.ffn-hidden 28672 --model.vocab-size 128256 --model.context-length 8192 \
+  --model.tie-embeddings False --batch-size 16 --grad-accum 1 --world-size 256 --parallel fsdp --tensor-parallel 8 \
+  --activation-checkpointing block --gpu h100-80gb --precision bf16 | tail -n 1 > "$OUT/plan_70b.json"
+TP_FLAGS=(--preset llama-1b --model.tie-embeddings False --batch-size 4 --grad-accum 1 --precision bf16
+          --activation-checkpointing block)
+for LAYOUT in "2 1" "4 2"; do  # processes, data-parallel groups
+  read -r N DP <<< "$LAYOUT"
+  [ "$NGPU" -ge "$N" ] || { echo "TP over $N GPUs: skipped, found $NGPU"; continue; }
+  EXTRA=(); [ "$DP" -gt 1 ] && EXTRA=(--parallel fsdp)
+  torchrun --nproc-per-node "$N" -m fitgpt train "${TP_FLAGS[@]}" "${EXTRA[@]}" --tensor-parallel 2 \
+    --model.context-length 1024 --max-steps 10 --log-interval 1 --out-dir "$OUT/tp_$N" --no-progress 2>&1 | tail -n 2
+  CUDA_VISIBLE_DEVICES="" fitgpt plan "${TP_FLAGS[@]}" "${EXTRA[@]}" --tensor-parallel 2 --world-size "$N" \
+    --context 1024 --gpu "$GPU" | tail -n 1 > "$OUT/plan_tp_$N.json"
+done
+
 python - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -204,6 +225,18 @@ for r in bench["rows"]:
 for name in ("mfu_3b.txt",):
     if (out / name).is_file():
         lines.append((out / name).read_text().strip())
+f = out / "plan_70b.json"
+if f.is_file():
+    p = json.loads(f.read_text())
+    lines.append(f"70B, FSDP 32 x TP 8 (planned): {p['predicted_peak'] / 2**30:.2f} GiB a rank, max_memory_allocated "
+                 f"{p['predicted_max_allocated'] / 2**30:.2f} GiB, in {p['profile_seconds']:.0f} s")
+for n in (2, 4):
+    run, plan = out / f"tp_{n}" / "metrics.jsonl", out / f"plan_tp_{n}.json"
+    if run.is_file() and plan.is_file():
+        peak = max((json.loads(l).get("peak_allocated") or 0) for l in run.read_text().splitlines())
+        p = json.loads(plan.read_text())
+        lines.append(f"TP 2 over {n} GPUs: rank 0's max_memory_allocated {peak / 2**30:.3f} GiB vs predicted "
+                     f"{p['predicted_max_allocated'] / 2**30:.3f} GiB ({peak / p['predicted_max_allocated'] - 1:+.2%})")
 check = out / "plan_check_cuda.md"
 if check.is_file():
     lines += ["", "CPU-only predictions vs the allocator:", check.read_text()]

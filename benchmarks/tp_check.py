@@ -1,8 +1,9 @@
 """Tensor parallelism on gloo CPU ranks (issue 45): each rank's measured peak against the plan of one rank (fake ranks),
-per policy, at 1 x 2 and 1 x 4; each block's kept activation bytes per rank beside Korthikanti et al.'s formulas; and
-the step time the split costs on this CPU against one process.
+per policy, at 1 x 2, 2 x 2 (FSDP over the pairs) and 1 x 4, and FSDP alone on 2 and 4 for the step time beside them
+(the same global batch of 4, each data-parallel rank its share); each block's kept activation bytes per rank beside
+Korthikanti et al.'s formulas; and the step time on this CPU against one process.
 
-    python benchmarks/tp_check.py            # a minute or two on 2 cores
+    python benchmarks/tp_check.py            # a few minutes on 2 cores
 
 Prints Markdown tables for benchmarks/RESULTS.md.
 """
@@ -30,34 +31,40 @@ from fitgpt.tensor_parallel import apply_tensor_parallel, step_context
 # Llama, 8 heads sharing 4 key/value heads, 256 wide, 4 blocks, untied; batch 4 x 256.
 CFG = ModelConfig(arch="llama", vocab_size=2048, context_length=256, n_embed=256, n_head=8, n_kv_head=4, n_blocks=4,
                   dropout=0.0, tie_embeddings=False)
-B = 4
+B = 4  # the global batch: each data-parallel rank its share
 POLICIES = ("none", "block", "selective")
+LAYOUTS = ((2, 2), (4, 2), (4, 4), (2, 1), (4, 1))  # (processes, TP degree): 1 x 2, 2 x 2, 1 x 4, FSDP 2, FSDP 4
 
 
-def _batch():
-    idx = torch.randint(0, CFG.vocab_size, (B, CFG.context_length + 1), generator=torch.Generator().manual_seed(1))
+def _batch(rows: int = B):
+    idx = torch.randint(0, CFG.vocab_size, (rows, CFG.context_length + 1), generator=torch.Generator().manual_seed(1))
     return [(idx[:, :-1].contiguous(), idx[:, 1:].contiguous())]
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int, port: int, out: str, tp: int) -> None:
+    """world / tp data-parallel ranks (FSDP's, where more than one; each its share of the batch) x tp."""
+    from fitgpt.parallel import fsdp_shard
+    from fitgpt.tensor_parallel import training_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        mesh, dp = training_mesh("cpu", world, tp), world // tp
         rows = {}
         for spec in POLICIES:
             torch.manual_seed(0)
             model = Transformer(CFG)
-            apply_tensor_parallel(model, mesh)
+            if tp > 1:
+                apply_tensor_parallel(model, mesh["tp"])
             apply_activation_checkpointing(model, spec)
+            if dp > 1:
+                fsdp_shard(model, None, mesh=mesh["dp"])
             opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
             with step_context(model):
-                measure_train_step(model, opt, _batch(), grad_clip=1.0)
+                measure_train_step(model, opt, _batch(B // dp), grad_clip=1.0)
                 t0 = time.perf_counter()
-                peak = measure_train_step(model, opt, _batch(), grad_clip=1.0).peak
+                peak = measure_train_step(model, opt, _batch(B // dp), grad_clip=1.0).peak
                 rows[spec] = (peak, time.perf_counter() - t0)
         torch.save(rows, f"{out}.{rank}")
         dist.barrier()  # no rank tears its connections down while another still works: that aborts it
@@ -104,18 +111,20 @@ def main() -> None:
         pred = predict(whole, Plan.uniform(CFG.n_blocks, spec))
         kept = whole.blocks[1][spec].saved
         print(f"| one process | {spec} | 0 | - | {pred.peak:,} | | {kept:,} | {one[spec]:.3f} | 1.00x |")
-    for tp in (2, 4):
+    for world, tp in LAYOUTS:
+        dp, layout = world // tp, f"{world // tp} x {tp}" if tp > 1 else f"FSDP {world}"
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "rows")
-            mp.spawn(_worker, args=(tp, _port(), out), nprocs=tp, join=True)
-            measured = [torch.load(f"{out}.{r}") for r in range(tp)]
-        profile = profile_model(CFG, B, CFG.context_length, "cpu", OptimConfig(), fake=True, tp_ranks=tp)
+            mp.spawn(_worker, args=(world, _port(), out, tp), nprocs=world, join=True)
+            measured = [torch.load(f"{out}.{r}") for r in range(world)]
+        profile = profile_model(CFG, B // dp, CFG.context_length, "cpu", OptimConfig(), fake=True, tp_ranks=tp,
+                                fsdp_ranks=dp)
         for spec in POLICIES:
             pred = predict(profile, Plan.uniform(CFG.n_blocks, spec)).peak
             kept = profile.blocks[1][spec].saved
             for r, rows in enumerate(measured):
                 peak, secs = rows[spec]
-                print(f"| 1 x {tp} | {spec} | {r} | {peak:,} | {pred:,} | {'=' if peak == pred else f'{peak - pred:+,}'} | "
+                print(f"| {layout} | {spec} | {r} | {peak:,} | {pred:,} | {'=' if peak == pred else f'{peak - pred:+,}'} | "
                       f"{kept:,} | {secs:.3f} | {secs / one[spec]:.2f}x |", flush=True)
     print()
     print("| Korthikanti et al. (2022), a layer, fp32 | tp = 2 | tp = 4 |")
