@@ -315,3 +315,15 @@ def test_a_tensor_parallel_rank_is_counted_its_share_of_the_flops():
     whole, split = (profile_model(CFG, 2, CFG.context_length, "cpu", OptimConfig(), fake=True, tp_ranks=tp)
                     for tp in (1, 2))
     assert split.block_flops == [f // 2 for f in whole.block_flops] and split.step_flops == whole.step_flops // 2
+
+
+def test_the_ranks_of_a_group_draw_their_own_dropout_masks_on_the_cpu():
+    """Seeded alike for the initial weights, the two ranks of a group drew the same mask for each sequence shard;
+    seeded apart, each draws its own (the same one on a restart: a seed, not the clock)."""
+    from fitgpt.tensor_parallel import seed_dropout_apart
+
+    def mask(tp_rank):
+        seed_dropout_apart(torch.device("cpu"), 1337, tp_rank)
+        return torch.nn.functional.dropout(torch.ones(4, 64), 0.5) == 0
+
+    assert not torch.equal(mask(0), mask(1)) and torch.equal(mask(1), mask(1))

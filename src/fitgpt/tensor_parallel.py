@@ -9,8 +9,9 @@ Korthikanti et al. (2022) describe it:
 - the token embedding row-wise (the vocabulary sharded) into sequence shards, and the head column-wise into logits
   sharded on the vocabulary, which ``loss_parallel`` reduces to the loss without ever gathering them whole.
 
-Dropout on a sharded activation draws from DTensor's RNG tracker: the ranks share one seed, each shard its own
-offset, so the masks are consistent across the TP ranks (a replicated tensor gets the same mask on each).
+Dropout falls only on sharded activations (sequence shards, a rank's heads). On CUDA it draws from DTensor's RNG
+tracker: the ranks share one seed, each shard its own offset. On CPU ranks, which the tracker does not cover, each
+rank draws from its own generator, seeded apart (``seed_dropout_apart``).
 
 The model knows nothing of this: its attention counts its heads from its projections, which is all it needs.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -134,6 +136,16 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         "layer_norm": SequenceParallel(),
         "lm_head": _LossParallelHead(),
     })
+
+
+def seed_dropout_apart(device: torch.device, seed: int, tp_rank: int) -> None:
+    """Once the weights are drawn (alike on every rank, from ``seed``), the generator each rank draws its dropout
+    masks from. DTensor's RNG tracker (one seed, each shard its own offset) covers CUDA-like devices only; on CPU ranks
+    each rank draws from its own generator, and seeded alike, the ranks of a group drew the same mask for every
+    sequence shard. Every dropout of the split model falls on a shard (of the sequence, or a rank's heads), so the
+    ranks are seeded apart: no rank's mask has to match another's."""
+    if device.type == "cpu":
+        torch.manual_seed((seed * 1_000_003 + 1 + tp_rank) % 2**63)
 
 
 def step_context(model: nn.Module) -> contextlib.AbstractContextManager:

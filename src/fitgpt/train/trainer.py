@@ -187,6 +187,8 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
         materialise(model, torch.device("cpu") if cfg.fsdp_offload else device, cfg.seed)
         if cfg.init_from and not cfg.resume:
             init_from_hf(cfg, model, info, device, sharded=True)
+    if cfg.tensor_parallel > 1:  # a group's ranks consecutive: its rank is the process's rank modulo tp
+        tensor_parallel.seed_dropout_apart(device, cfg.seed, info.rank % cfg.tensor_parallel)
     # Weights, data positions and RNG: read into the model as it trains (under FSDP, each rank's shards).
     t_resume = time.perf_counter()
     start_step, state = resume_run(cfg, info, model, scaler, sampler, device, data) if cfg.resume else (0, None)
