@@ -327,3 +327,23 @@ def test_the_ranks_of_a_group_draw_their_own_dropout_masks_on_the_cpu():
         return torch.nn.functional.dropout(torch.ones(4, 64), 0.5) == 0
 
     assert not torch.equal(mask(0), mask(1)) and torch.equal(mask(1), mask(1))
+
+
+@pytest.mark.slow
+def test_fit_searches_the_tensor_parallel_degree_and_prints_a_command_the_trainer_takes(capsys):
+    """4 ranks in a budget that the split's activations fit and FSDP's whole ones do not: fit chooses FSDP x TP 2, and
+    the torchrun command it prints names it (launch_refusal passes the chosen config)."""
+    from fitgpt.cli import main
+    from fitgpt.config import load_config
+
+    assert main(["fit", "--preset", "llama-tiny", "--model.tie-embeddings", "False", "--world-size", "4", "--gpu",
+                 "h100-80gb", "--memory-budget", "76MiB", "--precision", "fp32", "--batch-size", "2",
+                 "--grad-accum", "1"]) == 0
+    out = capsys.readouterr().out
+    best = json.loads(out.strip().splitlines()[-1])["fastest"][0]
+    assert best["parallel"] == "fsdp x tp2" and best["tensor_parallel"] == 2
+    command = next(line for line in out.splitlines() if line.startswith("train the fastest: torchrun --nproc-per-node 4"))
+    assert "--parallel fsdp --tensor-parallel 2" in command and "1/t of them" in out
+    cfg = load_config("llama-tiny", overrides={"model": {"tie_embeddings": False}, "parallel": "fsdp",
+                                               "tensor_parallel": 2, "activation_checkpointing": best["policy"]})
+    assert launch_refusal(cfg, 4) is None

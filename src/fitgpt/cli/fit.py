@@ -94,7 +94,8 @@ def run(args: list[str]) -> int:
     print("\nThe fastest configurations for the same tokens a step:\n")
     print(format_choices(best, cfg.workload))
     result["fastest"] = [{"micro_batch": c.micro_batch, "grad_accum": c.grad_accum, "precision": c.precision,
-                          "parallel": c.layout.name, "policy": c.policy, "predicted_peak": c.peak,
+                          "parallel": c.layout.name, "tensor_parallel": c.layout.tp, "policy": c.policy,
+                          "predicted_peak": c.peak,
                           "step_seconds": c.step_seconds, "link_seconds": c.link_seconds, "tokens_per_s": c.tokens_per_s}
                          for c in best["choices"]]
     if cfg.report and best["choices"]:
@@ -119,6 +120,10 @@ def _report(cfg: FitConfig, choice) -> None:
     """fit.png: the fastest configuration's step (its micro-batch, accumulation, precision, parallelism and plan)
     beside none at the same settings."""
     train = choice.config(cfg.workload.train)
+    if train.tensor_parallel > 1:  # a split step has no snapshot yet (plan --tensor-parallel refuses --report too)
+        print(f"no fit.png: the fastest configuration splits the model over {train.tensor_parallel} ranks, whose step "
+              "is not drawn yet")
+        return
     w = cfg.workload.vary(batch_size=train.batch_size, grad_accum=train.grad_accum, precision=train.precision,
                           parallel=train.parallel, fsdp_offload=train.fsdp_offload)
     panels = [(f"fastest: {choice.policy}, {train.batch_size} x {train.grad_accum}, {train.precision}", w.snapshot(choice.policy))]

@@ -353,7 +353,7 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
     blocks = [{o: _block_option(timelines[o], base, i, machinery.get(o, 0.0)) for o in run.options} for i in range(n)]
     if run.simulated:
         blocks = [with_cuda_attention(b, run.target, run.dtype, s.attention) for b, s in zip(blocks, base.fwd_blocks)]
-    if run.target.cuda:
+    if run.target.cuda and run.tp_mesh is None:  # a split block's saved tensors are not offloaded (the trainer refuses it)
         blocks = [{**b, "offload": offload_option(b["none"], out, run.target)} for b, out in zip(blocks, base.block_out)]
     # What a recomputing block holds past the forward (run "block") that keeping everything lets go (run "none").
     shared = max(0, base.inputs_freed_at_forward_end - timelines["block"].inputs_freed_at_forward_end)

@@ -1,7 +1,8 @@
 """The fastest whole configuration that fits: ``fitgpt fit`` prints it, ``fitgpt train --auto-config`` trains with it.
 
 For a fixed number of sequences per step and rank (``--batch-size`` x ``--grad-accum``): every split into a
-micro-batch and accumulation, each precision the target trains in, and with ``--world-size`` DDP and FSDP; on
+micro-batch and accumulation, each precision the target trains in, and with ``--world-size`` DDP, FSDP and each
+tensor-parallel degree within a node (alone, or with FSDP over the groups); on
 CUDA also FSDP2's CPU offload of parameters, gradients and optimizer state (``CPUOffloadPolicy``) where the
 weights and optimizer state leave no room otherwise (FSDP shards across processes: the trainer runs it under
 torchrun with two or more, so one process is offered neither). Each gets the fastest checkpointing plan that fits (the
@@ -19,7 +20,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from fitgpt.command import train_command
+from fitgpt.command import ranks_per_node, train_command
 from fitgpt.config import TrainConfig
 from fitgpt.device import resolve_device
 from fitgpt.estimate.profile import StepProfile, named_options
@@ -27,6 +28,7 @@ from fitgpt.estimate.source import param_count
 from fitgpt.estimate.workload import Workload, workload_for
 from fitgpt.plan.extrapolate import extrapolate
 from fitgpt.plan.solver import Plan, PlanError, Prediction, predict, solve
+from fitgpt.tensor_parallel import launch_refusal
 from fitgpt.units import format_bytes, parse_bytes
 from fitgpt.utils import in_processes
 
@@ -40,17 +42,21 @@ optimizer step on the CPU."""
 @dataclass(frozen=True)
 class Layout:
     parallel: str
-    """single, ddp or fsdp."""
+    """single, ddp, fsdp, or tp (tensor parallelism alone, every rank one group's)."""
     offload: bool = False
+    tp: int = 1
+    """The tensor-parallel degree (above 1 under fsdp: FSDP over world / tp groups of tp)."""
 
     @property
     def name(self) -> str:
-        return self.parallel + ("+offload" if self.offload else "")
+        if self.parallel == "tp":
+            return f"tp{self.tp}"
+        return self.parallel + ("+offload" if self.offload else "") + (f" x tp{self.tp}" if self.tp > 1 else "")
 
     @property
     def trains_as(self) -> str:
-        """--parallel for this layout (one process is ddp's default: no wrapper)."""
-        return "ddp" if self.parallel == "single" else self.parallel
+        """--parallel for this layout (one process, or a tensor-parallel group alone, is ddp's default: no wrapper)."""
+        return "ddp" if self.parallel in ("single", "tp") else self.parallel
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ class Choice:
     link_seconds: float
     """Communication and offload time not hidden behind compute (estimated)."""
     tokens: int
-    """Tokens per step, all ranks."""
+    """Tokens per step, all data-parallel ranks (a tensor-parallel group's ranks train one batch)."""
     settled: bool
     """Its bytes from a profile of its own micro-batch (not fitted between two)."""
     given: str = ""
@@ -87,7 +93,7 @@ class Choice:
         """``base`` with this choice written into it: what trains it."""
         return dataclasses.replace(base, batch_size=self.micro_batch, grad_accum=self.grad_accum, precision=self.precision,
                                    activation_checkpointing=self.policy, parallel=self.layout.trains_as,
-                                   fsdp_offload=self.layout.offload)
+                                   fsdp_offload=self.layout.offload, tensor_parallel=self.layout.tp)
 
 
 def _divisors(n: int) -> list[int]:
@@ -114,7 +120,23 @@ def _layouts(w: Workload) -> list[Layout]:
         return [Layout("single")]
     if w.train.optim.name != "adamw":  # only AdamW shards (refusals.fsdp_optimizer_refusal)
         return [Layout("ddp")]
-    return [Layout("ddp"), Layout("fsdp")] + ([Layout("fsdp", True)] if cuda else [])
+    return [Layout("ddp"), Layout("fsdp")] + ([Layout("fsdp", True)] if cuda else []) + _tensor_parallel(w)
+
+
+def _tensor_parallel(w: Workload) -> list[Layout]:
+    """Each tensor-parallel degree within a node (its GPUs: the fast links) that the trainer can split the model
+    over: alone where it spans every rank, else with FSDP over the groups."""
+    if w.source is not None or w.train.optim.offload:  # a model of fitgpt's own, its optimizer on the card
+        return []
+    per_node = ranks_per_node(w.world_size)
+    out = []
+    for tp in (d for d in _divisors(per_node) if d > 1):
+        layout = Layout("tp" if tp == w.world_size else "fsdp", tp=tp)
+        cfg = dataclasses.replace(w.train, tensor_parallel=tp, parallel=layout.trains_as, compile=False,
+                                  activation_checkpointing="none")  # fit names the plan it solves
+        if launch_refusal(cfg, w.world_size) is None:
+            out.append(layout)
+    return out
 
 
 def _offloaded(p: StepProfile, params: int, world: int) -> StepProfile:
@@ -126,18 +148,26 @@ def _offloaded(p: StepProfile, params: int, world: int) -> StepProfile:
                                block_grads=[0] * p.n_blocks, optimizer_time=28 * params / world / HOST_BANDWIDTH)
 
 
-def _link_seconds(w: Workload, layout: Layout, accum: int, micro: float, params: int, dtype_bytes: int) -> float:
-    """Estimated seconds of communication and offload traffic not overlapped with compute."""
-    n, t = w.world_size, w.target
+def _link_seconds(w: Workload, layout: Layout, accum: int, micro: float, params: int, dtype_bytes: int,
+                  rows: int) -> float:
+    """Estimated seconds of communication and offload traffic not overlapped with compute (``micro``: a
+    micro-batch's compute seconds; ``rows``: its sequences)."""
+    t, tp = w.target, layout.tp
+    n = w.world_size // tp  # the data-parallel ranks
     gpu = t.gpu
     peer = (gpu.peer_link if gpu else 32e9) if t.cuda else GLOO_LINK
     share = (n - 1) / n
+    params //= tp  # a rank's split of the model: what FSDP gathers and reduces
     seconds = 0.0
+    if tp > 1:  # on the critical path: each block's 2 all-gathers and 2 reduce-scatters forward, as many backward
+        m = w.train.model  # tensor parallelism splits fitgpt's own model only
+        activation = rows * w.context * m.n_embed * dtype_bytes
+        seconds += 8 * m.n_blocks * (tp - 1) / tp * activation * accum / peer
     if layout.parallel == "ddp":  # one all-reduce of fp32 gradients a step, overlapped with the last backward
-        seconds = max(0.0, 2 * share * 4 * params / peer - micro * 2 / 3)
+        seconds += max(0.0, 2 * share * 4 * params / peer - micro * 2 / 3)
     elif layout.parallel == "fsdp" and n > 1:  # every micro-batch: gathers (forward, backward), an fp32 reduce-scatter
         traffic = share * params * accum * (2 * dtype_bytes + 4)
-        seconds = max(0.0, traffic / peer - accum * micro)
+        seconds += max(0.0, traffic / peer - accum * micro)
     if layout.offload:  # every micro-batch: the shard in (forward and backward), its reduced gradients out
         pcie = gpu.pcie if gpu else 32e9
         seconds += 3 * accum * 4 * params / n / pcie
@@ -200,7 +230,7 @@ class _Search:
 
     def exact(self, precision: str, layout: Layout, micro: int, accum: int) -> StepProfile:
         w = self.w.vary(precision=precision, parallel=layout.trains_as, batch_size=micro, grad_accum=min(accum, 2),
-                        cost=self.costs[precision])
+                        cost=self.costs[precision], tensor_parallel=layout.tp)
         p = w.profile(extra_options=self.named)
         return _offloaded(p, self.params, self.w.world_size) if layout.offload else p
 
@@ -211,9 +241,10 @@ class _Search:
         except PlanError:
             return None
         micro_s = (pred.step_time - p.optimizer_time) / accum
-        link = _link_seconds(self.w, layout, accum, micro_s, self.params, 2 if precision in ("bf16", "fp16") else 4)
-        return Choice(micro, accum, precision, layout, plan, pred.peak, pred.step_time, link, self.tokens, settled,
-                      self.given or "")
+        link = _link_seconds(self.w, layout, accum, micro_s, self.params, 2 if precision in ("bf16", "fp16") else 4,
+                             micro)
+        return Choice(micro, accum, precision, layout, plan, pred.peak, pred.step_time, link, self.tokens // layout.tp,
+                      settled, self.given or "")
 
 
 def _as_given(p: StepProfile, policy: str, budget: int) -> tuple[Plan, Prediction]:
@@ -247,7 +278,10 @@ def _family(search: _Search, seqs: int, precision: str, layout: Layout, accumula
 
 
 def format_choices(result: dict, w: Workload) -> str:
-    lines = [f"{result['workload']}; budget {format_bytes(result['budget'])}; {result['tokens_per_step']:,} tokens a step",
+    split = " (under tensor parallelism of degree t, 1/t of them: a group's ranks train one batch)" \
+        if any(c.layout.tp > 1 for c in result["choices"]) else ""
+    lines = [f"{result['workload']}; budget {format_bytes(result['budget'])}; {result['tokens_per_step']:,} tokens a step"
+             f"{split}",
              "", "| # | micro-batch x accum | precision | parallel | checkpointing | predicted peak | step (ms) | tokens/s | "
              "of which links (ms) |", "|---:|---|---|---|---|---:|---:|---:|---:|"]
     for i, c in enumerate(result["choices"], 1):
