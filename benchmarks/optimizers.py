@@ -67,7 +67,7 @@ def _chosen(only: list[str] | None) -> dict[str, dict]:
     unknown = set(only or ()) - set(SETTINGS)
     if unknown:
         raise SystemExit(f"--only: no setting {sorted(unknown)}; choose from {list(SETTINGS)}")
-    return {k: v for k, v in SETTINGS.items() if not only or k in only}
+    return {k: SETTINGS[k] for k in only} if only else dict(SETTINGS)  # in the order given
 
 
 def bytes_per_param(settings: dict[str, dict]) -> None:
