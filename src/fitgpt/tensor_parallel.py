@@ -105,7 +105,9 @@ class _LossParallelHead(ColwiseParallel):
         if isinstance(outputs, tuple):  # (logits, loss): loss_parallel's loss is whole on every rank, handed on local
             logits, loss = outputs
             logits = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, logits, device_mesh)
-            return logits, loss.to_local() if isinstance(loss, DTensor) else loss
+            # to_local() is a view, which FSDP warns of at every step (an in-place op on it would lose its hooks):
+            # a copy of the scalar instead.
+            return logits, loss.to_local().clone() if isinstance(loss, DTensor) else loss
         return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
