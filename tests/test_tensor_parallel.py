@@ -119,12 +119,14 @@ def _memory_worker(rank: int, world: int, port: int, out: str, tp: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, tp", [(2, 2), (4, 2)])
-def test_each_tensor_parallel_rank_is_planned_to_the_byte(world, tp, tmp_path):
+def test_each_tensor_parallel_rank_is_planned_to_the_byte(world, tp, tmp_path, exact_allocator):
     """`plan --tensor-parallel 2`'s profile (1 x 2; and 2 x 2, FSDP over the data-parallel pair): one rank's step on
     fake ranks, split and sharded as the trainer does it, against each gloo rank's measured peak, for none, block and
-    selective."""
+    selective; and the allocator replay's step (exact counts), which is the measured one plus its two token batches."""
     from fitgpt.config import OptimConfig
+    from fitgpt.estimate.hardware import Target
     from fitgpt.estimate.profile import profile_model
+    from fitgpt.estimate.replay import simulate_step
     from fitgpt.plan import Plan, predict
 
     out = str(tmp_path / "peaks")
@@ -138,6 +140,10 @@ def test_each_tensor_parallel_rank_is_planned_to_the_byte(world, tp, tmp_path):
             predicted = predict(profile, Plan.uniform(CFG.n_blocks, spec)).peak
             assert predicted == peak, (rank, spec, predicted, peak)
             assert predicted < predict(whole, Plan.uniform(CFG.n_blocks, spec)).peak
+    for spec, peak in measured.items():
+        replay = simulate_step(CFG, spec, 2, CFG.context_length, 1, None, OptimConfig(), Target("cpu"),
+                               allocator=exact_allocator(), ranks=world, parallel="fsdp", tp=tp)
+        assert replay["max_allocated"] == peak + 2 * 2 * CFG.context_length * 8, spec
 
 
 @pytest.mark.parametrize("change, words", [

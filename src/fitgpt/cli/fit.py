@@ -120,12 +120,8 @@ def _report(cfg: FitConfig, choice) -> None:
     """fit.png: the fastest configuration's step (its micro-batch, accumulation, precision, parallelism and plan)
     beside none at the same settings."""
     train = choice.config(cfg.workload.train)
-    if train.tensor_parallel > 1:  # a split step has no snapshot yet (plan --tensor-parallel refuses --report too)
-        print(f"no fit.png: the fastest configuration splits the model over {train.tensor_parallel} ranks, whose step "
-              "is not drawn yet")
-        return
     w = cfg.workload.vary(batch_size=train.batch_size, grad_accum=train.grad_accum, precision=train.precision,
-                          parallel=train.parallel, fsdp_offload=train.fsdp_offload)
+                          parallel=train.parallel, fsdp_offload=train.fsdp_offload, tensor_parallel=train.tensor_parallel)
     panels = [(f"fastest: {choice.policy}, {train.batch_size} x {train.grad_accum}, {train.precision}", w.snapshot(choice.policy))]
     panels += [("none", w.snapshot("none"))] if choice.policy != "none" else []
     card = w.target.gpu.memory if w.target.gpu else None

@@ -80,9 +80,6 @@ class PlanConfig(BudgetConfig):
         if self.hf_config or self.device:
             raise UserError(f"--tensor-parallel {tp} splits fitgpt's own model, planned on fake ranks: drop "
                             f"{'--hf-config' if self.hf_config else '--device'}")
-        if self.report or self.memory_snapshot or self.compare:
-            raise UserError(f"--tensor-parallel {tp}: the pictures and snapshots of a split step are not built yet: drop "
-                            "--report, --memory-snapshot and --compare")
         # As the trainer refuses it, but for auto: the trainer cannot plan it per rank, this command does.
         spec = "none" if self.activation_checkpointing == "auto" else self.activation_checkpointing
         if why := launch_refusal(dataclasses.replace(self.train_config(), activation_checkpointing=spec), world):

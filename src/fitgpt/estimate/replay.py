@@ -39,6 +39,7 @@ from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
 from fitgpt.parallel import ddp_wrap, fsdp_shard, precision_roles, sync_context
 from fitgpt.step import optimizer_update, train_step
+from fitgpt.tensor_parallel import apply_tensor_parallel, step_context
 from fitgpt.utils import Forked
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,10 @@ blocks under FSDP and its first and last backward (seen on the recordings; `deep
 
 def simulate_step(model: ModelConfig | ModelSource, policy: str, batch: int, context: int, grad_accum: int, dtype: torch.dtype | None,
                   optim: OptimConfig, target: Target, allocator=None, ranks: int = 1, parallel: str = "fsdp",
-                  repeat: bool = True, deep: bool | None = None) -> dict[str, int]:
+                  repeat: bool = True, deep: bool | None = None, tp: int = 1) -> dict[str, int]:
     """Peak allocated and reserved bytes of a steady-state step of ``policy`` on ``target``: one process, or one rank
-    of ``ranks`` under ``parallel`` (fsdp or ddp), wrapped as the trainer wraps it (``fitgpt.parallel``), on fake ranks.
+    of ``ranks`` under ``parallel`` (fsdp or ddp), wrapped as the trainer wraps it (``fitgpt.parallel``), on fake ranks;
+    ``tp`` above 1: each group of ``tp`` ranks splits the model (``fitgpt.tensor_parallel``), FSDP over the groups.
 
     The weights are allocated first, then DDP's gradient buckets, then the cuBLAS workspaces; a first step creates
     the optimizer state; the second is measured, its token batches included. Each step runs up to two micro-batches
@@ -67,11 +69,9 @@ def simulate_step(model: ModelConfig | ModelSource, policy: str, batch: int, con
     source = as_source(model)
     if context > source.context_length:
         source = source.at(context=context)
-    parallel = parallel if ranks > 1 else None
-    run = _Run(source, policy, batch, context, min(grad_accum, 2), dtype, optim, target, parallel)
+    run = _Run(source, policy, batch, context, min(grad_accum, 2), dtype, optim, target, _data_parallel(parallel, ranks, tp))
     alloc = allocator if allocator is not None else allocator_model(target.expandable_segments)
-    with fake_ranks(ranks) if ranks > 1 else contextlib.nullcontext() as mesh:
-        run.mesh = mesh
+    with _ranks(run, ranks, tp):
         shallow = _deepened_from(run, deep) if repeat else None
         if shallow is not None:
             try:
@@ -83,7 +83,7 @@ def simulate_step(model: ModelConfig | ModelSource, policy: str, batch: int, con
 
 def predicted_snapshot(model: ModelConfig | ModelSource, policy: str, batch: int, context: int, grad_accum: int,
                        dtype: torch.dtype | None, optim: OptimConfig, target: Target, ranks: int = 1,
-                       parallel: str = "fsdp") -> dict:
+                       parallel: str = "fsdp", tp: int = 1) -> dict:
     """The plan's step as PyTorch's memory snapshot (`fitgpt.memory.snapshot`), as ``simulate_step`` replays it but at
     full depth and named: the weights, what is made before the step (DDP's buckets, the cuBLAS workspaces, the
     optimizer), a first step (which creates the optimizer state), then a second, each block's frames naming the step,
@@ -92,7 +92,7 @@ def predicted_snapshot(model: ModelConfig | ModelSource, policy: str, batch: int
     source = as_source(model)
     if context > source.context_length:
         source = source.at(context=context)
-    run = _Run(source, policy, batch, context, min(grad_accum, 2), dtype, optim, target, parallel if ranks > 1 else None)
+    run = _Run(source, policy, batch, context, min(grad_accum, 2), dtype, optim, target, _data_parallel(parallel, ranks, tp))
     where = Where()
     trace = SnapshotTrace(allocator_model(target.expandable_segments) if target.cuda else ExactAllocator(), where.frames)
 
@@ -100,8 +100,7 @@ def predicted_snapshot(model: ModelConfig | ModelSource, policy: str, batch: int
         where.mark(f"step {where.step}: optimizer step")
         return optimizer_update(*args)
 
-    with fake_ranks(ranks) if ranks > 1 else contextlib.nullcontext() as mesh:
-        run.mesh = mesh
+    with _ranks(run, ranks, tp):
         model_, mode = run.build(run.source, run.policy)
         where.mark("weights")
         _feed(trace, [(("w", i), nbytes) for i, nbytes in enumerate(_weights(model_))])
@@ -131,13 +130,19 @@ class _Run:
     optim: OptimConfig
     target: Target
     parallel: str | None
-    """fsdp or ddp over the fake ranks; None: one process."""
+    """fsdp or ddp over the fake (data-parallel) ranks; None: one process, or one tensor-parallel group."""
     mesh: object = None
+    """The data-parallel ranks' mesh."""
+    tp_mesh: object = None
+    """A tensor-parallel group's mesh (None: the model is not split)."""
 
     def build(self, source: ModelSource, policy: str | None) -> tuple[torch.nn.Module, object]:
         """``source``'s fake model, its checkpointing applied (``policy``; None: none) and sharded as the trainer
         shards it, and its fake mode."""
         model, mode = fake_model(source, torch.device("cpu"))
+        if self.tp_mesh is not None:  # split first, as the trainer does
+            with mode:
+                apply_tensor_parallel(model, self.tp_mesh)
         if policy is not None:
             apply_activation_checkpointing(model, policy)
         if self.parallel == "fsdp":
@@ -154,7 +159,8 @@ class _Run:
         math_only = t.attention_backend(dtype, self.source.head_dim) == "math"
         amp = autocast(torch.device("cpu"), precision_roles(dtype, self.parallel == "fsdp")[0])  # FSDP: pure half precision
         rules = cuda_autocast_rules() if t.cuda and dtype else contextlib.nullcontext()  # CUDA's casts, on CPU tensors
-        with mode, rules, LiveMemory(allocator=allocator) as live, sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext():
+        attention = sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext()
+        with mode, rules, LiveMemory(allocator=allocator) as live, attention, step_context(model):
             step_model = ddp_wrap(model, fake=True) if self.parallel == "ddp" else model  # its buckets, made as it is built
             _workspaces(allocator, t)
             optimizer = build_optimizer(model, self.optim, torch.device(t.device))
@@ -167,6 +173,24 @@ class _Run:
                 return train_step(step_model, optimizer, batches, **kw)
 
             yield step, optimizer, live
+
+
+def _data_parallel(parallel: str, ranks: int, tp: int) -> str | None:
+    """What wraps the model over the data-parallel ranks: ``parallel`` where there are several, else None."""
+    return parallel if ranks // tp > 1 else None
+
+
+@contextlib.contextmanager
+def _ranks(run: _Run, ranks: int, tp: int):
+    """``ranks`` fake ranks for ``run`` while it lasts: its data-parallel mesh, and its tensor-parallel group's."""
+    with fake_ranks(ranks, tp) if ranks > 1 else contextlib.nullcontext() as mesh:
+        if tp > 1 and ranks > tp:
+            run.mesh, run.tp_mesh = mesh["dp"], mesh["tp"]
+        elif tp > 1:
+            run.tp_mesh = mesh
+        else:
+            run.mesh = mesh
+        yield
 
 
 def _workspaces(alloc, target: Target) -> None:
@@ -243,7 +267,8 @@ def _deep_replay(run: _Run, shallow: tuple[str, list[int], list[int]], alloc) ->
     """``_replay``'s step recorded shallow (``_shallow``) and deepened, with the weights and the optimizer (built, and its
     update, which runs over every parameter at once) taken from the full-depth model: recorded in a forked copy of this
     process meanwhile, and kept for the next plan's replay."""
-    key = repr((run.source, run.optim, run.dtype, run.target, run.parallel, run.mesh and run.mesh.size()))
+    key = repr((run.source, run.optim, run.dtype, run.target, run.parallel, run.mesh and run.mesh.size(),
+                run.tp_mesh and run.tp_mesh.size()))
     kept = _FULL_DEPTH.get(key)
     with Forked(_record_full_depth, run) if kept is None else contextlib.nullcontext() as job:
         rec, copies, out = _record_shallow(run, shallow)

@@ -86,11 +86,9 @@ class Workload:
         otherwise."""
         if not (self.target.cuda and self.fake) or "offload" in policy or self.train.fsdp_offload:
             return None  # offload copies nothing on the CPU the replay runs on
-        if self.train.tensor_parallel > 1:
-            return None  # a split step is not replayed through the allocator yet
         t = self.train
         args = (self.model, policy, t.batch_size, self.context, t.grad_accum, self.dtype, t.optim, self.target)
-        kw = {"ranks": self.world_size, "parallel": t.parallel}
+        kw = {"ranks": self.world_size, "parallel": t.parallel, "tp": t.tensor_parallel}
         try:
             return simulate_step(*args, **kw)
         except RanksBusy:  # under torchrun: the fake ranks get a process of their own
@@ -101,7 +99,7 @@ class Workload:
         under DDP or FSDP, through CUDA's caching allocator (modelled) for a CUDA target."""
         t = self.train
         args = (self.model, policy, t.batch_size, self.context, t.grad_accum, self.dtype, t.optim, self.target)
-        kw = {"ranks": self.world_size, "parallel": t.parallel}
+        kw = {"ranks": self.world_size, "parallel": t.parallel, "tp": t.tensor_parallel}
         try:
             return predicted_snapshot(*args, **kw)
         except RanksBusy:
