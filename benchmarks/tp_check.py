@@ -4,12 +4,14 @@ per policy, at 1 x 2, 2 x 2 (FSDP over the pairs) and 1 x 4, and FSDP alone on 2
 Korthikanti et al.'s formulas; and the step time on this CPU against one process.
 
     python benchmarks/tp_check.py            # a few minutes on 2 cores
+    python benchmarks/tp_check.py --largest 5   # the deepest model a rank of 4 fits in 5 GiB, per layout (planned)
 
 Prints Markdown tables for benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import tempfile
@@ -134,5 +136,50 @@ def main() -> None:
         print(f"| {name} | {k2[name]:,.0f} | {k4[name]:,.0f} |")
 
 
+def _shape(width: int, n_blocks: int) -> ModelConfig:
+    """CFG's Llama at ``width`` (heads of 64, twice as many as key/value heads) and ``n_blocks``, context 1024."""
+    return dataclasses.replace(CFG, n_embed=width, n_head=width // 64, n_kv_head=width // 128, n_blocks=n_blocks,
+                               context_length=1024)
+
+
+def _rank_peak(width: int, n_blocks: int, world: int, tp: int) -> int:
+    """One rank's planned peak under `block`, fp32, AdamW, a global batch of 4 x 1024 over world / tp groups."""
+    dp = world // tp
+    p = profile_model(_shape(width, n_blocks), 4 // dp, 1024, "cpu", OptimConfig(), fake=True, tp_ranks=tp, fsdp_ranks=dp)
+    return predict(p, Plan.uniform(n_blocks, "block")).peak
+
+
+def largest(budget: int, widths: tuple[int, ...]) -> None:
+    """The deepest Llama of each width whose rank's planned peak fits ``budget`` on 4 ranks, under FSDP 4, 2 x 2 and
+    1 x 4: a binary search over depth on fake ranks."""
+    print("| width | layout | blocks | parameters | peak a rank, planned |")
+    print("|---:|---|---:|---:|---:|")
+    for width in widths:
+        for world, tp in ((4, 1), (4, 2), (4, 4)):
+            lo, hi = 0, 1
+            while _rank_peak(width, hi, world, tp) <= budget:
+                lo, hi = hi, hi * 2
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if _rank_peak(width, mid, world, tp) <= budget else (lo, mid)
+            layout = f"{world // tp} x {tp}" if tp > 1 else f"FSDP {world}"
+            if not lo:
+                print(f"| {width} | {layout} | 0 | - | - |", flush=True)
+                continue
+            with torch.device("meta"):
+                n_params = Transformer(_shape(width, lo)).num_params(non_embedding=False)
+            print(f"| {width} | {layout} | {lo} | {n_params / 1e6:,.0f}M | "
+                  f"{_rank_peak(width, lo, world, tp) / 2**30:.2f} GiB |", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--largest", metavar="BYTES", type=float,
+                    help="instead: the deepest model a rank of 4 fits in this many GiB, per layout")
+    args = ap.parse_args()
+    if args.largest:
+        largest(int(args.largest * 2**30), (1024, 2048))
+    else:
+        main()
