@@ -26,6 +26,7 @@
 #    LLaMA-7B shape (bf16 weights, Adafactor in the backward, 16 x 256) trained 5 steps under a 22 GiB plan, the
 #    allocator's peak beside it; and GaLore's own recipe (8-bit GaLore AdamW, rank 1024: bitsandbytes, not planned)
 #    on that shape, its allocator peak beside the 22.8 GB its README gives. Needs pip install '.[lowbit,lowrank]'.
+#    7c: each setting's validation loss on the issue's larger run (26M parameters, 2,000 steps), and its curves.
 # 8. Issue 45: torchtitan's 70B recipe (FSDP 32 x TP 8) planned from the CPU; TP 2 on 2 GPUs and FSDP 2 x TP 2 on 4,
 #    trained (llama-1b, bf16, 4 x 1024), rank 0's allocator peak beside the plan of one rank.
 # Everything lands in OUT_DIR (default gpu_check/), with a summary in OUT_DIR/summary.txt.
@@ -178,6 +179,12 @@ if peaks:
         log.write(f"auto: galore-7b-8bit (GaLore's recipe, block): max_memory_allocated {max(peaks) / 2**30:.2f} GiB "
                   "(its README: 22.8 GB)\n")
 PY
+
+echo "== 7c. issue 44: what each setting costs in loss, the larger run (26M parameters, 2,000 steps) on the card"
+python benchmarks/optimizers.py quality --size gpu --out "$OUT/quality_gpu" --only "AdamW fp32" "8-bit AdamW" \
+  "Adafactor, lr 3e-2" "Muon" "GaLore AdamW, lr 1e-2" "APOLLO, lr 1e-2" "APOLLO-Mini, lr 1e-2" \
+  | tee "$OUT/quality_gpu.md" || true
+python benchmarks/optimizers.py curves --size gpu --out "$OUT/quality_gpu" --png "$OUT/optimizer-loss-gpu.png" || true
 
 echo "== 8. issue 45: tensor parallelism on the cards (NCCL), each rank's allocator peak beside one rank's plan"
 # torchtitan's Llama-3.1-70B recipe (FSDP 32 x TP 8 on 256 H100s, full checkpointing, 16 x 8192, bf16), planned

@@ -3,7 +3,8 @@ preset's first run under each (val loss vs AdamW fp32's, the same steps).
 
     python benchmarks/optimizers.py bytes     # a few minutes
     python benchmarks/optimizers.py quality   # the README's first run once per setting (about 1 min each)
-    python benchmarks/optimizers.py quality --larger --threads 1   # 5.3M parameters, 1,000 steps (15-20 min each)
+    python benchmarks/optimizers.py quality --size larger --threads 1   # 5.3M parameters, 1,000 steps (15-20 min each)
+    python benchmarks/optimizers.py quality --size gpu       # 26M parameters, 2,000 steps (minutes each on a card)
     python benchmarks/optimizers.py curves    # one picture of every setting's loss curve, from quality's runs
 
 Each prints a Markdown table for benchmarks/RESULTS.md.
@@ -109,7 +110,7 @@ PANELS = {"AdamW and its low-memory forms": ("AdamW", "in-backward", "bf16", "8-
           "Adafactor and Muon": ("Adafactor", "Muon"), "GaLore and APOLLO": ("GaLore", "APOLLO")}
 
 
-def curves(out: str, settings: dict[str, dict], png: str, larger: bool = False) -> None:
+def curves(out: str, settings: dict[str, dict], png: str, size: str = "readme") -> None:
     """One picture of every setting's training loss on the README's first run (the runs ``quality`` left in ``out``),
     AdamW fp32's curve in each panel, its validation losses as points."""
     import matplotlib
@@ -131,35 +132,46 @@ def curves(out: str, settings: dict[str, dict], png: str, larger: bool = False) 
         ax.set(title=title, xlabel="step", ylim=(3.0, 7.5))
         ax.legend(fontsize=7)
     axes[0].set_ylabel("train loss (lines), val loss (points)")
-    run = "5.3M parameters (1,000 steps" if larger else "The README's first run (tiny preset, 300 steps"
-    fig.suptitle(f"{run}, one seed) under each optimizer setting")
+    fig.suptitle(f"{SIZES[size][1]}, one seed) under each optimizer setting")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     print(f"picture: {png}")
 
 
-# The larger run: 4x the tiny preset's parameters (256 wide, 6 blocks: 5.3M) and 3.3x its tokens (1,000 steps of
-# 16 x 128), what this CPU finishes in 15-20 min a setting on one core. Low-rank settings keep a quarter of the width.
-LARGER = {"model": {"n_embed": 256, "n_blocks": 6}, "max_steps": 1000, "eval_interval": 250,
-          "checkpoint_interval": 1000}
+# The runs, by --size: each setting's overrides of the tiny preset, and how the picture names it. Low-rank settings
+# keep a quarter of the width (rank 32 of the preset's 128, doubled at 256 wide, ...).
+# larger: 4x the tiny preset's parameters (256 wide, 6 blocks: 5.3M) and 3.3x its tokens (1,000 steps of 16 x 128),
+# what this CPU finishes in 15-20 min a setting on one core.
+# gpu: the issue's larger run, 26M parameters (512 wide, 8 blocks, context 256) for 2,000 steps (8.2M tokens, two
+# passes over the built-in corpus): about an hour a setting on this CPU, minutes on a card (gpu_check.sh step 7c).
+SIZES = {
+    "readme": ({}, "The README's first run (tiny preset, 300 steps"),
+    "larger": ({"model": {"n_embed": 256, "n_blocks": 6}, "max_steps": 1000, "eval_interval": 250,
+                "checkpoint_interval": 1000}, "5.3M parameters (1,000 steps"),
+    "gpu": ({"model": {"n_embed": 512, "n_head": 8, "n_blocks": 8, "context_length": 256}, "max_steps": 2000,
+             "eval_interval": 250, "checkpoint_interval": 2000}, "26M parameters (2,000 steps"),
+}
 
 
-def _overrides(kw: dict, larger: bool) -> dict:
-    if not larger:
+def _overrides(kw: dict, size: str) -> dict:
+    run, _ = SIZES[size]
+    if not run:
         return {"optim": kw}
-    optim = dict(kw, warmup_steps=100, **({"rank": kw["rank"] * 2} if "rank" in kw else {}))
-    return {**LARGER, "optim": optim}
+    scale = run["model"]["n_embed"] // 128
+    optim = dict(kw, warmup_steps=run["max_steps"] // 10, **({"rank": kw["rank"] * scale} if "rank" in kw else {}))
+    return {**run, "optim": optim}
 
 
-def quality(out: str, settings: dict[str, dict], larger: bool = False) -> None:
-    """The README's first run (tiny preset, 300 steps), or the larger one, under each setting, same seed and data."""
+def quality(out: str, settings: dict[str, dict], size: str = "readme") -> None:
+    """The README's first run (tiny preset, 300 steps), or a larger one (``SIZES``), under each setting, same seed
+    and data."""
     print("| setting | train loss | val loss | vs AdamW fp32 | vs AdamW fp32 with the same clipping | seconds |")
     print("|---|---:|---:|---:|---:|---:|")
     base: dict[float, float] = {}  # grad_clip -> AdamW fp32's val loss
     for name, kw in settings.items():
         if kw.get("offload"):  # the trainer offloads from a CUDA card only; its weights are AdamW's bit for bit (tested)
             continue
-        cfg = load_config("tiny", overrides={**_overrides(kw, larger), "out_dir": str(_run_dir(out, name)),
+        cfg = load_config("tiny", overrides={**_overrides(kw, size), "out_dir": str(_run_dir(out, name)),
                                              "overwrite": True, "progress": False, "tensorboard": False})
         s = train(cfg)
         base.setdefault(cfg.optim.grad_clip, s["val_loss"])
@@ -174,7 +186,8 @@ if __name__ == "__main__":
     ap.add_argument("--out", default="/tmp/fitgpt-optimizers")
     ap.add_argument("--png", default="docs/optimizer-loss.png", help="curves: the picture (quality's runs, from --out)")
     ap.add_argument("--only", nargs="+", help="these settings alone (AdamW fp32 first, for quality: the reference)")
-    ap.add_argument("--larger", action="store_true", help="quality: the larger run (5.3M parameters, 1,000 steps)")
+    ap.add_argument("--size", choices=list(SIZES), default="readme",
+                    help="quality and curves: the README's first run, 5.3M parameters for 1,000 steps, or 26M for 2,000")
     ap.add_argument("--threads", type=int, help="torch's threads (one core each, beside other work)")
     args = ap.parse_args()
     if args.threads:
@@ -183,6 +196,6 @@ if __name__ == "__main__":
     if args.what == "bytes":
         bytes_per_param(chosen)
     elif args.what == "quality":
-        quality(args.out, chosen, args.larger)
+        quality(args.out, chosen, args.size)
     else:
-        curves(args.out, chosen, args.png, args.larger)
+        curves(args.out, chosen, args.png, args.size)
