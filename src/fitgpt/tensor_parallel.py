@@ -84,7 +84,12 @@ def training_mesh(device_type: str, world: int, tp: int) -> DeviceMesh:
     tensor-parallel group being tp consecutive ranks (one node's, where a node has tp cards), as torchtitan lays it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    if world > tp and hasattr(mesh, "_flatten"):
+        # Both dimensions as one too: a reduction over every rank (the gradients' norm for clipping) is then one
+        # all-reduce, not one per dimension (DTensor warns of the two at the first step, on every rank).
+        mesh._flatten("dp_tp")
+    return mesh
 
 
 class _LossParallelHead(ColwiseParallel):

@@ -27,14 +27,15 @@ def fake_ranks(world: int, tp: int = 1) -> Iterator[object]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
+    from fitgpt.tensor_parallel import training_mesh  # the trainer's own 2-D mesh
+
     if dist.is_initialized():
         raise RanksBusy(f"a process group is already initialised; {world} fake ranks need a process of their own")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         with _pieces_when_indexed(), _meshes_joined_on_real_tensors():
             # Made outside any fake tensor mode: the mesh's setup reads values.
-            yield init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp")) if 1 < tp < world \
-                else init_device_mesh("cpu", (world,))
+            yield training_mesh("cpu", world, tp) if 1 < tp < world else init_device_mesh("cpu", (world,))
     finally:
         dist.destroy_process_group()
 
