@@ -201,6 +201,19 @@ def test_torchrun_tensor_parallel_trains_as_one_process_and_its_checkpoint_opens
                            "block", "--resume", str(tmp_path / "tp" / "checkpoints" / "step_00000003")), tmp_path))
     again, again_val = _losses(tmp_path / "tp")
     torch.testing.assert_close(torch.tensor(again[-3:] + again_val[-1:]), torch.tensor(tp[-3:] + tp_val[-1:]), rtol=1e-6, atol=0)
+    # --init-from a Hugging Face folder (the one-process run, exported) into the split, under GPT-2's preset: the
+    # folder's Llama is what trains (the launch check once refused the preset's GPT-2), each rank filled with its
+    # pieces; its first steps are one process's from the same folder.
+    assert main(["export", "--run", str(tmp_path / "one"), "--out", str(tmp_path / "hf")]) == 0
+
+    def from_folder(out, *extra):
+        flags = _flags(data_dir, corpus_dir, out, "--init-from", str(tmp_path / "hf"), "--max-steps", "2", *extra)
+        return ["tiny" if a == "llama-tiny" else a for a in flags]
+
+    assert main(from_folder(tmp_path / "init_one")) == 0
+    finish(torchrun(from_folder(tmp_path / "init_tp", "--tensor-parallel", "2"), tmp_path))
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "init_tp")[0]), torch.tensor(_losses(tmp_path / "init_one")[0]),
+                               rtol=1e-5, atol=0)
 
 
 @pytest.mark.slow

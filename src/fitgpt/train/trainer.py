@@ -129,8 +129,11 @@ def _check_launch(cfg: TrainConfig, info: dist_utils.DistInfo) -> None:
         raise UserError(fsdp_optimizer_refusal(cfg.optim))
     if cfg.optim.in_backward and info.enabled:
         raise UserError(IN_BACKWARD_ONE_PROCESS)
-    if cfg.tensor_parallel > 1 and (why := tensor_parallel.launch_refusal(cfg, info.world)):
-        raise UserError(why)
+    if cfg.tensor_parallel > 1:  # of the model trained: --init-from's, where it names one
+        imported = cfg.init_from and (Path(cfg.init_from) / "config.json").is_file()
+        model = import_config(cfg.init_from) if imported else cfg.model
+        if why := tensor_parallel.launch_refusal(dataclasses.replace(cfg, model=model), info.world):
+            raise UserError(why)
     if cfg.model.weights_dtype == "bf16" and info.enabled:
         raise UserError("--model.weights-dtype bf16 rounds each update into the weights in one process; under torchrun "
                         "use fp32 weights (FSDP's pure bf16: --parallel fsdp --precision bf16), or train in one process")
