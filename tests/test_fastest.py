@@ -83,9 +83,13 @@ def test_fastest_configuration_weighs_ddp_fsdp_and_offload_for_several_cards(tmp
     assert layouts == {"fsdp+offload"}
     # DDP's all-reduce: 2 (n-1)/n of the fp32 gradients over NVLink, less what the last backward hides
     params = 10**6
-    assert _link_seconds(w, Layout("ddp"), 1, 0.0, params, 2) == pytest.approx(2 * 0.5 * 4 * params / 300e9)
-    assert _link_seconds(w, Layout("ddp"), 1, 1.0, params, 2) == 0.0
+    assert _link_seconds(w, Layout("ddp"), 1, 0.0, params, 2, 4) == pytest.approx(2 * 0.5 * 4 * params / 300e9)
+    assert _link_seconds(w, Layout("ddp"), 1, 1.0, params, 2, 4) == 0.0
     # FSDP, every micro-batch: two bf16 gathers and an fp32 reduce-scatter of (n-1)/n of the weights
-    assert _link_seconds(w, Layout("fsdp"), 2, 0.0, params, 2) == pytest.approx(0.5 * params * 2 * (2 * 2 + 4) / 300e9)
-    off = _link_seconds(w, Layout("fsdp", True), 2, 1.0, params, 2)
+    assert _link_seconds(w, Layout("fsdp"), 2, 0.0, params, 2, 4) == pytest.approx(0.5 * params * 2 * (2 * 2 + 4) / 300e9)
+    off = _link_seconds(w, Layout("fsdp", True), 2, 1.0, params, 2, 4)
     assert off == pytest.approx(6 * 4 * params / 2 / 32e9)  # the shard in twice a micro-batch, its gradients out once
+    # Tensor parallelism over both ranks, every micro-batch: each of the 4 blocks' 8 collectives moves (t-1)/t of a
+    # (4, 64, 128) bf16 activation, not hidden; no data-parallel traffic
+    tp = _link_seconds(w, Layout("tp", tp=2), 2, 1.0, params, 2, 4)
+    assert tp == pytest.approx(8 * 4 * 0.5 * 4 * 64 * 128 * 2 * 2 / 300e9)
