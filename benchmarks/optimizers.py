@@ -129,7 +129,7 @@ def curves(out: str, settings: dict[str, dict], png: str, size: str = "readme") 
             line, = ax.plot(*zip(*train), label=name, lw=2.5 if name == "AdamW fp32" else 1.2,
                             color="black" if name == "AdamW fp32" else None)
             ax.plot(*zip(*[(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]), "o", color=line.get_color())
-        ax.set(title=title, xlabel="step", ylim=(3.0, 7.5))
+        ax.set(title=title, xlabel="step", ylim=(3.0 if size == "readme" else 2.5, 7.5))
         ax.legend(fontsize=7)
     axes[0].set_ylabel("train loss (lines), val loss (points)")
     fig.suptitle(f"{SIZES[size][1]}, one seed) under each optimizer setting")
