@@ -132,7 +132,7 @@ def _tensor_parallel(w: Workload) -> list[Layout]:
     out = []
     for tp in (d for d in _divisors(per_node) if d > 1):
         layout = Layout("tp" if tp == w.world_size else "fsdp", tp=tp)
-        cfg = dataclasses.replace(w.train, tensor_parallel=tp, parallel=layout.trains_as, compile=False,
+        cfg = dataclasses.replace(w.train, tensor_parallel=tp, parallel=layout.trains_as,
                                   activation_checkpointing="none")  # fit names the plan it solves
         if launch_refusal(cfg, w.world_size) is None:
             out.append(layout)
