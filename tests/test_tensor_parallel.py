@@ -58,9 +58,13 @@ def _worker(rank: int, world: int, port: int, out: str, tp: int) -> None:
             results[spec] = {"loss": loss / dp, "grads": _grads(model), "q_rows": q_rows}  # whole on every rank
         if rank == 0:
             torch.save(results, out)
-        dist.barrier()  # no rank tears its connections down while another still works: that aborts it
-    finally:
+        dist.barrier()  # every rank's work is done
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Out at once, as tests/test_sharded_init.py's helper leaves: tearing gloo ranks down on 2 cores aborted one now
+    # and then ("terminate called without an active exception", SIGABRT) after its work was done, barrier or not.
+    os._exit(0)
 
 
 @pytest.mark.slow
@@ -112,9 +116,13 @@ def _memory_worker(rank: int, world: int, port: int, out: str, tp: int) -> None:
                 measure_train_step(model, opt, [_batch()], grad_clip=1.0)  # the optimizer state exists from here on
                 peaks[spec] = measure_train_step(model, opt, [_batch()], grad_clip=1.0).peak
         torch.save(peaks, f"{out}.{rank}")
-        dist.barrier()  # no rank tears its connections down while another still works: that aborts it
-    finally:
+        dist.barrier()  # every rank's work is done
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Out at once, as tests/test_sharded_init.py's helper leaves: tearing gloo ranks down on 2 cores aborted one now
+    # and then ("terminate called without an active exception", SIGABRT) after its work was done, barrier or not.
+    os._exit(0)
 
 
 @pytest.mark.slow
