@@ -29,7 +29,7 @@ from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
 from fitgpt.estimate.hardware import Target
 from fitgpt.estimate.optimizer import create_state, grads_at_once, host_step_time, optimizer_costs, running_loss, second_pass
 from fitgpt.estimate.options import BlockOption, HeadOption
-from fitgpt.estimate.ranks import fake_ranks
+from fitgpt.estimate.ranks import fake_meshes
 from fitgpt.estimate.source import ModelSource, as_source
 from fitgpt.memory.fake import FakeTensorMode, fake_mode, fake_module
 from fitgpt.memory.flops import OpCost
@@ -181,12 +181,7 @@ def profile_model(model: ModelConfig | ModelSource, batch_size: int, context: in
     trainer splits (``fitgpt.tensor_parallel``) on a fake process group; with ``fsdp_ranks`` too, one rank of the
     trainer's 2-D mesh (fsdp_ranks x tp_ranks), each split sharded by FSDP over the data-parallel ranks.
     """
-    ranks = fsdp_ranks * tp_ranks
-    with fake_ranks(ranks, tp_ranks) if ranks > 1 else contextlib.nullcontext() as mesh:
-        if fsdp_ranks > 1 and tp_ranks > 1:
-            dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
-        else:
-            dp_mesh, tp_mesh = (mesh if fsdp_ranks > 1 else None), (mesh if tp_ranks > 1 else None)
+    with fake_meshes(fsdp_ranks * tp_ranks, tp_ranks) as (dp_mesh, tp_mesh):
         return _profile_model(as_source(model), batch_size, context, device, optim_cfg, grad_accum, dtype, seed,
                               persistent_grads, fake, target, cost, dp_mesh, extra_options, tp_mesh)
 

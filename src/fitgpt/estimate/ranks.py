@@ -40,6 +40,17 @@ def fake_ranks(world: int, tp: int = 1) -> Iterator[object]:
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def fake_meshes(world: int, tp: int = 1) -> Iterator[tuple[object, object]]:
+    """(data-parallel mesh, tensor-parallel group's mesh) of ``world`` fake ranks in groups of ``tp``, for as long as
+    the context lasts: each None where that dimension has one rank (both None for one process)."""
+    with fake_ranks(world, tp) if world > 1 else contextlib.nullcontext() as mesh:
+        if tp > 1 and world > tp:
+            yield mesh["dp"], mesh["tp"]
+        else:
+            yield (mesh if tp == 1 else None), (mesh if tp > 1 else None)
+
+
 class LazyChunks(Sequence):
     """``torch.chunk(t, n, dim)`` made up to ``n`` pieces with empty ones, as FSDP2's ``_chunk_with_empty`` returns it,
     each piece made only when it is indexed: the same view ``torch.chunk`` makes (``split`` narrows so)."""

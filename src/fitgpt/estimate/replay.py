@@ -29,7 +29,7 @@ from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
 from fitgpt.estimate.deepen import Event, NotAlike, Recording, deepen
 from fitgpt.estimate.hardware import Target
 from fitgpt.estimate.profile import fake_model
-from fitgpt.estimate.ranks import fake_ranks
+from fitgpt.estimate.ranks import fake_meshes
 from fitgpt.estimate.source import ModelSource, as_source
 from fitgpt.memory.allocator import CachingAllocatorModel, allocator_model
 from fitgpt.memory.snapshot import ExactAllocator, SnapshotTrace, Where
@@ -183,13 +183,7 @@ def _data_parallel(parallel: str, ranks: int, tp: int) -> str | None:
 @contextlib.contextmanager
 def _ranks(run: _Run, ranks: int, tp: int):
     """``ranks`` fake ranks for ``run`` while it lasts: its data-parallel mesh, and its tensor-parallel group's."""
-    with fake_ranks(ranks, tp) if ranks > 1 else contextlib.nullcontext() as mesh:
-        if tp > 1 and ranks > tp:
-            run.mesh, run.tp_mesh = mesh["dp"], mesh["tp"]
-        elif tp > 1:
-            run.tp_mesh = mesh
-        else:
-            run.mesh = mesh
+    with fake_meshes(ranks, tp) as (run.mesh, run.tp_mesh):
         yield
 
 
