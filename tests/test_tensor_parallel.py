@@ -219,9 +219,14 @@ def test_torchrun_tensor_parallel_trains_as_one_process_and_its_checkpoint_opens
         return ["tiny" if a == "llama-tiny" else a for a in flags]
 
     assert main(from_folder(tmp_path / "init_one")) == 0
-    finish(torchrun(from_folder(tmp_path / "init_tp", "--tensor-parallel", "2"), tmp_path))
+    # Planned too: --activation-checkpointing auto, for one rank of the split, in a budget between none's and block's
+    # peaks; each rank's measured peak is the plan's (once refused: "auto is not planned per TP rank yet").
+    out, _ = finish(torchrun(from_folder(tmp_path / "init_tp", "--tensor-parallel", "2", "--activation-checkpointing",
+                                         "auto", "--memory-budget", "14MiB"), tmp_path))
     torch.testing.assert_close(torch.tensor(_losses(tmp_path / "init_tp")[0]), torch.tensor(_losses(tmp_path / "init_one")[0]),
                                rtol=1e-5, atol=0)
+    plan = json.loads(out.strip().splitlines()[-1])["memory_plan"]
+    assert plan["policy"] not in ("none", "block") and plan["measured_peaks"] == [plan["predicted_peak"]] * 2, plan
 
 
 @pytest.mark.slow
@@ -282,7 +287,7 @@ def test_plan_takes_the_tensor_parallel_degree_and_prints_the_torchrun_command(c
     out = capsys.readouterr().out
     split = json.loads(out.strip().splitlines()[-1])
     assert "torchrun --nproc-per-node 2 -m fitgpt train" in out and "--tensor-parallel 2" in out
-    assert "--activation-checkpointing auto" not in out  # the trainer plans auto for one rank's whole model only
+    assert "(or: --activation-checkpointing auto --memory-budget" in out  # the trainer plans one rank of the split
     for part in ("params", "optimizer"):
         assert abs(split["breakdown"][part] - whole["breakdown"][part] / 2) <= 512 * 64, part  # the norms stay whole
     assert split["predicted_peak"] < whole["predicted_peak"]

@@ -266,7 +266,7 @@ def run(args: list[str]) -> int:
         print(f"no train command: this plan does not fit {where}")
     else:
         planned = dataclasses.replace(tcfg, activation_checkpointing=spec)
-        auto = not w.source and cfg.tensor_parallel == 1  # the trainer plans auto in one rank's shape only
+        auto = not w.source  # the trainer plans auto for fitgpt's own models
         print(w.how_to_train(planned) + (f"   (or: --activation-checkpointing auto --memory-budget {_budget_flag(cfg, budget)})"
                                          if auto else ""))
     _pictures(cfg, spec, budget)

@@ -174,8 +174,9 @@ def workload_for(cfg: TrainConfig, *, target: Target | None = None, device: torc
     """
     device = device or torch.device("cpu")
     target = target or Target(device.type)
-    sharded = _fsdp_ranks(cfg, world_size) > 1
-    fake = device.type == "cpu" or sharded if fake is None else fake
+    # One rank of several split or sharded ones is profiled on fake ranks, whatever the device
+    split = _fsdp_ranks(cfg, world_size) > 1 or cfg.tensor_parallel > 1
+    fake = device.type == "cpu" or split if fake is None else fake
     if fake and device.type != "cpu":  # one rank of N, profiled in this process: fake CPU tensors, the device modelled
         device = torch.device("cpu")
     dtype = _dtype(cfg.precision, target, device, fake)
