@@ -64,6 +64,17 @@ def _time_model_measured_once_per_shape():
     patch.undo()
 
 
+@pytest.fixture(scope="session")
+def ranks():
+    """``ranks(world)``: the session's gloo ranks of that size (tests/rank_pool.py), started once and shared by the
+    tests that compare ranks with one process: ``ranks(2).run(fn, *args)`` -> each rank's ``fn(rank, world, *args)``."""
+    from rank_pool import RankPools
+
+    pools = RankPools()
+    yield pools
+    pools.close()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

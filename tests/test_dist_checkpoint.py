@@ -7,11 +7,12 @@ import errno
 import json
 import shutil
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from test_distributed import SAVE_AND_LEAVE, finish, torchrun, train_flags
+from test_distributed import finish, torchrun, train_flags
 from torch.distributed.checkpoint import FileSystemWriter
 
 from fitgpt.config import OptimConfig, load_config
@@ -178,48 +179,37 @@ def test_low_bit_moments_round_trip_through_a_distributed_checkpoint(group, tiny
 
 # ---- under torchrun ---------------------------------------------------------------------------------
 
-RESHARD = textwrap.dedent('''
-    """A distributed checkpoint read by FSDP ranks (however many wrote it), gathered whole on rank 0 and saved."""
-    import sys
-    from pathlib import Path
-    import torch
-    from fitgpt.activation_checkpoint import parse_policy
-    from fitgpt.config import load_config
-    from fitgpt.optim import build_optimizer
-    from fitgpt.parallel import materialise
-    from fitgpt.train import checkpoint as ckpt
-    from fitgpt.train import distributed as du
-    from fitgpt.train.dist_checkpoint import load_optimizer
-    from fitgpt.train.setup import build_model, prepare_model
-
-    info = du.init_distributed("cpu", 120)
-    path, cpu = Path(sys.argv[2]), torch.device("cpu")
-    cfg = load_config("tiny", str(path.parent.parent / "config.json"))
-    model = build_model(cfg, cfg.model.vocab_size, cpu, info.world)  # on the meta device: never whole
-    prepare_model(model, parse_policy("none"), cfg, info, cpu, None)
-    materialise(model, cpu, cfg.seed)
-    ckpt.load_weights(path, model)
-    optimizer = build_optimizer(model, cfg.optim, cpu)
-    load_optimizer(optimizer, ckpt.load_state(path, ckpt.verify_checkpoint(path))["optimizer"], info)
+def _read_by_ranks(rank: int, world: int, path: str) -> dict | None:
+    """A distributed checkpoint read by the pool's FSDP ranks (however many wrote it), gathered whole (rank 0's; None
+    elsewhere)."""
     from gathered import full_model_state, full_optimizer_state
 
+    from fitgpt.activation_checkpoint import parse_policy
+    from fitgpt.parallel import materialise
+    from fitgpt.train.setup import build_model, prepare_model
+
+    info, path = du.init_distributed("cpu", 120), Path(path)  # the pool's group, already joined
+    cfg = load_config("tiny", str(path.parent.parent / "config.json"))
+    model = build_model(cfg, cfg.model.vocab_size, CPU, info.world)  # on the meta device: never whole
+    prepare_model(model, parse_policy("none"), cfg, info, CPU, None)
+    materialise(model, CPU, cfg.seed)
+    ckpt.load_weights(path, model)
+    optimizer = build_optimizer(model, cfg.optim, CPU)
+    load_optimizer(optimizer, ckpt.load_state(path, ckpt.verify_checkpoint(path))["optimizer"], info)
+    # Collectives: every rank gathers, rank 0 keeps.
     weights, state = full_model_state(model, keep=info.is_main), full_optimizer_state(optimizer, keep=info.is_main)
-    save_and_leave(info, {"model": weights, "optimizer": state})
-''')
+    return {"model": weights, "optimizer": state} if info.is_main else None
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_checkpoint_of_two_fsdp_ranks_reads_into_four_and_into_one(data_dir, corpus_dir, tmp_path):
+def test_a_checkpoint_of_two_fsdp_ranks_reads_into_four_and_into_one(data_dir, corpus_dir, tmp_path, ranks):
     """N -> M and N -> 1: four ranks, each reading its own shards' pieces, hold exactly what one process reads."""
     run = tmp_path / "run"
     finish(torchrun(train_flags(data_dir, corpus_dir, run, 3, "--parallel", "fsdp"), tmp_path))
     path = run / "checkpoints/step_00000003"
     assert json.loads((path / ckpt.META_FILE).read_text())["format"] == "dcp"
-    script = tmp_path / "reshard.py"
-    script.write_text(SAVE_AND_LEAVE + RESHARD)
-    finish(torchrun([str(tmp_path / "four.pt"), str(path)], tmp_path, nproc=4, script=str(script)))
-    four = torch.load(tmp_path / "four.pt", weights_only=True)
+    four = ranks(4).run(_read_by_ranks, str(path))[0]
     cfg = load_config("tiny", str(run / "config.json"))
     model = Transformer(cfg.model)
     ckpt.load_weights(path, model)  # one process: every piece

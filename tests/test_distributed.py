@@ -15,7 +15,6 @@ import gathered
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
@@ -59,43 +58,38 @@ def _one_step(model, step_model, batches):
     return opt
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, cfg) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    info = du.init_distributed("cpu", timeout_s=120)
-    try:
-        cfg, x, y = _batch(cfg)
-        mine = slice(2 * rank, 2 * rank + 2)  # each rank its half of the batch
-        results = {}
-        for mode, spec in CASES:
-            parallel, accum = mode.split("-")[0], mode.endswith("accum")
-            torch.manual_seed(0)
-            model = Transformer(cfg)
-            apply_activation_checkpointing(model, spec)  # checkpointing first, then DDP / FSDP
-            step_model = du.wrap(model, info, parallel, CPU, None)
-            xs, ys = x[mine], y[mine]
-            batches = [(xs[:1], ys[:1]), (xs[1:], ys[1:])] if accum else [(xs, ys)]
-            opt = _one_step(model, step_model, batches)
-            weights = gathered.full_model_state(model)
-            opt_state = gathered.full_optimizer_state(opt)
-            if parallel == "fsdp" and spec == "none":
-                # A full optimizer state loads back into the sharded optimizer, shard for shard.
-                again = build_optimizer(model, OPTIM, CPU)
-                du.load_full_optimizer_state(again, opt_state)
-                for p in model.parameters():
-                    for k in ("exp_avg", "exp_avg_sq"):
-                        assert torch.equal(again.state[p][k].to_local(), opt.state[p][k].to_local())
-            results[f"{mode}/{spec}"] = {"weights": weights, "exp_avg": {i: s["exp_avg"] for i, s in opt_state["state"].items()}}
-        if rank == 0:
-            torch.save(results, os.path.join(out_dir, "results.pt"))
-    finally:
-        du.shutdown(info)
+def _equal_steps(rank: int, world: int, cfg) -> dict | None:
+    """One optimizer step of every case on this rank's half of the batch: the weights and first moments, gathered
+    whole (rank 0's; None elsewhere)."""
+    info = du.init_distributed("cpu", timeout_s=120)  # the pool's group, already joined
+    cfg, x, y = _batch(cfg)
+    mine = slice(2 * rank, 2 * rank + 2)  # each rank its half of the batch
+    results = {}
+    for mode, spec in CASES:
+        parallel, accum = mode.split("-")[0], mode.endswith("accum")
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        apply_activation_checkpointing(model, spec)  # checkpointing first, then DDP / FSDP
+        step_model = du.wrap(model, info, parallel, CPU, None)
+        xs, ys = x[mine], y[mine]
+        batches = [(xs[:1], ys[:1]), (xs[1:], ys[1:])] if accum else [(xs, ys)]
+        opt = _one_step(model, step_model, batches)
+        weights = gathered.full_model_state(model)
+        opt_state = gathered.full_optimizer_state(opt)
+        if parallel == "fsdp" and spec == "none":
+            # A full optimizer state loads back into the sharded optimizer, shard for shard.
+            again = build_optimizer(model, OPTIM, CPU)
+            du.load_full_optimizer_state(again, opt_state)
+            for p in model.parameters():
+                for k in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(again.state[p][k].to_local(), opt.state[p][k].to_local())
+        results[f"{mode}/{spec}"] = {"weights": weights, "exp_avg": {i: s["exp_avg"] for i, s in opt_state["state"].items()}}
+    return results if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
-def distributed_results(tmp_path_factory, tiny_model_config):
-    out = tmp_path_factory.mktemp("dist")
-    mp.spawn(_worker, args=(2, _free_port(), str(out), tiny_model_config()), nprocs=2, join=True)
-    return torch.load(out / "results.pt")
+def distributed_results(ranks, tiny_model_config):
+    return ranks(2).run(_equal_steps, tiny_model_config())[0]
 
 
 @pytest.mark.slow
@@ -136,45 +130,40 @@ def _memory_model(tiny_model_config, arch: str):
     return tiny_model_config(context_length=64, n_embed=64, vocab_size=512, **extra)
 
 
-def _memory_worker(rank: int, world: int, port: int, out_dir: str, cfgs: dict) -> None:
-    """Each rank's measured peak (the tracker, at the second step) for every case, in its own file."""
+def _measured_peaks(rank: int, world: int, cfgs: dict) -> list:
+    """Each rank's measured peak (the tracker, at the second step) for every case."""
     from fitgpt.device import autocast
     from fitgpt.parallel import precision_roles
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    info = du.init_distributed("cpu", timeout_s=120)
-    try:
-        B, T = 4, 64
-        rows = []
-        for mode, dtype, arch, specs in MEMORY_CASES:
-            cfg, parallel, accum = cfgs[arch], mode.split("-")[0], 2 if mode.endswith("accum") else 1
-            x = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(rank))
-            for plan in specs:
-                torch.manual_seed(0)
-                model = Transformer(cfg)
-                apply_activation_checkpointing(model, plan.spec())
-                step_model = du.wrap(model, info, parallel, CPU, precision_roles(dtype, parallel == "fsdp")[1])
-                opt = build_optimizer(model, OPTIM, CPU)
-                kw = {"amp": autocast(CPU, precision_roles(dtype, parallel == "fsdp")[0]),  # as the trainer
-                      "sync": lambda last, m=step_model: sync_context(m, last)}
-                measure_train_step(step_model, opt, [(x, x)] * accum, **kw)  # the optimizer state exists from here on
-                rows.append((mode, str(dtype), arch, plan.spec(), measure_train_step(step_model, opt, [(x, x)] * accum, **kw).peak))
-        torch.save(rows, os.path.join(out_dir, f"memory_{rank}.pt"))
-    finally:
-        du.shutdown(info)
+    info = du.init_distributed("cpu", timeout_s=120)  # the pool's group, already joined
+    B, T = 4, 64
+    rows = []
+    for mode, dtype, arch, specs in MEMORY_CASES:
+        cfg, parallel, accum = cfgs[arch], mode.split("-")[0], 2 if mode.endswith("accum") else 1
+        x = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(rank))
+        for plan in specs:
+            torch.manual_seed(0)
+            model = Transformer(cfg)
+            apply_activation_checkpointing(model, plan.spec())
+            step_model = du.wrap(model, info, parallel, CPU, precision_roles(dtype, parallel == "fsdp")[1])
+            opt = build_optimizer(model, OPTIM, CPU)
+            kw = {"amp": autocast(CPU, precision_roles(dtype, parallel == "fsdp")[0]),  # as the trainer
+                  "sync": lambda last, m=step_model: sync_context(m, last)}
+            measure_train_step(step_model, opt, [(x, x)] * accum, **kw)  # the optimizer state exists from here on
+            rows.append((mode, str(dtype), arch, plan.spec(), measure_train_step(step_model, opt, [(x, x)] * accum, **kw).peak))
+    return rows
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_plan_predicts_each_ranks_peak_under_ddp_and_fsdp(tmp_path, tiny_model_config, exact_allocator):
+def test_plan_predicts_each_ranks_peak_under_ddp_and_fsdp(ranks, tiny_model_config, exact_allocator):
     """Profiled, not divided: FSDP's step is profiled as one rank of two on fake ranks, sharded as the trainer shards;
     every rank's measured peak equals the prediction to the byte, for every option, mixed plans, bf16 and Llama GQA,
     with accumulation as the trainer syncs it. The allocator replay (DDP wrapped and FSDP sharded as the trainer does,
     on fake ranks) replays each step's very allocations: on exact counts, its peak is the measured one plus the
     token batches."""
     cfgs = {arch: _memory_model(tiny_model_config, arch) for arch in ("gpt2", "llama")}
-    mp.spawn(_memory_worker, args=(2, _free_port(), str(tmp_path), cfgs), nprocs=2, join=True)
-    measured = [torch.load(tmp_path / f"memory_{r}.pt") for r in range(2)]
+    measured = ranks(2).run(_measured_peaks, cfgs)
     rows = []
     for mode, dtype, arch, specs in MEMORY_CASES:
         cfg, accum = cfgs[arch], 2 if mode.endswith("accum") else 1
@@ -198,28 +187,6 @@ def test_plan_predicts_each_ranks_peak_under_ddp_and_fsdp(tmp_path, tiny_model_c
 
 
 # ---- through torchrun and the real command ---------------------------------------------------------------
-
-
-SAVE_AND_LEAVE = textwrap.dedent('''
-    import os as _os
-    import sys as _sys
-
-    import torch as _torch
-
-
-    def save_and_leave(info, obj):
-        """Rank 0 saves ``obj`` to argv[1]; no rank tears its connections down while rank 0 still writes, and every
-        rank leaves at once: tearing 4 gloo ranks down on 2 cores aborted one now and then ("terminate called without
-        an active exception"), after its work was done."""
-        from fitgpt.train import distributed as du
-
-        if info.is_main:
-            _torch.save(obj, _sys.argv[1])
-        du.leave_together(info)
-        _sys.stdout.flush()
-        _os._exit(0)
-''')
-"""The end of a torchrun helper script (prepended to it): ``save_and_leave(info, obj)``."""
 
 
 TESTS = str(Path(__file__).parent)  # where helper scripts import the tests' own helpers from (``gathered``)
@@ -341,44 +308,38 @@ def test_a_rank_that_crashes_never_leaves_the_other_hanging(data_dir, corpus_dir
     assert time.time() - t0 < 200  # bounded by torchrun's teardown and --dist-timeout, not forever
 
 
-COMPILED = textwrap.dedent('''
-    """One FSDP step's gradients, eager and with --compile (each block compiled before sharding), saved by rank 0."""
-    import sys
-    import torch
+def _compiled_and_eager_grads(rank: int, world: int, policy: str) -> dict | None:
+    """One FSDP step's gradients, eager and with --compile (each block compiled before sharding), gathered whole
+    (rank 0's; None elsewhere)."""
     from fitgpt.config import load_config
     from fitgpt.parallel import materialise
-    from fitgpt.train import distributed as du
     from fitgpt.train.setup import build_model, prepare_model
 
-    info = du.init_distributed("cpu", 300)
-    cpu, grads = torch.device("cpu"), {}
+    torch._dynamo.reset()  # the pool's ranks outlive a test: no compiled code, or cache limit, from an earlier one
+    info, grads = du.init_distributed("cpu", 300), {}  # the pool's group, already joined
     x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(info.rank))
     for compile in (False, True):
-        cfg = load_config("tiny", overrides={"parallel": "fsdp", "compile": compile, "seed": 3, "activation_checkpointing": sys.argv[2],
+        cfg = load_config("tiny", overrides={"parallel": "fsdp", "compile": compile, "seed": 3, "activation_checkpointing": policy,
                                              "model": {"n_blocks": 2, "context_length": 32, "vocab_size": 512}})
-        model = build_model(cfg, 512, cpu, info.world)
-        step_model = prepare_model(model, cfg.policy, cfg, info, cpu, None)
+        model = build_model(cfg, 512, CPU, info.world)
+        step_model = prepare_model(model, cfg.policy, cfg, info, CPU, None)
         if compile:  # each block's arithmetic compiled, the model itself (and FSDP's hooks) not
             assert step_model is model and all(hasattr(b.inner.forward, "_torchdynamo_orig_callable") for b in model.attn_blocks)
-        materialise(model, cpu, cfg.seed)
+        materialise(model, CPU, cfg.seed)
         _, loss = step_model(x, x)
         loss.backward()
         grads[compile] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         grads[compile]["loss"] = loss.detach()
-    save_and_leave(info, grads)
-''')
+    return grads if info.is_main else None
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("policy", ["block", "selective"])
-def test_fsdp_with_compile_gets_the_gradients_of_the_eager_run(tmp_path, policy):
+def test_fsdp_with_compile_gets_the_gradients_of_the_eager_run(ranks, policy):
     """--compile under FSDP compiles each block before sharding (refused on main): the loss and every gradient
     equal the eager FSDP step's, to fp32 rounding (the compiled kernels sum in another order)."""
-    script, out = tmp_path / "compiled.py", tmp_path / "grads.pt"
-    script.write_text(SAVE_AND_LEAVE + COMPILED)
-    finish(torchrun([str(out), policy], tmp_path, script=str(script)), timeout=540)
-    grads = torch.load(out, weights_only=True)
+    grads = ranks(2).run(_compiled_and_eager_grads, policy, timeout=540)[0]
     assert grads[True].keys() == grads[False].keys()
     for name, eager in grads[False].items():
         torch.testing.assert_close(grads[True][name], eager, rtol=1e-4, atol=1e-6, msg=name)

@@ -232,47 +232,33 @@ def test_the_line_for_your_own_loop_names_how_fsdp_shards(tmp_path):
 RANK_OPTIONS = ("none", "block", "selective")
 
 
-def _rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _measured_peaks(rank: int, world: int) -> dict:
     """Each rank's measured peak (the tracker, at its second step) of the hand-written NanoGPT, FSDP and DDP."""
-    import os
-
     from fitgpt.parallel import sync_context
     from fitgpt.train import distributed as du
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    info = du.init_distributed("cpu", timeout_s=120)
+    info = du.init_distributed("cpu", timeout_s=120)  # the pool's group, already joined
     cpu, rows = torch.device("cpu"), {}
-    try:
-        x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(rank))
-        for parallel in ("fsdp", "ddp"):
-            for option in RANK_OPTIONS:
-                torch.manual_seed(0)
-                model = NanoGPT()
-                apply_activation_checkpointing(model, option)
-                step_model = du.wrap(model, info, parallel, cpu, None)
-                opt = build_optimizer(model, OptimConfig(), cpu)
-                kw = {"sync": lambda last, m=step_model: sync_context(m, last), "grad_clip": OptimConfig().grad_clip}
-                measure_train_step(step_model, opt, [(x, x)], **kw)  # the optimizer state exists from here on
-                rows[parallel, option] = measure_train_step(step_model, opt, [(x, x)], **kw).peak
-        torch.save(rows, os.path.join(out_dir, f"rank_{rank}.pt"))
-    finally:
-        du.shutdown(info)
+    x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(rank))
+    for parallel in ("fsdp", "ddp"):
+        for option in RANK_OPTIONS:
+            torch.manual_seed(0)
+            model = NanoGPT()
+            apply_activation_checkpointing(model, option)
+            step_model = du.wrap(model, info, parallel, cpu, None)
+            opt = build_optimizer(model, OptimConfig(), cpu)
+            kw = {"sync": lambda last, m=step_model: sync_context(m, last), "grad_clip": OptimConfig().grad_clip}
+            measure_train_step(step_model, opt, [(x, x)], **kw)  # the optimizer state exists from here on
+            rows[parallel, option] = measure_train_step(step_model, opt, [(x, x)], **kw).peak
+    return rows
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_plan_module_plans_one_rank_under_fsdp_and_ddp_as_two_real_ranks_measure(tmp_path):
+def test_plan_module_plans_one_rank_under_fsdp_and_ddp_as_two_real_ranks_measure(tmp_path, ranks):
     """A hand-written module planned with world_size=2: each rank's measured peak on 2 gloo CPU ranks equals the
     per-rank prediction to the byte, every option (main: plan_module had no world size)."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
-    measured = [torch.load(tmp_path / f"rank_{r}.pt") for r in range(2)]
+    measured = ranks(2).run(_measured_peaks)
     for parallel in ("fsdp", "ddp"):
         plan = plan_module(NanoGPT, (B, T), vocab_size=V, precision="fp32", world_size=2, parallel=parallel,
                            snapshot=tmp_path / f"{parallel}.pickle")

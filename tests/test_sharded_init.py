@@ -1,12 +1,8 @@
 """Under FSDP a fresh run's model is never whole on a rank: built on the meta device, checkpointed and sharded there,
 then each rank fills its shards with the very weights one process draws from the same seed (issue 36, item 1)."""
 
-import textwrap
-
 import pytest
 import torch
-from safetensors.torch import load_file
-from test_distributed import SAVE_AND_LEAVE, finish, torchrun
 
 from fitgpt.config import load_config
 from fitgpt.hf import import_config, import_weights
@@ -14,36 +10,24 @@ from fitgpt.model import ModelConfig, Transformer
 from fitgpt.parallel import materialise
 from fitgpt.train.setup import build_model
 
-SCRIPT = textwrap.dedent('''
-    """The FSDP trainer's initial weights under torchrun, gathered whole on rank 0 and saved."""
-    import os
-    import sys
-    import torch
-    from safetensors.torch import save_file
-    from fitgpt.activation_checkpoint import parse_policy
-    from fitgpt.config import load_config
-    from fitgpt.parallel import materialise
-    from fitgpt.train import distributed as dist_utils
-    from fitgpt.train.setup import build_model, prepare_model
 
-    info = dist_utils.init_distributed("cpu", 60)
-    cfg = load_config(sys.argv[2], overrides={"parallel": "fsdp", "seed": 7})
-    model = build_model(cfg, cfg.model.vocab_size, torch.device("cpu"), info.world)
-    assert all(p.is_meta for p in model.parameters())  # never whole: nothing allocated before sharding
-    prepare_model(model, parse_policy("block"), cfg, info, torch.device("cpu"), None)
-    materialise(model, torch.device("cpu"), cfg.seed)
-    assert not cfg.model.tied or model.lm_head.weight is model.token_embed.weight
+def _initial_weights(rank: int, world: int, preset: str) -> dict | None:
+    """The FSDP trainer's initial weights on the pool's ranks, gathered whole (rank 0's; None elsewhere)."""
     from gathered import full_model_state
 
+    from fitgpt.activation_checkpoint import parse_policy
+    from fitgpt.train import distributed as dist_utils
+    from fitgpt.train.setup import prepare_model
+
+    info, cpu = dist_utils.init_distributed("cpu", 60), torch.device("cpu")  # the pool's group, already joined
+    cfg = load_config(preset, overrides={"parallel": "fsdp", "seed": 7})
+    model = build_model(cfg, cfg.model.vocab_size, cpu, info.world)
+    assert all(p.is_meta for p in model.parameters())  # never whole: nothing allocated before sharding
+    prepare_model(model, parse_policy("block"), cfg, info, cpu, None)
+    materialise(model, cpu, cfg.seed)
+    assert not cfg.model.tied or model.lm_head.weight is model.token_embed.weight
     full = full_model_state(model, keep=info.is_main)
-    if info.is_main:
-        save_file({k: v.contiguous() for k, v in full.items() if k != "lm_head.weight" or not cfg.model.tied}, sys.argv[1])
-    dist_utils.leave_together(info)  # no rank tears its connections down while rank 0 still writes
-    # Out at once: tearing 4 gloo ranks down on 2 cores aborted one now and then ("terminate called without an
-    # active exception"), after its work was done.
-    sys.stdout.flush()
-    os._exit(0)
-''')
+    return {k: v for k, v in full.items() if k != "lm_head.weight" or not cfg.model.tied} if info.is_main else None
 
 
 def test_the_initial_weights_do_not_depend_on_how_the_model_was_built():
@@ -62,15 +46,11 @@ def test_the_initial_weights_do_not_depend_on_how_the_model_was_built():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("preset, worlds", [("tiny", (2, 4)), ("llama-tiny", (2,))])
-def test_fsdp_ranks_start_from_the_weights_one_process_draws(preset, worlds, tmp_path):
-    script = tmp_path / "init.py"
-    script.write_text(SCRIPT)
+def test_fsdp_ranks_start_from_the_weights_one_process_draws(preset, worlds, ranks):
     cfg = load_config(preset, overrides={"seed": 7})
     one = build_model(cfg, cfg.model.vocab_size, torch.device("cpu")).state_dict()
     for world in worlds:
-        out = tmp_path / f"w{world}.safetensors"
-        finish(torchrun([str(out), preset], tmp_path, nproc=world, script=str(script)))
-        sharded = load_file(str(out))
+        sharded = ranks(world).run(_initial_weights, preset)[0]
         assert len(sharded) == len(one) - (1 if cfg.model.tied else 0)
         for k, v in sharded.items():
             assert torch.equal(v, one[k]), (world, k)
@@ -87,36 +67,32 @@ def test_tied_names_read_from_a_meta_model_are_the_real_ones(tiny_model_config):
     assert tied_parameter_names(meta) == tied_names(Transformer(cfg).state_dict()) == ["token_embed.weight"]
 
 
-INIT_FROM = textwrap.dedent('''
-    """--init-from under FSDP: rank 0 reads the Hugging Face folder, every rank keeps its pieces; gathered and saved."""
+def _weights_from_folder(rank: int, world: int, hf: str, data: str) -> dict | None:
+    """--init-from under FSDP: rank 0 reads the Hugging Face folder, every rank keeps its pieces; gathered whole
+    (rank 0's; None elsewhere)."""
     import dataclasses
-    import sys
-    import torch
-    from fitgpt.config import load_config
-    from fitgpt.hf import import_config
-    from fitgpt.parallel import materialise
-    from fitgpt.train import distributed as du
-    from fitgpt.train.setup import build_model, init_from_hf, prepare_model
 
-    info = du.init_distributed("cpu", 120)
-    cpu = torch.device("cpu")
-    cfg = load_config("tiny", overrides={"parallel": "fsdp", "init_from": sys.argv[2], "data": {"dir": sys.argv[3]}})
+    from gathered import full_model_state
+
+    from fitgpt.train import distributed as du
+    from fitgpt.train.setup import init_from_hf, prepare_model
+
+    info, cpu = du.init_distributed("cpu", 120), torch.device("cpu")  # the pool's group, already joined
+    cfg = load_config("tiny", overrides={"parallel": "fsdp", "init_from": hf, "data": {"dir": data}})
     cfg = dataclasses.replace(cfg, model=import_config(cfg.init_from))
     model = build_model(cfg, cfg.model.vocab_size, cpu, info.world)
     assert all(p.is_meta for p in model.parameters())
     prepare_model(model, cfg.policy, cfg, info, cpu, None)
     materialise(model, cpu, cfg.seed)
     init_from_hf(cfg, model, info, cpu, sharded=True)
-    from gathered import full_model_state
-
-    save_and_leave(info, full_model_state(model, keep=info.is_main))
-''')
+    full = full_model_state(model, keep=info.is_main)  # a collective: every rank gathers, rank 0 keeps
+    return full if info.is_main else None
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_init_from_under_fsdp_fills_each_ranks_shards_with_the_folders_weights(arch, tmp_path):
+def test_init_from_under_fsdp_fills_each_ranks_shards_with_the_folders_weights(arch, tmp_path, ranks):
     """The model is never whole on a rank but rank 0 (which reads the folder): gathered, the weights are the ones one
     process imports (main built the whole model on every rank, then sharded it)."""
     transformers = pytest.importorskip("transformers")
@@ -128,10 +104,7 @@ def test_init_from_under_fsdp_fills_each_ranks_shards_with_the_folders_weights(a
         config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                                           intermediate_size=64, vocab_size=512, max_position_embeddings=32, tie_word_embeddings=False)
         transformers.LlamaForCausalLM(config).save_pretrained(hf)
-    script, out = tmp_path / "init_from.py", tmp_path / "w.pt"
-    script.write_text(SAVE_AND_LEAVE + INIT_FROM)
-    finish(torchrun([str(out), str(hf), str(tmp_path / "data")], tmp_path, script=str(script)))
-    sharded = torch.load(out, weights_only=True)
+    sharded = ranks(2).run(_weights_from_folder, str(hf), str(tmp_path / "data"))[0]
     one = Transformer(import_config(hf))
     import_weights(hf, one)
     for k, v in one.state_dict().items():

@@ -4,13 +4,10 @@ with grouped-query attention; what cannot be split is refused in one line."""
 
 import dataclasses
 import json
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from test_distributed import _free_port
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.model import ModelConfig, Transformer
@@ -32,51 +29,40 @@ def _grads(model):
     return {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int, port: int, out: str, tp: int) -> None:
+def _equal_steps(rank: int, world: int, tp: int) -> dict | None:
+    """One step of every policy on the (world / tp) x tp mesh: the loss and every gradient, gathered whole (rank 0's;
+    None elsewhere), and the rows of a query projection a rank holds."""
     from fitgpt.parallel import fsdp_shard
     from fitgpt.tensor_parallel import training_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo")
-    try:
-        mesh = training_mesh("cpu", world, tp)
-        dp, dp_rank = world // tp, mesh["dp"].get_local_rank()
-        x, y = (t[dp_rank::dp] for t in _batch())  # each data-parallel rank its rows; FSDP averages their gradients
-        results = {}
-        for spec in POLICIES:
-            torch.manual_seed(0)
-            model = Transformer(CFG)  # whole on every rank, the same weights; each keeps its shards
-            apply_tensor_parallel(model, mesh["tp"])
-            q_rows = model.attn_blocks[0].attn.q_proj.weight.to_local().shape[0]
-            apply_activation_checkpointing(model, spec)  # after the split, as torchtitan orders them
-            if dp > 1:
-                fsdp_shard(model, None, mesh=mesh["dp"])
-            with step_context(model):
-                loss = model(x, y)[1]
-                loss.backward()
-            loss = loss.detach()
-            dist.all_reduce(loss, group=mesh["dp"].get_group())  # the whole batch's mean (equal rows per rank)
-            results[spec] = {"loss": loss / dp, "grads": _grads(model), "q_rows": q_rows}  # whole on every rank
-        if rank == 0:
-            torch.save(results, out)
-        dist.barrier()  # every rank's work is done
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    # Out at once, as tests/test_sharded_init.py's helper leaves: tearing gloo ranks down on 2 cores aborted one now
-    # and then ("terminate called without an active exception", SIGABRT) after its work was done, barrier or not.
-    os._exit(0)
+    mesh = training_mesh("cpu", world, tp)
+    dp, dp_rank = world // tp, mesh["dp"].get_local_rank()
+    x, y = (t[dp_rank::dp] for t in _batch())  # each data-parallel rank its rows; FSDP averages their gradients
+    results = {}
+    for spec in POLICIES:
+        torch.manual_seed(0)
+        model = Transformer(CFG)  # whole on every rank, the same weights; each keeps its shards
+        apply_tensor_parallel(model, mesh["tp"])
+        q_rows = model.attn_blocks[0].attn.q_proj.weight.to_local().shape[0]
+        apply_activation_checkpointing(model, spec)  # after the split, as torchtitan orders them
+        if dp > 1:
+            fsdp_shard(model, None, mesh=mesh["dp"])
+        with step_context(model):
+            loss = model(x, y)[1]
+            loss.backward()
+        loss = loss.detach()
+        dist.all_reduce(loss, group=mesh["dp"].get_group())  # the whole batch's mean (equal rows per rank)
+        results[spec] = {"loss": loss / dp, "grads": _grads(model), "q_rows": q_rows}  # whole on every rank
+    return results if rank == 0 else None
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, tp", [(2, 2), (4, 2), (4, 4)])
-def test_tensor_parallel_equals_one_process(world, tp, tmp_path):
+def test_tensor_parallel_equals_one_process(world, tp, ranks):
     """1 x 2, 2 x 2 (FSDP over the data-parallel pair, each its half of the batch) and 1 x 4 (each rank 8 / tp query
     heads and 4 / tp key/value heads), every policy in one launch: the loss and every gradient within fp32 rounding of
     one process's, each rank holding 1 / tp of each projection."""
-    out = str(tmp_path / "tp.pt")
-    mp.spawn(_worker, args=(world, _free_port(), out, tp), nprocs=world, join=True)
-    results = torch.load(out)
+    results = ranks(world).run(_equal_steps, tp)[0]
     x, y = _batch()
     for spec in POLICIES:
         torch.manual_seed(0)
@@ -91,7 +77,7 @@ def test_tensor_parallel_equals_one_process(world, tp, tmp_path):
             torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-7, msg=f"{spec} {name}")
 
 
-def _memory_worker(rank: int, world: int, port: int, out: str, tp: int) -> None:
+def _measured_peaks(rank: int, world: int, tp: int) -> dict:
     """Each rank's measured peak of a steady step (the trainer's train_step, AdamW's state made by a first step), on
     the trainer's mesh: world / tp data-parallel ranks (FSDP's, where more than one) x tp."""
     from fitgpt.config import OptimConfig
@@ -100,35 +86,25 @@ def _memory_worker(rank: int, world: int, port: int, out: str, tp: int) -> None:
     from fitgpt.parallel import fsdp_shard
     from fitgpt.tensor_parallel import training_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo")
-    try:
-        mesh = training_mesh("cpu", world, tp)
-        peaks = {}
-        for spec in ("none", "block", "selective"):
-            torch.manual_seed(0)
-            model = Transformer(CFG)
-            apply_tensor_parallel(model, mesh["tp"])
-            apply_activation_checkpointing(model, spec)
-            if world > tp:
-                fsdp_shard(model, None, mesh=mesh["dp"])
-            opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
-            with step_context(model):
-                measure_train_step(model, opt, [_batch()], grad_clip=1.0)  # the optimizer state exists from here on
-                peaks[spec] = measure_train_step(model, opt, [_batch()], grad_clip=1.0).peak
-        torch.save(peaks, f"{out}.{rank}")
-        dist.barrier()  # every rank's work is done
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    # Out at once, as tests/test_sharded_init.py's helper leaves: tearing gloo ranks down on 2 cores aborted one now
-    # and then ("terminate called without an active exception", SIGABRT) after its work was done, barrier or not.
-    os._exit(0)
+    mesh = training_mesh("cpu", world, tp)
+    peaks = {}
+    for spec in ("none", "block", "selective"):
+        torch.manual_seed(0)
+        model = Transformer(CFG)
+        apply_tensor_parallel(model, mesh["tp"])
+        apply_activation_checkpointing(model, spec)
+        if world > tp:
+            fsdp_shard(model, None, mesh=mesh["dp"])
+        opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
+        with step_context(model):
+            measure_train_step(model, opt, [_batch()], grad_clip=1.0)  # the optimizer state exists from here on
+            peaks[spec] = measure_train_step(model, opt, [_batch()], grad_clip=1.0).peak
+    return peaks
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, tp", [(2, 2), (4, 2)])
-def test_each_tensor_parallel_rank_is_planned_to_the_byte(world, tp, tmp_path, exact_allocator):
+def test_each_tensor_parallel_rank_is_planned_to_the_byte(world, tp, ranks, exact_allocator):
     """`plan --tensor-parallel 2`'s profile (1 x 2; and 2 x 2, FSDP over the data-parallel pair): one rank's step on
     fake ranks, split and sharded as the trainer does it, against each gloo rank's measured peak, for none, block and
     selective; and the allocator replay's step (exact counts), which is the measured one plus its two token batches."""
@@ -138,13 +114,11 @@ def test_each_tensor_parallel_rank_is_planned_to_the_byte(world, tp, tmp_path, e
     from fitgpt.estimate.replay import simulate_step
     from fitgpt.plan import Plan, predict
 
-    out = str(tmp_path / "peaks")
-    mp.spawn(_memory_worker, args=(world, _free_port(), out, tp), nprocs=world, join=True)
+    peaks = ranks(world).run(_measured_peaks, tp)
     profile = profile_model(CFG, 2, CFG.context_length, "cpu", OptimConfig(), fake=True, tp_ranks=tp,
                             fsdp_ranks=world // tp)
     whole = profile_model(CFG, 2, CFG.context_length, "cpu", OptimConfig(), fake=True)
-    for rank in range(world):
-        measured = torch.load(f"{out}.{rank}")
+    for rank, measured in enumerate(peaks):
         for spec, peak in measured.items():
             predicted = predict(profile, Plan.uniform(CFG.n_blocks, spec)).peak
             assert predicted == peak, (rank, spec, predicted, peak)

@@ -1,0 +1,109 @@
+"""Gloo ranks started once per world size and kept for the session (issue 47): a test hands the group a function,
+every rank runs it in its initialised process group, and the test gets each rank's return value, or the failing
+rank's traceback as its own failure.
+
+Each launch of ranks paid a Python and torch start-up a process and a rendezvous (about 4-8 s on 2 cores) before
+its first line of work; the tests that compare ranks with one process now pay it once per world size. A failure or
+a timeout ends the group (the other ranks may be left waiting in a collective) and the next test starts a new one,
+so one test's failure is never another's. Tests that kill or stop a process, or run the CLI under torchrun, keep
+their own processes.
+
+A body is ``fn(rank, world, *args)``, a module-level function (the ranks import it by name): it builds its own
+meshes and models, leaves the default process group as it found it, and returns what its test checks (tensors are
+carried back with ``torch.save``)."""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+_ctx = mp.get_context("spawn")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(rank: int, world: int, port: int, inbox, outbox) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo")
+    while (job := inbox.get()) is not None:
+        fn, args = job
+        try:
+            buf = io.BytesIO()
+            torch.save(fn(rank, world, *args), buf)
+            outbox.put((rank, None, buf.getvalue()))
+        except BaseException:
+            outbox.put((rank, traceback.format_exc(), None))
+    # Out at once: tearing gloo ranks down on 2 cores aborted one now and then (SIGABRT), after its work was done.
+    os._exit(0)
+
+
+class RankPool:
+    """``world`` gloo ranks waiting for work: ``pool.run(fn, *args)`` -> each rank's return value, in rank order."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.inboxes = [_ctx.Queue() for _ in range(world)]
+        self.outbox = _ctx.Queue()
+        port = _free_port()
+        self.procs = [_ctx.Process(target=_serve, args=(r, world, port, self.inboxes[r], self.outbox), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn, *args, timeout: float = 120.0) -> list:
+        for inbox in self.inboxes:
+            inbox.put((fn, args))
+        results: dict[int, object] = {}
+        while len(results) < self.world:
+            try:
+                rank, error, value = self.outbox.get(timeout=timeout)
+            except queue.Empty:
+                self.close()
+                raise TimeoutError(f"{fn.__name__} on {self.world} ranks: ranks {sorted(set(range(self.world)) - set(results))} "
+                                   f"gave nothing within {timeout:.0f} s") from None
+            if error is not None:
+                self.close()  # the others may wait in a collective the failed rank never joins
+                raise AssertionError(f"{fn.__name__}, rank {rank} of {self.world}:\n{error}")
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        return [results[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=10)
+
+
+class RankPools:
+    """One pool a world size, started on first use, a new one where the last failed; all closed at the session's end."""
+
+    def __init__(self):
+        self.pools: dict[int, RankPool] = {}
+
+    def __call__(self, world: int) -> RankPool:
+        pool = self.pools.get(world)
+        if pool is None or not pool.alive:
+            pool = self.pools[world] = RankPool(world)
+        return pool
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
