@@ -114,6 +114,7 @@ def counted(tiny_model_config):
     return out
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_block_keeps_only_the_boundaries(counted):
     none, block = counted["none"][0], counted["block"][0]
     # Without checkpointing a block holds 16 (B, T, C) tensors and its norms' statistics.
@@ -244,6 +245,7 @@ def test_compiled_checkpointed_model_matches_eager(spec, tiny_model_config):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_hf_models_get_equal_gradients_and_fewer_bytes(arch):
     transformers = pytest.importorskip("transformers")
     if arch == "gpt2":

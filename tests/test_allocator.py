@@ -70,9 +70,9 @@ def test_replay_for_a_card_counts_blocks_segments_and_workspaces(tiny_model_conf
 
 @pytest.mark.parametrize("policy, accum, ranks, parallel, optim", [
     ("none", 1, 1, None, OptimConfig()),
-    ("block+chunked-loss", 2, 1, None, OptimConfig(impl="foreach")),
+    pytest.param("block+chunked-loss", 2, 1, None, OptimConfig(impl="foreach"), marks=pytest.mark.slow),
     pytest.param("selective", 3, 1, None, OptimConfig(name="adamw4bit"), marks=pytest.mark.slow),
-    ("pointwise", 1, 1, None, OptimConfig(in_backward=True)),
+    pytest.param("pointwise", 1, 1, None, OptimConfig(in_backward=True), marks=pytest.mark.slow),
     pytest.param("block", 1, 1, None, OptimConfig(name="adamw8bit"), marks=pytest.mark.slow),
     ("none", 2, 1, None, OptimConfig(state_dtype="bf16")),
     pytest.param("blocks:0+selective:1", 2, 2, "fsdp", OptimConfig(), marks=pytest.mark.slow),

@@ -269,6 +269,7 @@ def test_max_steps_at_the_checkpoint_is_nothing_to_do_and_changes_nothing(cli_tr
     assert snapshot(run) == before
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_ctrl_c_during_prepare_exits_130_in_one_line_and_leaves_nothing_half_written(corpus_dir, tmp_path):
     d = tmp_path / "d"
     slow = textwrap.dedent("""

@@ -21,6 +21,7 @@ def test_help_works(cmd, capsys):
     assert "usage" in out.lower()
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_console_script_help():
     out = subprocess.run([sys.executable, "-m", "fitgpt", "train", "--help"], capture_output=True, text=True, check=True).stdout
     assert "--activation-checkpointing" in out and "--checkpoint-interval" in out and "--model.n-embed" in out

@@ -286,6 +286,7 @@ def test_the_plan_counts_each_ranks_staging_copy_against_host_memory(capsys):
     assert "fitgpt train" in out and "--async-checkpoint off" in out.split("train with:")[1].splitlines()[0]
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_a_plan_over_more_ranks_than_a_node_prints_the_multi_node_command(capsys):
     out, _ = _plan(capsys, "--world-size", "16")
     command = out.split("train with: ")[1].splitlines()[0]

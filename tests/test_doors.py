@@ -81,6 +81,7 @@ def test_overwrite_never_removes_prepared_data_or_a_users_files(cli_train_args, 
     assert (mine / "config.json").read_text() == '{"my": "settings"}'
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_a_run_that_never_trained_a_step_does_not_block_its_retry(cli_train_args, tmp_path, capsys):
     run = tmp_path / "run"
     code, err = run_cli([*cli_train_args(run, steps=2), "--activation-checkpointing", "auto", "--memory-budget", "1KiB"],
@@ -197,6 +198,7 @@ def test_generate_never_draws_a_padding_id(tmp_path):
     assert all(isinstance(t, str) for t in sample_text(model, tok, "def", 5, 1.0, None, seed=0))
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_plan_without_a_budget_gives_one_that_fits_the_card(monkeypatch, capsys):
     """The default budget is the card's; if the allocator replay says the plan's reserved memory does not fit on the
     card, the budget is lowered until it does (before: DOES NOT FIT, then `train with:` for that plan)."""

@@ -60,6 +60,7 @@ class Net(nn.Module):
 
 # ---- data loss --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_fsdp_with_low_bit_adamw_is_refused_at_the_start_and_never_planned(capsys):
     """Every checkpoint save under FSDP crashed on every rank (torchao's quantized moments have no sharding): refused
     before anything is written; plan (own) and fit's layouts do not offer it either."""

@@ -49,6 +49,7 @@ def test_auto_config_trains_the_fastest_configuration(tmp_path, capsys, cli_trai
     assert saved["activation_checkpointing"] != "auto" and saved["memory_budget"] is None
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_auto_config_errors_name_what_to_change(tmp_path, capsys, cli_train_args, monkeypatch):
     assert main(cli_train_args(tmp_path / "a") + ["--auto-config"]) == 2
     assert "--memory-budget" in capsys.readouterr().err

@@ -145,6 +145,7 @@ def test_dynamic_programme_equals_exhaustive_search(tiny_profile):
         solve(tiny_profile, lowest - 1)
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_blocks_alike_get_their_options_in_runs(tiny_model_config):
     """A deep model's middle blocks cost alike: which of them recompute is a tie, broken the same way every time (whole
     nanoseconds, not float sums in different orders), so that the plan keeps runs of alike blocks, which the allocator

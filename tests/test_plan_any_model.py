@@ -64,6 +64,7 @@ PLANS = [Plan.uniform(3, o) for o in BLOCK_OPTIONS] + [Plan(("none", "block", "n
     ("mistral", "eager", torch.bfloat16, {"num_key_value_heads": 2}),
     ("gpt_neox", "sdpa", torch.bfloat16, {}),
 ])
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_hf_models_planned_from_their_config_equal_a_real_step(kind, attention, dtype, extra):
     source = hf(kind, attention, **extra)
     profile = profile_model(source, B, T, "cpu", fake=True, dtype=dtype)
@@ -144,6 +145,7 @@ def test_plan_module_of_a_hand_written_eager_model_equals_a_real_step(precision,
     assert result.replay is None  # a CPU plan: no CUDA allocator to replay
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_plan_module_for_a_card_solves_within_its_budget_and_replays_the_allocator():
     card = plan_module(NanoGPT, (B, T), vocab_size=V, gpu="a100-80gb")  # the card's memory: none fits, the fastest
     assert card.policy == "none"
@@ -154,6 +156,7 @@ def test_plan_module_for_a_card_solves_within_its_budget_and_replays_the_allocat
     assert result.fits and result.policy != "none"  # none is one byte over: something recomputes or offloads
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_plan_command_takes_a_hugging_face_config(tmp_path, capsys):
     hf("qwen2", "sdpa", num_key_value_heads=2).config.save_pretrained(tmp_path / "qwen")
     assert main(["plan", "--hf-config", str(tmp_path / "qwen"), "--batch-size", "2", "--context", "64",
@@ -206,6 +209,7 @@ def test_a_deep_hf_model_is_profiled_shallow_and_deepened_exactly(monkeypatch):
     assert [getattr(deep, f) for f in fields] == [getattr(every, f) for f in fields]
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_a_hf_model_per_fsdp_rank_on_fake_tensors_equals_real_ones():
     """One rank of two under FSDP2 (sharded as the trainer shards, on fake ranks): the fake profile of a Hugging Face
     model equals the profile of the same step on real tensors, field by field, in bf16 (pure bf16 under FSDP)."""

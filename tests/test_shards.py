@@ -166,6 +166,7 @@ def kill_at_random(args, out, rng) -> None:
     assert not (out / "meta.json").exists()  # nothing that looks complete
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_a_preparation_killed_at_random_resumes_to_the_same_bytes(records, data_dir, tmp_path, capsys, test_rng):
     from fitgpt.cli import main
 

@@ -80,6 +80,7 @@ def test_the_first_difference_is_named_with_its_phase_op_and_bytes(tiny_model_co
     assert "step 1: forward, block 1" in why and f"measured alloc of {allocs[0]['size']:,} bytes" in why
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_train_records_its_first_steps_and_plan_compares_them(cli_train_args, tmp_path, capsys):
     """`train --memory-snapshot 2` on the CPU writes the tracker's snapshot, which PyTorch's viewer reads; `plan
     --compare` puts the plan's step beside it, names where they part, and draws both."""
@@ -137,6 +138,7 @@ def test_expandable_segments_grow_one_segment_by_pages_and_leave_fewer_slivers()
     assert reserved["ExpandableAllocatorModel"] < reserved["CachingAllocatorModel"]
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_plan_names_the_allocator_it_models_and_replays_it(capsys, monkeypatch):
     import json
 

@@ -60,6 +60,7 @@ def test_cuda_profiles_count_allocator_blocks_and_fused_adamw(tiny_model_config)
     assert cuda.optimizer == 2 * blocks + 512 * len(params)
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_the_math_backend_keeps_the_attention_matrix(tiny_model_config):
     cfg = tiny_model_config()
     B, T = 4, 32
@@ -68,6 +69,7 @@ def test_the_math_backend_keeps_the_attention_matrix(tiny_model_config):
     assert math_ - flash >= B * cfg.n_head * T * T * 2  # at least the (B, H, T, T) bf16 softmax
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_autocast_weight_copies_and_flash_rng_state_are_counted(tiny_model_config):
     from fitgpt.model import Transformer
 
@@ -112,6 +114,7 @@ def test_plan_for_a_card_from_this_cpu(capsys):
     assert result["predicted_max_allocated"] == result["predicted_peak"] + 2 * (8 * 2**20 + 128 * 2**10)
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_per_rank_plans_for_cuda_without_processes(tiny_model_config):
     ranks = BudgetConfig(gpu="h100-80gb", world_size=4, parallel="fsdp", batch_size=2, context=32).workload.profile()
     one = BudgetConfig(gpu="h100-80gb", batch_size=2, context=32).workload.profile()

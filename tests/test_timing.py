@@ -127,6 +127,7 @@ def test_plans_name_pointwise_and_map_any_policy():
     assert Plan.from_policy("group:2", 4) == (Plan.uniform(4, "block"), False)
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_offload_is_a_costed_option_for_cuda_targets(tiny_model_config):
     """On a CUDA target a block may keep its activations in pinned host memory: nothing saved on the card, all of
     it back for its backward, each byte over the host link twice; the solver weighs it like any option."""
