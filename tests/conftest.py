@@ -224,7 +224,19 @@ test keeps a quick case in the loop where one is quick."""
 BUDGET_S = {"full": 8 * 60, "quick": 3 * 60}
 """What the whole suite and the quick loop should take on this machine (2 cores)."""
 _durations: dict[str, tuple[float, bool]] = {}
+_quick_cases: set[str] = set()
+"""The cases a parametrized test keeps in the quick loop while its other cases are marked slow: kept on purpose."""
 _started = time.monotonic()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects the slow cases
+def pytest_collection_modifyitems(config, items):
+    cases: dict[tuple, list] = {}
+    for item in items:
+        cases.setdefault((item.path, getattr(item, "originalname", item.name)), []).append(item)
+    for group in cases.values():
+        if any(item.get_closest_marker("slow") for item in group):
+            _quick_cases.update(item.nodeid for item in group if not item.get_closest_marker("slow"))
 
 
 def pytest_runtest_logreport(report):
@@ -246,8 +258,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.write_line(f"{len(_durations)} tests in {wall:.0f} s; the {'quick loop' if quick else 'full suite'}'s budget "
                   f"on this machine: {budget} s ({wall / budget:.2f}x)")
     for nodeid, (d, slow) in sorted(_durations.items(), key=lambda kv: -kv[1][0])[:10]:
-        tr.write_line(f"  {d:7.1f} s  {nodeid}{'' if slow else '  (not marked slow)' if d >= SLOW_S else ''}")
-    unmarked = [n for n, (d, slow) in _durations.items() if d >= SLOW_S and not slow]
+        note = "" if slow or d < SLOW_S else "  (its quick case)" if nodeid in _quick_cases else "  (not marked slow)"
+        tr.write_line(f"  {d:7.1f} s  {nodeid}{note}")
+    unmarked = [n for n, (d, slow) in _durations.items() if d >= SLOW_S and not slow and n not in _quick_cases]
     if unmarked:
         tr.write_line(f"{len(unmarked)} tests took {SLOW_S} s or more without the slow mark: mark them slow")
 

@@ -43,6 +43,7 @@ def test_the_deepened_step_is_the_full_depth_step(arch, n_blocks, ranks, policy,
     assert deep == full
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_a_hugging_face_model_deepened_is_its_full_depth_step(logging_allocator):
     """A Hugging Face model's decoder layers repeat alike too (its mask and position ids made before the first)."""
     transformers = pytest.importorskip("transformers")

@@ -25,6 +25,7 @@ def test_plan_command(capsys):
     assert f"--activation-checkpointing {shlex.quote(result['policy'])}" in out
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_plan_prints_the_plan_it_solved_not_the_tables_last_row(capsys):
     """With room for everything the fastest plan is none; the table of uniform plans printed after solving once
     overwrote it, so every answer (and its peak, its replay, its train command) was the last row's."""

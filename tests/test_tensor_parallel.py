@@ -313,6 +313,7 @@ def test_the_mesh_a_launch_makes_is_checked_before_anything_runs(world, parallel
         assert "drop --compile" in compiled and "\n" not in compiled
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_a_tensor_parallel_rank_is_counted_its_share_of_the_flops():
     """Every matmul and attention of a split step runs on 1 / tp of the heads or hidden units, so a rank does exactly
     1 / tp of the step's FLOPs; DTensor's own shape propagation (each new op run once on the whole shapes) is no
