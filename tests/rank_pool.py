@@ -26,7 +26,8 @@ import torch.multiprocessing as mp
 _ctx = mp.get_context("spawn")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port free on this machine now (the OS picks it), for a group's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -57,7 +58,7 @@ class RankPool:
         self.world = world
         self.inboxes = [_ctx.Queue() for _ in range(world)]
         self.outbox = _ctx.Queue()
-        port = _free_port()
+        port = free_port()
         self.procs = [_ctx.Process(target=_serve, args=(r, world, port, self.inboxes[r], self.outbox), daemon=True)
                       for r in range(world)]
         for p in self.procs:

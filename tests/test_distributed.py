@@ -4,7 +4,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import gathered
 import pytest
 import torch
 import torch.distributed as dist
+from rank_pool import free_port
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import OptimConfig
@@ -35,12 +35,6 @@ OPTIM = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=0)
 CPU = torch.device("cpu")
 CASES = [("ddp", "none"), ("ddp", "block"), ("ddp", "selective"), ("ddp-accum", "block"), ("fsdp", "none"), ("fsdp", "block"),
          ("fsdp", "selective"), ("fsdp-accum", "group:2")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(cfg):
@@ -195,7 +189,7 @@ _on_path = lambda folder: os.pathsep.join([folder, *filter(None, [os.environ.get
 
 def torchrun(args, cwd, nproc=2, script=None, **kw):
     target = [script] if script else ["-m", "fitgpt"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
            *target, *args]
     return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _on_path(TESTS)}, **kw)

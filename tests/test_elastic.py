@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_distributed import _free_port, finish, torchrun, train_flags
+from rank_pool import free_port
+from test_distributed import finish, torchrun, train_flags
 
 from fitgpt.cli import main
 from fitgpt.train import checkpoint as ckpt
@@ -88,7 +89,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_continues_exactly(data_dir,
     finish(torchrun(train_flags(data_dir, corpus_dir, straight, steps), tmp_path))
     # The c10d rendezvous, as the README's elastic command: the static one (--master-port) did not restart here.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{_free_port()}", "-m", "fitgpt",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{free_port()}", "-m", "fitgpt",
            *train_flags(data_dir, corpus_dir, elastic, steps, "--resume", "auto")]
     log = tmp_path / "elastic.log"
     with open(log, "w") as out:
@@ -117,7 +118,7 @@ def test_two_nodes_train_checkpoint_and_continue_on_one(data_dir, corpus_dir, tm
     """Two `torchrun --nnodes 2` launches on this machine stand in for two nodes (c10d rendezvous): they train and
     checkpoint as one run; the same command on one node then continues it (a move from 2 processes to 1)."""
     run = tmp_path / "run"
-    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{_free_port()}", "--rdzv-id", "two-nodes"]
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{free_port()}", "--rdzv-id", "two-nodes"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", *rdzv, "-m", "fitgpt",
            *train_flags(data_dir, corpus_dir, run, 6, "--resume", "auto")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -138,7 +139,7 @@ def test_a_node_lost_mid_run_stops_the_other_with_one_line_naming_it(data_dir, c
     """Node 2 (its launcher and its rank) killed mid-run: the rank on node 1 names the lost rank in one line, with no
     traceback of its own, well within --dist-timeout; every checkpoint left is whole."""
     run = tmp_path / "run"
-    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{_free_port()}", "--rdzv-id", "lost-node"]
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{free_port()}", "--rdzv-id", "lost-node"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", *rdzv, "-m", "fitgpt",
            *train_flags(data_dir, corpus_dir, run, 100000, "--checkpoint-interval", "2", "--dist-timeout", "60")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -8,7 +8,8 @@ import sys
 import time
 
 import pytest
-from test_distributed import _free_port, train_flags
+from rank_pool import free_port
+from test_distributed import train_flags
 from test_elastic import _rank_of, _workers
 
 from fitgpt.train import checkpoint as ckpt
@@ -16,7 +17,7 @@ from fitgpt.train.distributed import STALLED_S
 
 
 def _launch(data_dir, corpus_dir, run, cwd):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "fitgpt", *train_flags(data_dir, corpus_dir, run, 100000, "--checkpoint-interval", "2", "--dist-timeout", "300")]
     return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
