@@ -34,7 +34,8 @@ from fitgpt.tensor_parallel import apply_tensor_parallel, step_context
 CFG = ModelConfig(arch="llama", vocab_size=2048, context_length=256, n_embed=256, n_head=8, n_kv_head=4, n_blocks=4,
                   dropout=0.0, tie_embeddings=False)
 B = 4  # the global batch: each data-parallel rank its share
-POLICIES = ("none", "block", "selective")
+POLICIES = ("none", "block", "selective", "block+chunked-loss", "block+fused-loss")  # the loss heads: the head's logits
+# sharded on the vocabulary, in chunks (of the default 1,024 rows: one a step here)
 LAYOUTS = ((2, 2), (4, 2), (4, 4), (2, 1), (4, 1))  # (processes, TP degree): 1 x 2, 2 x 2, 1 x 4, FSDP 2, FSDP 4
 
 
@@ -114,8 +115,8 @@ def main() -> None:
     print("| layout | policy | rank | measured peak | predicted peak | equal | kept a block (predicted) | step s | vs one process |")
     print("|---|---|---:|---:|---:|---|---:|---:|---:|")
     for spec in POLICIES:
-        pred = predict(whole, Plan.uniform(CFG.n_blocks, spec))
-        kept = whole.blocks[1][spec].saved
+        pred = predict(whole, Plan.from_policy(spec, CFG.n_blocks)[0])
+        kept = whole.blocks[1][spec.split("+")[0]].saved
         print(f"| one process | {spec} | 0 | - | {pred.peak:,} | | {kept:,} | {one[spec]:.3f} | 1.00x |")
     for world, tp in LAYOUTS:
         dp, layout = world // tp, f"{world // tp} x {tp}" if tp > 1 else f"FSDP {world}"
@@ -126,8 +127,8 @@ def main() -> None:
         profile = profile_model(CFG, B // dp, CFG.context_length, "cpu", OptimConfig(), fake=True, tp_ranks=tp,
                                 fsdp_ranks=dp)
         for spec in POLICIES:
-            pred = predict(profile, Plan.uniform(CFG.n_blocks, spec)).peak
-            kept = profile.blocks[1][spec].saved
+            pred = predict(profile, Plan.from_policy(spec, CFG.n_blocks)[0]).peak
+            kept = profile.blocks[1][spec.split("+")[0]].saved
             for r, rows in enumerate(measured):
                 peak, secs = rows[spec]
                 print(f"| {layout} | {spec} | {r} | {peak:,} | {pred:,} | {'=' if peak == pred else f'{peak - pred:+,}'} | "

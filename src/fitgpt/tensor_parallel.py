@@ -7,7 +7,9 @@ Korthikanti et al. (2022) describe it:
 - the norms (and the dropout after each residual branch) sequence-parallel: between blocks every activation is
   sharded on the sequence, (B, T / tp, C) a rank; each branch all-gathers its input;
 - the token embedding row-wise (the vocabulary sharded) into sequence shards, and the head column-wise into logits
-  sharded on the vocabulary, which ``loss_parallel`` reduces to the loss without ever gathering them whole.
+  sharded on the vocabulary, which ``loss_parallel`` reduces to the loss without ever gathering them whole. The final
+  norm's output is gathered for the head on the norm, not in the head, so that the loss heads (chunked-loss,
+  fused-loss), which run the head's weight in chunks of their own, take it as the plain head does.
 
 Dropout falls only on sharded activations (sequence shards, a rank's heads). On CUDA it draws from DTensor's RNG
 tracker: the ranks share one seed, each shard its own offset. On CPU ranks, which the tracker does not cover, each
@@ -27,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -76,9 +79,9 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
         return (f"--tensor-parallel {tp} with --compile fails inside PyTorch 2.13 (DTensor's gradients in compiled "
                 "blocks): drop --compile")
     spec = cfg.activation_checkpointing
-    if "loss" in spec or "offload" in spec:
-        return (f"--tensor-parallel {tp} takes the per-block policies (none, block, selective, pointwise, ...) or auto, "
-                f"not {spec!r}: the loss heads and activation offload are not split yet")
+    if "offload" in spec:
+        return (f"--tensor-parallel {tp} does not offload a split block's saved tensors: drop offload from {spec!r} "
+                "(block or selective recompute them instead)")
     return tensor_parallel_refusal(cfg.model, tp)
 
 
@@ -96,12 +99,12 @@ def training_mesh(device_type: str, world: int, tp: int) -> DeviceMesh:
 
 
 class _LossParallelHead(ColwiseParallel):
-    """The head column-wise (its weight sharded on the vocabulary), taking the block's sequence shards and giving
-    logits sharded on the vocabulary, kept as a DTensor for ``loss_parallel``. fitgpt's head also takes the targets
-    and returns (logits, loss): both pass through."""
+    """The head column-wise (its weight sharded on the vocabulary), taking the final norm's output gathered whole and
+    giving logits sharded on the vocabulary, kept as a DTensor for ``loss_parallel``. fitgpt's head also takes the
+    targets and returns (logits, loss): both pass through (the loss is made local on the model's output)."""
 
     def __init__(self) -> None:
-        super().__init__(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+        super().__init__(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
@@ -110,13 +113,19 @@ class _LossParallelHead(ColwiseParallel):
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        if isinstance(outputs, tuple):  # (logits, loss): loss_parallel's loss is whole on every rank, handed on local
-            logits, loss = outputs
-            logits = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, logits, device_mesh)
-            # to_local() is a view, which FSDP warns of at every step (an in-place op on it would lose its hooks):
-            # a copy of the scalar instead.
-            return logits, loss.to_local().clone() if isinstance(loss, DTensor) else loss
+        if isinstance(outputs, tuple):  # (logits, loss)
+            return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs[0], device_mesh), outputs[1]
         return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
+def _local_loss(model: nn.Module, inputs: tuple, outputs: tuple) -> tuple:
+    """The model's (logits, loss), the loss made local: ``loss_parallel``'s is whole on every rank. A forward hook on
+    the model, not the head's, so that it holds whichever head a policy puts in place (the loss heads replace the
+    head's forward with their chunks, and with it the head's own hooks)."""
+    logits, loss = outputs
+    # to_local() is a view, which FSDP warns of at every step (an in-place op on it would lose its hooks): a copy of
+    # the scalar instead.
+    return logits, loss.to_local().clone() if isinstance(loss, DTensor) else loss
 
 
 def _block_plan() -> dict:
@@ -146,6 +155,11 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         "layer_norm": SequenceParallel(),
         "lm_head": _LossParallelHead(),
     })
+    # The final norm's output gathered whole (the head's all-gather), on the norm rather than in the head: the loss
+    # heads' chunks (chunked-loss, fused-loss) then take it as the plain head does.
+    parallelize_module(model.layer_norm, mesh, PrepareModuleOutput(
+        output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False))
+    model.register_forward_hook(_local_loss)
 
 
 def seed_dropout_apart(device: torch.device, seed: int, tp_rank: int) -> None:
@@ -162,5 +176,6 @@ def step_context(model: nn.Module) -> contextlib.AbstractContextManager:
     """What a step of ``model`` runs in: ``loss_parallel`` where its head gives vocabulary-sharded logits (the loss's
     forward and backward both need it), else nothing."""
     head = getattr(model, "lm_head", None)
-    return loss_parallel() if isinstance(getattr(head, "weight", None), DTensor) else contextlib.nullcontext()
+    split = head is not None and any(isinstance(p, DTensor) for p in head.parameters())  # a loss head's too
+    return loss_parallel() if split else contextlib.nullcontext()
 

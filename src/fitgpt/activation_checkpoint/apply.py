@@ -222,7 +222,6 @@ def _chunks(x: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: 
     n = t2.numel()
     wants = (wants[0], wants[1], wants[2] and bias is not None)
     grads = [torch.zeros_like(t) if w else None for t, w in zip((x2, weight, bias), wants)]
-    scale = torch.full((), 1.0 / n, dtype=torch.float32, device=x.device)  # d(mean)/d(each token's loss)
     total = x2.new_zeros((), dtype=torch.float32)
     for s in range(0, n, rows):
         with torch.enable_grad() if any(wants) else torch.no_grad():
@@ -232,7 +231,8 @@ def _chunks(x: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: 
             part = F.cross_entropy(loss_logits(logits), t2[s : s + rows], reduction="sum").float()
             del logits
             needed = [t for t, w in zip(inputs, wants) if w]
-            chunk_grads = iter(torch.autograd.grad(part, needed, scale) if needed else ())
+            # d(mean)/d(each token's loss), made like the loss (a DTensor where the head is split)
+            chunk_grads = iter(torch.autograd.grad(part, needed, torch.full_like(part, 1.0 / n)) if needed else ())
         for i, w in enumerate(wants):
             if w and i == 0:
                 grads[0][s : s + rows] = next(chunk_grads)

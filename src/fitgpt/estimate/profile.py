@@ -323,9 +323,7 @@ def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float)
 
     accumulate = grad_accum > 1 or run.persistent_grads
     timelines: dict[str, StepTimeline] = {}
-    # The loss heads replace the head's forward, which tensor parallelism splits: its plans keep the plain head.
-    chunked = run.source.chunked_head and run.tp_mesh is None
-    runs = {o: r for o, r in (_RUNS if chunked else _PLAIN_RUNS).items() if o in run.options}
+    runs = {o: r for o, r in (_RUNS if run.source.chunked_head else _PLAIN_RUNS).items() if o in run.options}
     # A CUDA step's tensors get CUDA autocast's dtypes, not the CPU's we run on.
     rules = cuda_autocast_rules() if run.simulated and run.dtype else contextlib.nullcontext()
     with rules, sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext(), step_context(model):
