@@ -27,7 +27,8 @@
 #    allocator's peak beside it; and GaLore's own recipe (8-bit GaLore AdamW, rank 1024: bitsandbytes, not planned)
 #    on that shape, its allocator peak beside the 22.8 GB its README gives. Needs pip install '.[lowbit,lowrank]'.
 #    7c: each setting's validation loss on the issue's larger run (26M parameters, 2,000 steps), and its curves.
-# 8. Issue 45: torchtitan's 70B recipe (FSDP 32 x TP 8) planned from the CPU; TP 2 on 2 GPUs and FSDP 2 x TP 2 on 4,
+# 8. Issue 45: torchtitan's 70B recipe (FSDP 32 x TP 8) planned from the CPU, block and block+fused-loss; TP 2 on 2
+#    GPUs (block, block+fused-loss) and FSDP 2 x TP 2 on 4,
 #    trained (llama-1b, bf16, 4 x 1024), rank 0's allocator peak beside the plan of one rank.
 # Everything lands in OUT_DIR (default gpu_check/), with a summary in OUT_DIR/summary.txt.
 set -euo pipefail
@@ -188,21 +189,26 @@ python benchmarks/optimizers.py curves --size gpu --out "$OUT/quality_gpu" --png
 
 echo "== 8. issue 45: tensor parallelism on the cards (NCCL), each rank's allocator peak beside one rank's plan"
 # torchtitan's Llama-3.1-70B recipe (FSDP 32 x TP 8 on 256 H100s, full checkpointing, 16 x 8192, bf16), planned
-# from the CPU; then TP 2 (2 GPUs) and FSDP 2 x TP 2 (4 GPUs) trained at a size a card runs, their plans beside them.
+# from the CPU (block, and block+fused-loss); then TP 2 (2 GPUs; block, and block+fused-loss) and FSDP 2 x TP 2
+# (4 GPUs) trained at a size a card runs, their plans beside them.
 CUDA_VISIBLE_DEVICES="" fitgpt plan --preset llama-1b --model.n-embed 8192 --model.n-blocks 80 --model.n-head 64 \
   --model.n-kv-head 8 --model.ffn-hidden 28672 --model.vocab-size 128256 --model.context-length 8192 \
   --model.tie-embeddings False --batch-size 16 --grad-accum 1 --world-size 256 --parallel fsdp --tensor-parallel 8 \
   --activation-checkpointing block --gpu h100-80gb --precision bf16 | tail -n 1 > "$OUT/plan_70b.json"
-TP_FLAGS=(--preset llama-1b --model.tie-embeddings False --batch-size 4 --grad-accum 1 --precision bf16
-          --activation-checkpointing block)
-for LAYOUT in "2 1" "4 2"; do  # processes, data-parallel groups
-  read -r N DP <<< "$LAYOUT"
+CUDA_VISIBLE_DEVICES="" fitgpt plan --preset llama-1b --model.n-embed 8192 --model.n-blocks 80 --model.n-head 64 \
+  --model.n-kv-head 8 --model.ffn-hidden 28672 --model.vocab-size 128256 --model.context-length 8192 \
+  --model.tie-embeddings False --batch-size 16 --grad-accum 1 --world-size 256 --parallel fsdp --tensor-parallel 8 \
+  --activation-checkpointing block+fused-loss --gpu h100-80gb --precision bf16 | tail -n 1 > "$OUT/plan_70b_fused.json"
+TP_FLAGS=(--preset llama-1b --model.tie-embeddings False --batch-size 4 --grad-accum 1 --precision bf16)
+for LAYOUT in "2 1 block" "4 2 block" "2 1 block+fused-loss"; do  # processes, data-parallel groups, policy
+  read -r N DP POLICY <<< "$LAYOUT"
   [ "$NGPU" -ge "$N" ] || { echo "TP over $N GPUs: skipped, found $NGPU"; continue; }
-  EXTRA=(); [ "$DP" -gt 1 ] && EXTRA=(--parallel fsdp)
+  EXTRA=(--activation-checkpointing "$POLICY"); [ "$DP" -gt 1 ] && EXTRA+=(--parallel fsdp)
+  TAG="${N}_${POLICY//+/_}"
   torchrun --nproc-per-node "$N" -m fitgpt train "${TP_FLAGS[@]}" "${EXTRA[@]}" --tensor-parallel 2 \
-    --model.context-length 1024 --max-steps 10 --log-interval 1 --out-dir "$OUT/tp_$N" --no-progress 2>&1 | tail -n 2
+    --model.context-length 1024 --max-steps 10 --log-interval 1 --out-dir "$OUT/tp_$TAG" --no-progress 2>&1 | tail -n 2
   CUDA_VISIBLE_DEVICES="" fitgpt plan "${TP_FLAGS[@]}" "${EXTRA[@]}" --tensor-parallel 2 --world-size "$N" \
-    --context 1024 --gpu "$GPU" | tail -n 1 > "$OUT/plan_tp_$N.json"
+    --context 1024 --gpu "$GPU" | tail -n 1 > "$OUT/plan_tp_$TAG.json"
 done
 
 python - "$OUT" <<'PY'
@@ -232,18 +238,18 @@ for r in bench["rows"]:
 for name in ("mfu_3b.txt",):
     if (out / name).is_file():
         lines.append((out / name).read_text().strip())
-f = out / "plan_70b.json"
-if f.is_file():
-    p = json.loads(f.read_text())
-    lines.append(f"70B, FSDP 32 x TP 8 (planned): {p['predicted_peak'] / 2**30:.2f} GiB a rank, max_memory_allocated "
-                 f"{p['predicted_max_allocated'] / 2**30:.2f} GiB, in {p['profile_seconds']:.0f} s")
-for n in (2, 4):
-    run, plan = out / f"tp_{n}" / "metrics.jsonl", out / f"plan_tp_{n}.json"
+for f in (out / "plan_70b.json", out / "plan_70b_fused.json"):
+    if f.is_file():
+        p = json.loads(f.read_text())
+        lines.append(f"70B, FSDP 32 x TP 8, {p['policy']} (planned): {p['predicted_peak'] / 2**30:.2f} GiB a rank, "
+                     f"max_memory_allocated {p['predicted_max_allocated'] / 2**30:.2f} GiB, in {p['profile_seconds']:.0f} s")
+for tag in ("2_block", "4_block", "2_block_fused-loss"):
+    run, plan = out / f"tp_{tag}" / "metrics.jsonl", out / f"plan_tp_{tag}.json"
     if run.is_file() and plan.is_file():
         peak = max((json.loads(l).get("peak_allocated") or 0) for l in run.read_text().splitlines())
         p = json.loads(plan.read_text())
-        lines.append(f"TP 2 over {n} GPUs: rank 0's max_memory_allocated {peak / 2**30:.3f} GiB vs predicted "
-                     f"{p['predicted_max_allocated'] / 2**30:.3f} GiB ({peak / p['predicted_max_allocated'] - 1:+.2%})")
+        lines.append(f"TP 2 over {tag.replace('_', ' GPUs, ', 1)}: rank 0's max_memory_allocated {peak / 2**30:.3f} GiB "
+                     f"vs predicted {p['predicted_max_allocated'] / 2**30:.3f} GiB ({peak / p['predicted_max_allocated'] - 1:+.2%})")
 check = out / "plan_check_cuda.md"
 if check.is_file():
     lines += ["", "CPU-only predictions vs the allocator:", check.read_text()]
