@@ -213,14 +213,16 @@ def test_torchrun_tensor_parallel_trains_as_one_process_and_its_checkpoint_opens
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_torchrun_fsdp_by_tensor_parallel_trains_as_fsdp_alone_and_reshards(data_dir, corpus_dir, tmp_path, capsys):
-    """FSDP 2 x TP 2 on 4 processes: every logged loss within fp32 rounding of FSDP 2's on 2 (each data-parallel rank
-    draws FSDP's rank's batches; tensor parallelism changes only who computes them). Its step-3 checkpoint resumes
-    on FSDP 2 with the same data order, ending where the straight run did, and `generate` reads it in one process."""
+    """FSDP 2 x TP 2 on 4 processes, with the chunked loss head: every logged loss within fp32 rounding of FSDP 2's on 2
+    (each data-parallel rank draws FSDP's rank's batches; tensor parallelism changes only who computes them). Its
+    step-3 checkpoint resumes on FSDP 2 with the same data order, ending where the straight run did, and `generate`
+    reads it in one process."""
     from test_distributed import finish, torchrun
 
     from fitgpt.cli import main
 
-    block = ("--activation-checkpointing", "block", "--parallel", "fsdp")
+    # The chunked loss head throughout (on FSDP alone and on the split: each chunk's logits sharded on the vocabulary)
+    block = ("--activation-checkpointing", "block+chunked-loss:256", "--parallel", "fsdp")
     finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "fsdp", *block), tmp_path))
     _, err = finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "2d", *block, "--tensor-parallel", "2"), tmp_path,
                              nproc=4))
