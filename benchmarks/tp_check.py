@@ -4,6 +4,7 @@ per policy, at 1 x 2, 2 x 2 (FSDP over the pairs) and 1 x 4, and FSDP alone on 2
 Korthikanti et al.'s formulas; and the step time on this CPU against one process.
 
     python benchmarks/tp_check.py            # a few minutes on 2 cores
+    TP_CHECK_ARCH=gpt2 python benchmarks/tp_check.py   # GPT-2's block (split alone: 1 x 2, 1 x 4)
     python benchmarks/tp_check.py --largest 5   # the deepest model a rank of 4 fits in 5 GiB, per layout (planned)
 
 Prints Markdown tables for benchmarks/RESULTS.md.
@@ -33,10 +34,14 @@ from fitgpt.tensor_parallel import apply_tensor_parallel, step_context
 # Llama, 8 heads sharing 4 key/value heads, 256 wide, 4 blocks, untied; batch 4 x 256.
 CFG = ModelConfig(arch="llama", vocab_size=2048, context_length=256, n_embed=256, n_head=8, n_kv_head=4, n_blocks=4,
                   dropout=0.0, tie_embeddings=False)
+if os.environ.get("TP_CHECK_ARCH") == "gpt2":  # an environment variable, which the spawned ranks read too
+    CFG = dataclasses.replace(CFG, arch="gpt2", n_kv_head=None)
 B = 4  # the global batch: each data-parallel rank its share
 POLICIES = ("none", "block", "selective", "block+chunked-loss", "block+fused-loss")  # the loss heads: the head's logits
 # sharded on the vocabulary, in chunks (of the default 1,024 rows: one a step here)
 LAYOUTS = ((2, 2), (4, 2), (4, 4), (2, 1), (4, 1))  # (processes, TP degree): 1 x 2, 2 x 2, 1 x 4, FSDP 2, FSDP 4
+if CFG.arch == "gpt2":  # split alone: FSDP over GPT-2's split is refused
+    LAYOUTS = tuple(layout for layout in LAYOUTS if layout != (4, 2))
 
 
 def _batch(rows: int = B):

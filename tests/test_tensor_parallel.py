@@ -1,6 +1,7 @@
-"""Tensor and sequence parallelism (issue 45, in part): fitgpt's Llama split over gloo CPU ranks with PyTorch's own
-tensor parallelism gives one process's loss and gradients within fp32 rounding, under the checkpointing policies,
-with grouped-query attention; what cannot be split is refused in one line."""
+"""Tensor and sequence parallelism (issue 45): fitgpt's Llama and GPT-2 split over gloo CPU ranks with PyTorch's own
+tensor parallelism give one process's loss and gradients within fp32 rounding, under the checkpointing policies,
+with grouped-query attention; each rank is planned to the byte; what cannot be split is refused in one line.
+(Through the trainer and torchrun: test_tensor_parallel_runs.py.)"""
 
 import dataclasses
 import json
@@ -16,6 +17,10 @@ from fitgpt.tensor_parallel import apply_tensor_parallel, launch_refusal, step_c
 # Llama with grouped-query attention (8 query heads sharing 4 key/value heads), untied, no dropout.
 CFG = ModelConfig(arch="llama", vocab_size=128, context_length=16, n_embed=64, n_head=8, n_kv_head=4, n_blocks=2,
                   dropout=0.0, tie_embeddings=False)
+# GPT-2's block (one query/key/value matrix, biases, learned positions), untied, no dropout.
+GPT2 = ModelConfig(arch="gpt2", vocab_size=128, context_length=16, n_embed=64, n_head=8, n_blocks=2, dropout=0.0,
+                   tie_embeddings=False, bias=True)
+CFGS = {"llama": CFG, "gpt2": GPT2}
 # The loss heads too: chunks of 8 of a batch's 32 tokens (16 under 2 x 2), each chunk's logits sharded on the vocabulary.
 POLICIES = ["none", "block", "selective", "pointwise", "chunked-loss:8", "selective+fused-loss:8"]
 
@@ -30,9 +35,9 @@ def _grads(model):
     return {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
 
 
-def _equal_steps(rank: int, world: int, tp: int) -> dict | None:
+def _equal_steps(rank: int, world: int, tp: int, arch: str) -> dict | None:
     """One step of every policy on the (world / tp) x tp mesh: the loss and every gradient, gathered whole (rank 0's;
-    None elsewhere), and the rows of a query projection a rank holds."""
+    None elsewhere), and the rows of the first query projection a rank holds (GPT-2's: of its query, key and value)."""
     from fitgpt.parallel import fsdp_shard
     from fitgpt.tensor_parallel import training_mesh
 
@@ -42,9 +47,10 @@ def _equal_steps(rank: int, world: int, tp: int) -> dict | None:
     results = {}
     for spec in POLICIES:
         torch.manual_seed(0)
-        model = Transformer(CFG)  # whole on every rank, the same weights; each keeps its shards
+        model = Transformer(CFGS[arch])  # whole on every rank, the same weights; each keeps its shards
         apply_tensor_parallel(model, mesh["tp"])
-        q_rows = model.attn_blocks[0].attn.q_proj.weight.to_local().shape[0]
+        attn = model.attn_blocks[0].attn
+        q_rows = (attn.q_proj if arch == "llama" else attn.qkv).weight.to_local().shape[0]
         apply_activation_checkpointing(model, spec)  # after the split, as torchtitan orders them
         if dp > 1:
             fsdp_shard(model, None, mesh=mesh["dp"])
@@ -58,21 +64,24 @@ def _equal_steps(rank: int, world: int, tp: int) -> dict | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, tp", [(2, 2), (4, 2), (4, 4)])
-def test_tensor_parallel_equals_one_process(world, tp, ranks):
+@pytest.mark.parametrize("world, tp, arch", [(2, 2, "llama"), (4, 2, "llama"), (4, 4, "llama"), (2, 2, "gpt2"),
+                                             (4, 4, "gpt2")])
+def test_tensor_parallel_equals_one_process(world, tp, arch, ranks):
     """1 x 2, 2 x 2 (FSDP over the data-parallel pair, each its half of the batch) and 1 x 4 (each rank 8 / tp query
     heads and 4 / tp key/value heads), every policy in one launch: the loss and every gradient within fp32 rounding of
-    one process's, each rank holding 1 / tp of each projection."""
-    results = ranks(world).run(_equal_steps, tp)[0]
+    one process's, each rank holding 1 / tp of each projection. GPT-2's block too (split alone, without FSDP): each rank
+    the rows of its heads in each third of the one query/key/value matrix (once refused: "not split by heads yet")."""
+    results = ranks(world).run(_equal_steps, tp, arch)[0]
     x, y = _batch()
+    cfg = CFGS[arch]
     for spec in POLICIES:
         torch.manual_seed(0)
-        model = Transformer(CFG)
+        model = Transformer(cfg)
         apply_activation_checkpointing(model, spec)
         loss = model(x, y)[1]
         loss.backward()
         got = results[spec]
-        assert got["q_rows"] == CFG.n_embed // tp
+        assert got["q_rows"] == (1 if arch == "llama" else 3) * cfg.n_embed // tp
         torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-6, atol=0)
         for name, p in model.named_parameters():
             torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-7, msg=f"{spec} {name}")
@@ -81,7 +90,7 @@ def test_tensor_parallel_equals_one_process(world, tp, ranks):
 PLANNED = ("none", "block", "selective", "block+chunked-loss", "selective+fused-loss")
 
 
-def _measured_peaks(rank: int, world: int, tp: int) -> dict:
+def _measured_peaks(rank: int, world: int, tp: int, arch: str) -> dict:
     """Each rank's measured peak of a steady step (the trainer's train_step, AdamW's state made by a first step), on
     the trainer's mesh: world / tp data-parallel ranks (FSDP's, where more than one) x tp."""
     from fitgpt.config import OptimConfig
@@ -94,7 +103,7 @@ def _measured_peaks(rank: int, world: int, tp: int) -> dict:
     peaks = {}
     for spec in PLANNED:
         torch.manual_seed(0)
-        model = Transformer(CFG)
+        model = Transformer(CFGS[arch])
         apply_tensor_parallel(model, mesh["tp"])
         apply_activation_checkpointing(model, spec)
         if world > tp:
@@ -107,8 +116,8 @@ def _measured_peaks(rank: int, world: int, tp: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, tp", [(2, 2), (4, 2)])
-def test_each_tensor_parallel_rank_is_planned_to_the_byte(world, tp, ranks, exact_allocator):
+@pytest.mark.parametrize("world, tp, arch", [(2, 2, "llama"), (4, 2, "llama"), (2, 2, "gpt2")])
+def test_each_tensor_parallel_rank_is_planned_to_the_byte(world, tp, arch, ranks, exact_allocator):
     """`plan --tensor-parallel 2`'s profile (1 x 2; and 2 x 2, FSDP over the data-parallel pair): one rank's step on
     fake ranks, split and sharded as the trainer does it, against each gloo rank's measured peak, for none, block,
     selective and the two loss heads; and the allocator replay's step (exact counts), which is the measured one plus its
@@ -119,24 +128,24 @@ def test_each_tensor_parallel_rank_is_planned_to_the_byte(world, tp, ranks, exac
     from fitgpt.estimate.replay import simulate_step
     from fitgpt.plan import Plan, predict
 
-    peaks = ranks(world).run(_measured_peaks, tp)
-    profile = profile_model(CFG, 2, CFG.context_length, "cpu", OptimConfig(), fake=True, tp_ranks=tp,
+    peaks = ranks(world).run(_measured_peaks, tp, arch)
+    cfg = CFGS[arch]
+    profile = profile_model(cfg, 2, cfg.context_length, "cpu", OptimConfig(), fake=True, tp_ranks=tp,
                             fsdp_ranks=world // tp)
-    whole = profile_model(CFG, 2, CFG.context_length, "cpu", OptimConfig(), fake=True)
+    whole = profile_model(cfg, 2, cfg.context_length, "cpu", OptimConfig(), fake=True)
     for rank, measured in enumerate(peaks):
         for spec, peak in measured.items():
-            plan = Plan.from_policy(spec, CFG.n_blocks)[0]
+            plan = Plan.from_policy(spec, cfg.n_blocks)[0]
             predicted = predict(profile, plan).peak
             assert predicted == peak, (rank, spec, predicted, peak)
             assert predicted < predict(whole, plan).peak
     for spec, peak in measured.items():
-        replay = simulate_step(CFG, spec, 2, CFG.context_length, 1, None, OptimConfig(), Target("cpu"),
+        replay = simulate_step(cfg, spec, 2, cfg.context_length, 1, None, OptimConfig(), Target("cpu"),
                                allocator=exact_allocator(), ranks=world, parallel="fsdp", tp=tp)
-        assert replay["max_allocated"] == peak + 2 * 2 * CFG.context_length * 8, spec
+        assert replay["max_allocated"] == peak + 2 * 2 * cfg.context_length * 8, spec
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"arch": "gpt2", "n_kv_head": None}, "--model.arch llama"),
     ({"tie_embeddings": True}, "--model.tie-embeddings False"),
     ({"n_head": 6, "n_kv_head": 3, "n_embed": 48}, "model's n_kv_head (3)"),
     ({"vocab_size": 129}, "model's vocab_size (129)"),
@@ -145,113 +154,6 @@ def test_what_cannot_be_split_is_refused_in_one_line(change, words):
     why = tensor_parallel_refusal(dataclasses.replace(CFG, **change), 2)
     assert why is not None and words in why and "\n" not in why
     assert tensor_parallel_refusal(CFG, 4) is None and tensor_parallel_refusal(CFG, 8) is not None  # 4 kv heads
-
-
-def _flags(data_dir, corpus_dir, out, *extra):
-    """Llama (the llama-tiny preset, untied), no dropout, 6 steps of batch 4, a checkpoint at 3 and 6."""
-    return ["train", "--preset", "llama-tiny", "--model.tie-embeddings", "False", "--data.dir", str(data_dir),
-            "--data.inputs", str(corpus_dir), "--data.vocab-size", "512", "--batch-size", "4", "--max-steps", "6",
-            "--checkpoint-interval", "3", "--log-interval", "1", "--eval-interval", "3", "--eval-batches", "2",
-            "--out-dir", str(out), "--no-progress", "--no-tensorboard", *extra]
-
-
-def _losses(run):
-    """A run's logged train and validation losses."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_torchrun_tensor_parallel_trains_as_one_process_and_its_checkpoint_opens_in_one(data_dir, corpus_dir, tmp_path,
-                                                                                      capsys):
-    """`torchrun --nproc-per-node 2 -m fitgpt train --tensor-parallel 2`: every logged loss within fp32 rounding of
-    one process's (the same batches on both ranks, which draw them as one process does), its distributed checkpoint
-    read whole by `generate` in one process, and a resume from it under torchrun ends where the straight run did."""
-    from test_distributed import finish, torchrun
-
-    from fitgpt.cli import main
-
-    assert main(_flags(data_dir, corpus_dir, tmp_path / "one", "--activation-checkpointing", "block")) == 0
-    _, err = finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "tp", "--tensor-parallel", "2",
-                                    "--activation-checkpointing", "block"), tmp_path))
-    assert "global batch 4 = 4 per micro-batch x 1 accumulation x 1 process, tensor parallel over 2" in err
-
-    (one, one_val), (tp, tp_val) = _losses(tmp_path / "one"), _losses(tmp_path / "tp")
-    assert len(one) == len(tp) == 6 and len(one_val) == len(tp_val) == 2
-    torch.testing.assert_close(torch.tensor(tp + tp_val), torch.tensor(one + one_val), rtol=1e-4, atol=0)
-    capsys.readouterr()
-    assert main(["generate", "--run", str(tmp_path / "tp"), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
-    assert "def " in capsys.readouterr().out
-    # Resumed at step 3 under torchrun, with the fused loss head (once refused under the split): the same losses after,
-    # within the rounding of a loss summed in chunks.
-    finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "tp", "--tensor-parallel", "2", "--activation-checkpointing",
-                           "block+fused-loss:128", "--resume", str(tmp_path / "tp" / "checkpoints" / "step_00000003")),
-                    tmp_path))
-    again, again_val = _losses(tmp_path / "tp")
-    torch.testing.assert_close(torch.tensor(again[-3:] + again_val[-1:]), torch.tensor(tp[-3:] + tp_val[-1:]), rtol=1e-5, atol=0)
-    # --init-from a Hugging Face folder (the one-process run, exported) into the split, under GPT-2's preset: the
-    # folder's Llama is what trains (the launch check once refused the preset's GPT-2), each rank filled with its
-    # pieces; its first steps are one process's from the same folder.
-    assert main(["export", "--run", str(tmp_path / "one"), "--out", str(tmp_path / "hf")]) == 0
-
-    def from_folder(out, *extra):
-        flags = _flags(data_dir, corpus_dir, out, "--init-from", str(tmp_path / "hf"), "--max-steps", "2", *extra)
-        return ["tiny" if a == "llama-tiny" else a for a in flags]
-
-    assert main(from_folder(tmp_path / "init_one")) == 0
-    # Planned too: --activation-checkpointing auto, for one rank of the split, in a budget between none's and block's
-    # peaks; each rank's measured peak is the plan's (once refused: "auto is not planned per TP rank yet").
-    out, _ = finish(torchrun(from_folder(tmp_path / "init_tp", "--tensor-parallel", "2", "--activation-checkpointing",
-                                         "auto", "--memory-budget", "14MiB"), tmp_path))
-    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "init_tp")[0]), torch.tensor(_losses(tmp_path / "init_one")[0]),
-                               rtol=1e-5, atol=0)
-    plan = json.loads(out.strip().splitlines()[-1])["memory_plan"]
-    assert plan["policy"] not in ("none", "block") and plan["measured_peaks"] == [plan["predicted_peak"]] * 2, plan
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_torchrun_fsdp_by_tensor_parallel_trains_as_fsdp_alone_and_reshards(data_dir, corpus_dir, tmp_path, capsys):
-    """FSDP 2 x TP 2 on 4 processes, with the chunked loss head: every logged loss within fp32 rounding of FSDP 2's on 2
-    (each data-parallel rank draws FSDP's rank's batches; tensor parallelism changes only who computes them). Its
-    step-3 checkpoint resumes on FSDP 2 with the same data order, ending where the straight run did, and `generate`
-    reads it in one process."""
-    from test_distributed import finish, torchrun
-
-    from fitgpt.cli import main
-
-    # The chunked loss head throughout (on FSDP alone and on the split: each chunk's logits sharded on the vocabulary)
-    block = ("--activation-checkpointing", "block+chunked-loss:256", "--parallel", "fsdp")
-    finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "fsdp", *block), tmp_path))
-    _, err = finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "2d", *block, "--tensor-parallel", "2"), tmp_path,
-                             nproc=4))
-    assert "x 2 processes, tensor parallel over 2, FSDP over 2 x 2" in err
-    (fsdp, fsdp_val), (two, two_val) = _losses(tmp_path / "fsdp"), _losses(tmp_path / "2d")
-    assert len(fsdp) == len(two) == 6
-    torch.testing.assert_close(torch.tensor(two + two_val), torch.tensor(fsdp + fsdp_val), rtol=1e-6, atol=0)
-    _, err = finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "2d", *block, "--resume",
-                                    str(tmp_path / "2d" / "checkpoints" / "step_00000003")), tmp_path))
-    assert "data order differs" not in err
-    again, again_val = _losses(tmp_path / "2d")
-    torch.testing.assert_close(torch.tensor(again[-3:] + again_val[-1:]), torch.tensor(two[-3:] + two_val[-1:]),
-                               rtol=1e-6, atol=0)
-    capsys.readouterr()
-    assert main(["generate", "--run", str(tmp_path / "2d"), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
-    assert "def " in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("extra, words", [
-    (["--tensor-parallel", "2"], "use a multiple of 2"),
-    (["--tensor-parallel", "0"], "tensor_parallel"),
-])
-def test_a_launch_tensor_parallelism_cannot_take_is_refused_in_one_line(extra, words, data_dir, corpus_dir, tmp_path, capsys):
-    from fitgpt.cli import main
-
-    assert main(_flags(data_dir, corpus_dir, tmp_path / "run", *extra)) == 2
-    err = capsys.readouterr().err.strip()
-    assert words in err and len(err.splitlines()) == 1, err
-    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.slow
@@ -303,19 +205,20 @@ def test_plan_refuses_what_it_cannot_split_in_one_line(extra, words, capsys):
     assert words in err and len(err.splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("world, parallel, words", [
-    (3, "ddp", "use a multiple of 2"),
-    (4, "ddp", "add --parallel fsdp"),
-    (2, "fsdp", "shards nothing"),
-    (4, "fsdp", None),
-    (2, "ddp", None),
+@pytest.mark.parametrize("preset, world, parallel, words", [
+    ("llama-tiny", 3, "ddp", "use a multiple of 2"),
+    ("llama-tiny", 4, "ddp", "add --parallel fsdp"),
+    ("llama-tiny", 2, "fsdp", "shards nothing"),
+    ("llama-tiny", 4, "fsdp", None),
+    ("llama-tiny", 2, "ddp", None),
+    ("tiny", 2, "ddp", None),  # GPT-2 split alone
+    ("tiny", 4, "fsdp", "without --parallel fsdp"),  # and not with FSDP over the split
 ])
-def test_the_mesh_a_launch_makes_is_checked_before_anything_runs(world, parallel, words):
+def test_the_mesh_a_launch_makes_is_checked_before_anything_runs(preset, world, parallel, words):
     """N x tp processes: FSDP over the N data-parallel groups, tp alone without it; anything else in one line."""
     from fitgpt.config import load_config
 
-    cfg = load_config("llama-tiny", overrides={"tensor_parallel": 2, "parallel": parallel,
-                                                "model": {"tie_embeddings": False}})
+    cfg = load_config(preset, overrides={"tensor_parallel": 2, "parallel": parallel, "model": {"tie_embeddings": False}})
     why = launch_refusal(cfg, world)
     assert (why is None) if words is None else (words in why and "\n" not in why), why
     if why is None:  # what PyTorch 2.13 cannot compile under the split (tried, see launch_refusal), on any mesh

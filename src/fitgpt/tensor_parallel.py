@@ -1,9 +1,12 @@
-"""Tensor and sequence parallelism over fitgpt's Llama model, with PyTorch's own tensor parallelism (DTensor,
-``parallelize_module``, ``SequenceParallel``, ``loss_parallel``), laid out as torchtitan lays out Llama and as
-Korthikanti et al. (2022) describe it:
+"""Tensor and sequence parallelism over fitgpt's model (Llama's blocks, and GPT-2's), with PyTorch's own tensor
+parallelism (DTensor, ``parallelize_module``, ``SequenceParallel``, ``loss_parallel``), laid out as torchtitan lays out
+Llama and as Korthikanti et al. (2022) describe it:
 
 - each block's query, key, value, gate and up projections column-wise (each rank holds some heads and some of the MLP's
-  hidden units), its output and down projections row-wise, their results reduce-scattered on the sequence;
+  hidden units), its output and down projections row-wise, their results reduce-scattered on the sequence. GPT-2's
+  one query/key/value matrix is split by heads too: rank r holds its heads' rows of each third (``_FusedColwise``),
+  written to checkpoints in row shards (``fitgpt.train.dcp_read.contiguous``); its learned positions are added to
+  each rank's sequence shard;
 - the norms (and the dropout after each residual branch) sequence-parallel: between blocks every activation is
   sharded on the sequence, (B, T / tp, C) a rank; each branch all-gathers its input;
 - the token embedding row-wise (the vocabulary sharded) into sequence shards, and the head column-wise into logits
@@ -25,7 +28,7 @@ import contextlib
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -35,6 +38,7 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fitgpt.config import TrainConfig
 from fitgpt.model.config import ModelConfig
@@ -42,10 +46,7 @@ from fitgpt.model.config import ModelConfig
 
 def tensor_parallel_refusal(cfg: ModelConfig, tp: int) -> str | None:
     """Why ``cfg``'s model cannot be split over ``tp`` ranks (one line naming what to change); None: it can."""
-    if cfg.arch != "llama":
-        return (f"--tensor-parallel {tp}: GPT-2's block projects query, key and value in one fused matrix, which is not "
-                "split by heads yet: use --model.arch llama (or drop --tensor-parallel)")
-    if cfg.tie_embeddings:
+    if cfg.tied:
         return (f"--tensor-parallel {tp} shards the embedding and the head on different sides of the vocabulary: "
                 "untie them (--model.tie-embeddings False)")
     for name, n in (("n_head", cfg.n_head), ("n_kv_head", cfg.kv_heads), ("vocab_size", cfg.vocab_size),
@@ -70,6 +71,11 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
     if world == tp and cfg.parallel == "fsdp":
         return (f"--parallel fsdp with --tensor-parallel {tp} over {tp} ranks shards over one data-parallel rank, "
                 f"which shards nothing: drop --parallel fsdp, or use N x {tp} ranks")
+    if cfg.model.arch == "gpt2" and world > tp:
+        # Checked on 2 x 2 gloo ranks (PyTorch 2.13): the heads' strided rows, sharded again by FSDP, gathered gradients
+        # that were not one process's (the loss was).
+        return (f"--tensor-parallel {tp} splits GPT-2's one query/key/value matrix by heads, which FSDP does not shard "
+                f"further: use {tp} ranks without --parallel fsdp, or --model.arch llama")
     if cfg.optim.name != "adamw" or cfg.optim.offload or cfg.fsdp_offload:
         return (f"--tensor-parallel {tp} is tested with AdamW on the card: use --optim.name adamw without "
                 "--optim.offload or --fsdp-offload")
@@ -128,28 +134,61 @@ def _local_loss(model: nn.Module, inputs: tuple, outputs: tuple) -> tuple:
     return logits, loss.to_local().clone() if isinstance(loss, DTensor) else loss
 
 
-def _block_plan() -> dict:
+class _FusedColwise(ColwiseParallel):
+    """GPT-2's one (3C, C) query/key/value matrix column-wise by heads: each rank holds the rows of its heads' query,
+    key and value (q_r, k_r, v_r: PyTorch's ``_StridedShard(0, split_factor=3)``), and its output is those heads'
+    [q_r, k_r, v_r], which the attention splits in thirds as it splits the whole one."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for n, param in module.named_parameters():
+            split = distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=3)], src_data_rank=self.src_data_rank)
+            module.register_parameter(n, nn.Parameter(split, requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local()  # (B, T, 3C / tp): this rank's [q_r, k_r, v_r], as the matmul gives them
+
+
+def _block_plan(arch: str) -> dict:
     gathered = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if arch == "llama":
+        attn = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
+                "attn.o_proj": RowwiseParallel(output_layouts=Shard(1))}
+        mlp = {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+               "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))}
+    else:  # GPT-2's
+        attn = {"attn.qkv": _FusedColwise(), "attn.proj": RowwiseParallel(output_layouts=Shard(1))}
+        mlp = {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=Shard(1))}
     return {
         "ln1": SequenceParallel(),
         # The attention's inputs: the normed activation, all-gathered, and the key/value cache (None in training).
         "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-        "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
-        "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        **attn,
         "ln2": SequenceParallel(),
         "mlp": gathered,
-        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        **mlp,
     }
 
 
+def _split_positions(model: nn.Module, mesh: DeviceMesh) -> None:
+    """GPT-2's learned positions added to the token embedding's sequence shards: the table replicated, each rank
+    taking the rows of its own positions (its gradient the all-gather of every rank's rows)."""
+    distribute_module(model.position_embed, mesh)  # the table replicated
+    parallelize_module(model.position_embed, mesh, PrepareModuleInput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False))
+    parallelize_module(model.position_embed, mesh, PrepareModuleOutput(
+        output_layouts=Replicate(), desired_output_layouts=Shard(0)))  # (T / tp, C) a rank
+
+
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Split ``model`` (fitgpt's Llama ``Transformer``, whole on every rank, the same weights) over ``mesh``'s ranks
+    """Split ``model`` (fitgpt's ``Transformer``, whole on every rank, the same weights) over ``mesh``'s ranks
     in place: each rank keeps its shards. Before activation checkpointing, compile and FSDP."""
     if why := tensor_parallel_refusal(model.config, mesh.size()):
         raise ValueError(why)
     for block in model.attn_blocks:
-        parallelize_module(block, mesh, _block_plan())
+        parallelize_module(block, mesh, _block_plan(model.config.arch))
+    if model.position_embed is not None:
+        _split_positions(model, mesh)
     parallelize_module(model, mesh, {
         "token_embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "layer_norm": SequenceParallel(),

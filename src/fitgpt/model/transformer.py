@@ -35,12 +35,15 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        hs = C // self.n_head
+        # Thirds, and heads counted from them (-1): under tensor parallelism a rank's projection gives the query, key
+        # and value of its own heads only.
+        q, k, v = self.qkv(x).chunk(3, dim=2)  # each (B, T, C)
+        q = q.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
         y = attend(q, k, v, cache, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C)
         return self.resid_dropout(self.proj(y))
 
 

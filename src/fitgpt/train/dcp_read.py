@@ -82,10 +82,55 @@ class _SafeEmptyPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
 
 def load(state: dict, where: str) -> None:
     """``dcp.load`` of ``state`` in place from ``where``: on every rank under torchrun, alone in one process."""
+    staged = contiguous(state)
     reader = SafeReader(where)
     with warnings.catch_warnings(), _refusals(reader):  # DCP warns that one process reads alone, as is meant here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
+        dcp.load(staged, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
+    if staged is not state:
+        _restore(state, staged)
+
+
+def _strided(t) -> bool:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
+
+
+@torch.no_grad()
+def contiguous(state):
+    """``state`` (nested dicts and lists), each DTensor of strided shards in it replaced by a copy in row shards; the
+    same object where it holds none. GPT-2's query/key/value matrix split by heads puts rows q_r, k_r and v_r on rank r:
+    three pieces of the whole, where DCP takes a rank's piece to be one block. Written and read in row shards, the
+    checkpoint holds the matrix as one process does, and any layout reads it."""
+    from torch.distributed.tensor import Shard
+
+    if isinstance(state, dict):
+        out = {k: contiguous(v) for k, v in state.items()}
+        return state if all(out[k] is state[k] for k in state) else out
+    if isinstance(state, list):
+        out = [contiguous(v) for v in state]
+        return state if all(a is b for a, b in zip(out, state)) else out
+    if _strided(state):
+        if state.device_mesh.ndim != 1:  # the trainer refuses the split with FSDP for GPT-2 (tensor_parallel.py)
+            raise ValueError("strided shards over a mesh of more than one dimension are not read or written")
+        return state.redistribute(state.device_mesh, [Shard(0)])
+    return state
+
+
+@torch.no_grad()
+def _restore(state, staged) -> None:
+    """``state``'s entries as read into ``staged`` (``contiguous``'s copy of it): each strided tensor filled in place
+    from its row shards, every other entry taken as read."""
+    for k in state.keys() if isinstance(state, dict) else range(len(state)):
+        mine, read = state[k], staged[k]
+        if isinstance(mine, (dict, list)):
+            _restore(mine, read)
+        elif _strided(mine):
+            mine.to_local().copy_(read.redistribute(mine.device_mesh, mine.placements).to_local())
+        else:
+            state[k] = read
 
 
 def read_whole(where: str, key: str) -> dict:

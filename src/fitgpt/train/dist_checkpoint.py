@@ -51,7 +51,8 @@ class DistributedSaver:
         if outcome[0] == "error":
             raise ckpt.CheckpointSaveError(outcome[1], outcome[2])
         tmp, final = Path(outcome[1]), Path(outcome[2])
-        state = {"model": ckpt.model_state(model), "optimizer": optimizer.state_dict()}
+        # GPT-2's query/key/value matrix split by heads is written in row shards (dcp_read.contiguous)
+        state = dcp_read.contiguous({"model": ckpt.model_state(model), "optimizer": optimizer.state_dict()})
         if self.pool is None:
             return self._write(state, tmp, final, step, meta)
         t0 = time.perf_counter()
