@@ -72,8 +72,8 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
         return (f"--parallel fsdp with --tensor-parallel {tp} over {tp} ranks shards over one data-parallel rank, "
                 f"which shards nothing: drop --parallel fsdp, or use N x {tp} ranks")
     if cfg.model.arch == "gpt2" and world > tp:
-        # Checked on 2 x 2 gloo ranks (PyTorch 2.13): the heads' strided rows, sharded again by FSDP, gathered gradients
-        # that were not one process's (the loss was).
+        # Checked on 2 x 2 gloo ranks (PyTorch 2.13): the steps are one process's, but DTensor gathers the heads' strided
+        # rows, sharded again by FSDP, out of order (full_tensor), as checkpoints and the sharded start would.
         return (f"--tensor-parallel {tp} splits GPT-2's one query/key/value matrix by heads, which FSDP does not shard "
                 f"further: use {tp} ranks without --parallel fsdp, or --model.arch llama")
     if cfg.optim.name != "adamw" or cfg.optim.offload or cfg.fsdp_offload:
