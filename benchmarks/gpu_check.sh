@@ -191,14 +191,12 @@ echo "== 8. issue 45: tensor parallelism on the cards (NCCL), each rank's alloca
 # torchtitan's Llama-3.1-70B recipe (FSDP 32 x TP 8 on 256 H100s, full checkpointing, 16 x 8192, bf16), planned
 # from the CPU (block, and block+fused-loss); then TP 2 (2 GPUs; block, and block+fused-loss) and FSDP 2 x TP 2
 # (4 GPUs) trained at a size a card runs, their plans beside them.
-CUDA_VISIBLE_DEVICES="" fitgpt plan --preset llama-1b --model.n-embed 8192 --model.n-blocks 80 --model.n-head 64 \
-  --model.n-kv-head 8 --model.ffn-hidden 28672 --model.vocab-size 128256 --model.context-length 8192 \
-  --model.tie-embeddings False --batch-size 16 --grad-accum 1 --world-size 256 --parallel fsdp --tensor-parallel 8 \
-  --activation-checkpointing block --gpu h100-80gb --precision bf16 | tail -n 1 > "$OUT/plan_70b.json"
-CUDA_VISIBLE_DEVICES="" fitgpt plan --preset llama-1b --model.n-embed 8192 --model.n-blocks 80 --model.n-head 64 \
-  --model.n-kv-head 8 --model.ffn-hidden 28672 --model.vocab-size 128256 --model.context-length 8192 \
-  --model.tie-embeddings False --batch-size 16 --grad-accum 1 --world-size 256 --parallel fsdp --tensor-parallel 8 \
-  --activation-checkpointing block+fused-loss --gpu h100-80gb --precision bf16 | tail -n 1 > "$OUT/plan_70b_fused.json"
+for POLICY in block block+fused-loss; do
+  CUDA_VISIBLE_DEVICES="" fitgpt plan --preset llama-1b --model.n-embed 8192 --model.n-blocks 80 --model.n-head 64 \
+    --model.n-kv-head 8 --model.ffn-hidden 28672 --model.vocab-size 128256 --model.context-length 8192 \
+    --model.tie-embeddings False --batch-size 16 --grad-accum 1 --world-size 256 --parallel fsdp --tensor-parallel 8 \
+    --activation-checkpointing "$POLICY" --gpu h100-80gb --precision bf16 | tail -n 1 > "$OUT/plan_70b_${POLICY//+/_}.json"
+done
 TP_FLAGS=(--preset llama-1b --model.tie-embeddings False --batch-size 4 --grad-accum 1 --precision bf16)
 for LAYOUT in "2 1 block" "4 2 block" "2 1 block+fused-loss"; do  # processes, data-parallel groups, policy
   read -r N DP POLICY <<< "$LAYOUT"
@@ -238,7 +236,7 @@ for r in bench["rows"]:
 for name in ("mfu_3b.txt",):
     if (out / name).is_file():
         lines.append((out / name).read_text().strip())
-for f in (out / "plan_70b.json", out / "plan_70b_fused.json"):
+for f in (out / "plan_70b_block.json", out / "plan_70b_block_fused-loss.json"):
     if f.is_file():
         p = json.loads(f.read_text())
         lines.append(f"70B, FSDP 32 x TP 8, {p['policy']} (planned): {p['predicted_peak'] / 2**30:.2f} GiB a rank, "

@@ -10,9 +10,9 @@ import torch
 from fitgpt.model import Transformer
 
 
-def _flags(data_dir, corpus_dir, out, *extra):
-    """Llama (the llama-tiny preset, untied), no dropout, 6 steps of batch 4, a checkpoint at 3 and 6."""
-    return ["train", "--preset", "llama-tiny", "--model.tie-embeddings", "False", "--data.dir", str(data_dir),
+def _flags(data_dir, corpus_dir, out, *extra, preset="llama-tiny"):
+    """Llama (the llama-tiny preset; or ``preset``), untied, no dropout, 6 steps of batch 4, a checkpoint at 3 and 6."""
+    return ["train", "--preset", preset, "--model.tie-embeddings", "False", "--data.dir", str(data_dir),
             "--data.inputs", str(corpus_dir), "--data.vocab-size", "512", "--batch-size", "4", "--max-steps", "6",
             "--checkpoint-interval", "3", "--log-interval", "1", "--eval-interval", "3", "--eval-batches", "2",
             "--out-dir", str(out), "--no-progress", "--no-tensorboard", *extra]
@@ -59,8 +59,8 @@ def test_torchrun_tensor_parallel_trains_as_one_process_and_its_checkpoint_opens
     assert main(["export", "--run", str(tmp_path / "one"), "--out", str(tmp_path / "hf")]) == 0
 
     def from_folder(out, *extra):
-        flags = _flags(data_dir, corpus_dir, out, "--init-from", str(tmp_path / "hf"), "--max-steps", "2", *extra)
-        return ["tiny" if a == "llama-tiny" else a for a in flags]
+        return _flags(data_dir, corpus_dir, out, "--init-from", str(tmp_path / "hf"), "--max-steps", "2", *extra,
+                      preset="tiny")
 
     assert main(from_folder(tmp_path / "init_one")) == 0
     # Planned too: --activation-checkpointing auto, for one rank of the split, in a budget between none's and block's
@@ -88,8 +88,7 @@ def test_torchrun_splits_gpt2_as_one_process_trains_it_and_checkpoints_it_whole(
     from fitgpt.train import dcp_read
 
     def gpt2(out, *extra):
-        return ["tiny" if a == "llama-tiny" else a for a in _flags(data_dir, corpus_dir, out, "--activation-checkpointing",
-                                                                   "block", *extra)]
+        return _flags(data_dir, corpus_dir, out, "--activation-checkpointing", "block", *extra, preset="tiny")
 
     assert main(gpt2(tmp_path / "one")) == 0
     finish(torchrun(gpt2(tmp_path / "tp", "--tensor-parallel", "2"), tmp_path))
