@@ -107,17 +107,12 @@ def contiguous(state):
     same object where it holds none. GPT-2's query/key/value matrix split by heads puts rows q_r, k_r and v_r on rank r:
     three pieces of the whole, where DCP takes a rank's piece to be one block. Written and read in row shards, the
     checkpoint holds the matrix as one process does, and any layout reads it."""
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.utils._pytree import tree_leaves, tree_map_only
 
-    if isinstance(state, dict):
-        out = {k: contiguous(v) for k, v in state.items()}
-        return state if all(out[k] is state[k] for k in state) else out
-    if isinstance(state, list):
-        out = [contiguous(v) for v in state]
-        return state if all(a is b for a, b in zip(out, state)) else out
-    if _strided(state):
-        return state.redistribute(state.device_mesh, [Shard(0)])
-    return state
+    if not any(_strided(t) for t in tree_leaves(state)):
+        return state
+    return tree_map_only(DTensor, lambda t: t.redistribute(t.device_mesh, [Shard(0)]) if _strided(t) else t, state)
 
 
 @torch.no_grad()
