@@ -1,13 +1,15 @@
-"""Work forked beside this process (``fitgpt.utils.Forked``): its result, its errors, and a child stopped when unwanted."""
+"""Work forked beside this process (``fitgpt.utils.Forked``): its result, its errors, and a child stopped when unwanted.
+Searches side by side in spawned processes (``fitgpt.utils.in_processes``): kept between calls, replaced when broken."""
 
 import os
 import signal
 import time
+from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 
 from fitgpt.errors import UserError
-from fitgpt.utils import Forked
+from fitgpt.utils import Forked, in_processes
 
 
 def _pid_and(x):
@@ -92,3 +94,23 @@ def test_a_child_that_cannot_send_its_result_never_returns_into_the_callers_code
     os.waitpid(job.pid, 0)
     job.pid = None
     assert not (tmp_path / "escaped").exists()
+
+
+def _pid_or_killed(x):
+    if x is None:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return os.getpid(), x * 2
+
+
+@pytest.mark.slow  # spawned workers: a Python and torch start-up each
+def test_searches_side_by_side_keep_their_processes_for_the_next_call():
+    """A spawned worker's start-up (Python and torch, 3-4 s here) is paid once a session, not once a call; a worker
+    killed mid-job fails that call in a clear error, and the next call gets new workers."""
+    first = in_processes(_pid_or_killed, [(1,), (2,), (3,), (4,)], workers=2)
+    assert [v for _, v in first] == [2, 4, 6, 8] and os.getpid() not in {pid for pid, _ in first}
+    again = in_processes(_pid_or_killed, [(5,), (6,)], workers=2)
+    assert {pid for pid, _ in again} <= {pid for pid, _ in first}
+    with pytest.raises(BrokenProcessPool):
+        in_processes(_pid_or_killed, [(None,), (7,)], workers=2)
+    after = in_processes(_pid_or_killed, [(8,), (9,)], workers=2)
+    assert [v for _, v in after] == [16, 18] and not {pid for pid, _ in after} & {pid for pid, _ in first}

@@ -13,6 +13,7 @@ import signal
 import sys
 import traceback
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -136,13 +137,26 @@ def host_memory() -> int:
 def in_processes(fn, jobs: list[tuple], workers: int | None = None) -> list:
     """``fn(*job)`` for each job, the results in the jobs' order: in spawned processes (``workers``, default one per
     CPU core, at most one per job) where there are several jobs and cores, so that independent single-threaded searches
-    on fake tensors run side by side; here otherwise. Jobs start in the order given: put the slowest first."""
+    on fake tensors run side by side; here otherwise. Jobs start in the order given: put the slowest first.
+
+    The processes are kept for the next call (``_POOLS``): a spawned worker pays a Python and torch start-up (3-4 s on
+    2 cores) before its first job, and a session that searches many times (a notebook, the test suite) pays it once."""
     n = min(len(jobs), workers or os.cpu_count() or 1)
     if n <= 1:
         return [fn(*job) for job in jobs]
-    # Spawned, not forked: a forked worker is safe only for work like Forked's (fake tensors, one intra-op thread).
-    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+    pool = _POOLS.get(n)
+    if pool is None:
+        # Spawned, not forked: a forked worker is safe only for work like Forked's (fake tensors, one intra-op thread).
+        pool = _POOLS[n] = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"))
+    try:
         return list(pool.map(fn, *zip(*jobs)))
+    except BrokenProcessPool:  # a worker died (killed, out of memory): the next call starts a new pool
+        _POOLS.pop(n, None)
+        raise
+
+
+_POOLS: dict[int, ProcessPoolExecutor] = {}
+"""``in_processes``' worker pools by size, kept between calls; a broken one is replaced."""
 
 
 class Forked:
