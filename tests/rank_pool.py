@@ -5,8 +5,12 @@ rank's traceback as its own failure.
 Each launch of ranks paid a Python and torch start-up a process and a rendezvous (about 4-8 s on 2 cores) before
 its first line of work; the tests that compare ranks with one process now pay it once per world size. A failure or
 a timeout ends the group (the other ranks may be left waiting in a collective) and the next test starts a new one,
-so one test's failure is never another's. Tests that kill or stop a process, or run the CLI under torchrun, keep
-their own processes.
+so one test's failure is never another's. Tests that kill or stop a process, or test the launcher itself, keep their
+own processes under torchrun.
+
+``pool.cli(argv)`` runs ``fitgpt ARGV`` on every rank as ``torchrun -m fitgpt ARGV`` would: the pool's group is
+left, the command meets its own group through the environment torchrun sets (a new port each time), with one
+intra-op thread a rank (torchrun's default), and the ranks' output comes back as torchrun's would, rank by rank.
 
 A body is ``fn(rank, world, *args)``, a module-level function (the ranks import it by name): it builds its own
 meshes and models, leaves the default process group as it found it, and returns what its test checks (tensors are
@@ -14,6 +18,7 @@ carried back with ``torch.save``)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
@@ -33,15 +38,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(rank: int, world: int, port: int, inbox, outbox) -> None:
+def _serve(rank: int, world: int, inbox, outbox) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo")
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     while (job := inbox.get()) is not None:
-        fn, args = job
+        fn, args, port = job
+        os.environ["MASTER_PORT"] = str(port)  # where a group the ranks meet in anew meets (an existing one stays)
         try:
+            # The session's first body, or the first after a command that met in a group of its own
+            if not dist.is_initialized() and fn is not _cli:
+                dist.init_process_group("gloo")
             buf = io.BytesIO()
             torch.save(fn(rank, world, *args), buf)
             outbox.put((rank, None, buf.getvalue()))
@@ -51,6 +58,27 @@ def _serve(rank: int, world: int, port: int, inbox, outbox) -> None:
     os._exit(0)
 
 
+def _cli(rank: int, world: int, argv: list[str]) -> tuple[int, str, str]:
+    """``fitgpt ARGV`` on this rank, as a rank torchrun started: it meets the others in a group of its own."""
+    import torch.distributed as dist
+
+    from fitgpt.cli import main
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        torch.set_num_threads(threads)
+        if dist.is_initialized():  # a command that stopped before its own teardown
+            dist.destroy_process_group()
+    return code, out.getvalue(), err.getvalue()
+
+
 class RankPool:
     """``world`` gloo ranks waiting for work: ``pool.run(fn, *args)`` -> each rank's return value, in rank order."""
 
@@ -58,8 +86,7 @@ class RankPool:
         self.world = world
         self.inboxes = [_ctx.Queue() for _ in range(world)]
         self.outbox = _ctx.Queue()
-        port = free_port()
-        self.procs = [_ctx.Process(target=_serve, args=(r, world, port, self.inboxes[r], self.outbox), daemon=True)
+        self.procs = [_ctx.Process(target=_serve, args=(r, world, self.inboxes[r], self.outbox), daemon=True)
                       for r in range(world)]
         for p in self.procs:
             p.start()
@@ -69,8 +96,9 @@ class RankPool:
         return all(p.is_alive() for p in self.procs)
 
     def run(self, fn, *args, timeout: float = 120.0) -> list:
+        port = free_port()
         for inbox in self.inboxes:
-            inbox.put((fn, args))
+            inbox.put((fn, args, port))
         results: dict[int, object] = {}
         while len(results) < self.world:
             try:
@@ -84,6 +112,17 @@ class RankPool:
                 raise AssertionError(f"{fn.__name__}, rank {rank} of {self.world}:\n{error}")
             results[rank] = torch.load(io.BytesIO(value), weights_only=False)
         return [results[r] for r in range(self.world)]
+
+    def cli(self, argv: list[str], timeout: float = 300.0) -> tuple[str, str]:
+        """``torchrun --nproc-per-node WORLD -m fitgpt ARGV`` on these ranks: its standard output and error, each
+        rank's in turn; a rank that exits non-zero fails the test with its error's tail, and ends the group."""
+        results = self.run(_cli, [str(a) for a in argv], timeout=timeout)
+        codes = [code for code, _, _ in results]
+        if any(codes):
+            self.close()
+            raise AssertionError(f"fitgpt {argv[0]} on {self.world} ranks exited {codes}:\n"
+                                 + "".join(err for _, _, err in results)[-3000:])
+        return "".join(out for _, out, _ in results), "".join(err for _, _, err in results)
 
     def close(self) -> None:
         for p in self.procs:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_distributed import finish, torchrun, train_flags
+from test_distributed import torchrun, train_flags
 from torch.distributed.checkpoint import FileSystemWriter
 
 from fitgpt.config import OptimConfig, load_config
@@ -206,7 +206,7 @@ def _read_by_ranks(rank: int, world: int, path: str) -> dict | None:
 def test_a_checkpoint_of_two_fsdp_ranks_reads_into_four_and_into_one(data_dir, corpus_dir, tmp_path, ranks):
     """N -> M and N -> 1: four ranks, each reading its own shards' pieces, hold exactly what one process reads."""
     run = tmp_path / "run"
-    finish(torchrun(train_flags(data_dir, corpus_dir, run, 3, "--parallel", "fsdp"), tmp_path))
+    ranks(2).cli(train_flags(data_dir, corpus_dir, run, 3, "--parallel", "fsdp"))
     path = run / "checkpoints/step_00000003"
     assert json.loads((path / ckpt.META_FILE).read_text())["format"] == "dcp"
     four = ranks(4).run(_read_by_ranks, str(path))[0]

@@ -240,23 +240,26 @@ def weights(run, step):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_torchrun_fsdp_checkpoints_move_to_one_process_and_back(data_dir, corpus_dir, tmp_path):
+def test_fsdp_checkpoints_move_to_one_process_and_back(data_dir, corpus_dir, tmp_path, ranks, capsys):
+    """`fitgpt train --parallel fsdp` on two ranks (the session's, started as torchrun starts them), planned for its
+    ranks; its checkpoint resumes in one process, and that one's on two FSDP ranks again."""
+    from fitgpt.cli import main
+
     run = tmp_path / "run"
     # FSDP with its mixed-precision policy (bf16 compute, fp32 weights and reductions), planned for its ranks
-    out, _ = finish(torchrun(train_flags(data_dir, corpus_dir, run, 3, "--parallel", "fsdp", "--activation-checkpointing", "auto",
-                                         "--memory-budget", "16MiB", "--precision", "bf16"), tmp_path))
+    out, _ = ranks(2).cli(train_flags(data_dir, corpus_dir, run, 3, "--parallel", "fsdp", "--activation-checkpointing", "auto",
+                                      "--memory-budget", "16MiB", "--precision", "bf16"))
     plan = json.loads(out.strip().splitlines()[-1])["memory_plan"]
     # Each rank measured its own second step (the tracker); the plan for one rank of two predicted it.
     assert len(plan["measured_peaks"]) == 2 and all(abs(m - plan["predicted_peak"]) <= 0.001 * m for m in plan["measured_peaks"]), plan
     assert weights(run, 3)["lm_head.weight"].dtype == torch.float32
     ckpt.verify_checkpoint(run / "checkpoints/step_00000003")
     # One process picks up the sharded run's checkpoint ...
-    single = subprocess.run([sys.executable, "-m", "fitgpt", *train_flags(data_dir, corpus_dir, run, 6, "--resume", "latest")],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert single.returncode == 0, single.stderr
-    assert "resuming a 2-process run on 1 processes" in single.stderr
+    capsys.readouterr()
+    assert main(train_flags(data_dir, corpus_dir, run, 6, "--resume", "latest")) == 0
+    assert "resuming a 2-process run on 1 processes" in capsys.readouterr().err
     # ... and two FSDP ranks pick up the single-process one.
-    out, _ = finish(torchrun(train_flags(data_dir, corpus_dir, run, 9, "--parallel", "fsdp", "--resume", "latest"), tmp_path))
+    out, _ = ranks(2).cli(train_flags(data_dir, corpus_dir, run, 9, "--parallel", "fsdp", "--resume", "latest"))
     assert json.loads(out.strip().splitlines()[-1])["steps"] == 9
 
 
@@ -341,13 +344,12 @@ def test_fsdp_with_compile_gets_the_gradients_of_the_eager_run(ranks, policy):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_fsdp_cpu_offload_trains_exactly_as_fsdp(data_dir, corpus_dir, tmp_path):
+def test_fsdp_cpu_offload_trains_exactly_as_fsdp(data_dir, corpus_dir, tmp_path, ranks):
     """--fsdp-offload (FSDP2's CPUOffloadPolicy: parameters, gradients and AdamW state in host memory, the
     optimizer stepping there) changes where the state lives, not the arithmetic: the same losses as FSDP."""
     runs = {}
     for name, extra in (("plain", ()), ("offload", ("--fsdp-offload",))):
-        p = torchrun(train_flags(data_dir, corpus_dir, tmp_path / name, 3, "--parallel", "fsdp", *extra), tmp_path)
-        out, _ = finish(p)
+        out, _ = ranks(2).cli(train_flags(data_dir, corpus_dir, tmp_path / name, 3, "--parallel", "fsdp", *extra))
         runs[name] = json.loads(out.strip().splitlines()[-1])
     assert runs["offload"]["train_loss"] == runs["plain"]["train_loss"]
     assert runs["offload"]["val_loss"] == runs["plain"]["val_loss"]

@@ -1,5 +1,7 @@
 """The session's shared gloo ranks (tests/rank_pool.py, issue 47): a rank's failure fails its own test, with that
-rank's traceback, and never the next test's."""
+rank's traceback, and never the next test's; a command run on them as torchrun runs it meets in a group of its own."""
+
+import os
 
 import pytest
 import torch.distributed as dist
@@ -21,3 +23,22 @@ def test_a_failing_rank_fails_its_own_test_with_its_traceback_and_the_next_gets_
         ranks(2).run(_fails_on_rank_one)
     assert "ValueError: rank one's own failure" in str(failed.value)
     assert ranks(2).run(_rank) == [(0, 2), (1, 2)]  # rank 0, left waiting, was ended with its group
+
+
+def _group_port(rank: int, world: int) -> str:
+    dist.barrier()
+    return os.environ["MASTER_PORT"]
+
+
+@pytest.mark.slow
+def test_a_command_on_the_ranks_meets_in_its_own_group_and_says_what_torchrun_would(ranks, tmp_path):
+    """``pool.cli(argv)``: the ranks' output, rank by rank, as torchrun's; a rank's non-zero exit fails the test with
+    its one line; before and after a command the ranks' own bodies run in a group of their own."""
+    pool = ranks(2)
+    before = pool.run(_group_port)
+    out, _ = pool.cli(["plan", "--preset", "tiny", "--memory-budget", "64MiB", "--batch-size", "2"])
+    assert out.count("| policy | predicted peak |") == 2  # each rank printed its plan, rank 0's first
+    after = pool.run(_group_port)
+    assert before[0] == before[1] and after[0] == after[1] and after != before  # a new group after the command's
+    with pytest.raises(AssertionError, match=r"(?s)fitgpt train on 2 ranks exited \[2, 2\]:.*set --max-steps"):
+        pool.cli(["train", "--max-steps", "0", "--out-dir", str(tmp_path / "run")])

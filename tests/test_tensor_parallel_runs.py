@@ -1,4 +1,5 @@
-"""Tensor parallelism through the trainer (issue 45): `torchrun ... fitgpt train --tensor-parallel N` logs one process's
+"""Tensor parallelism through the trainer (issue 45): `torchrun ... fitgpt train --tensor-parallel N` (under torchrun
+once; then on the session's ranks, started as torchrun starts them, tests/rank_pool.py) logs one process's
 losses (Llama, GPT-2) or FSDP alone's (FSDP x TP), and its checkpoints open in one process and on other layouts;
 what a launch cannot take is refused in one line. (One step, each policy, against one process: test_tensor_parallel.py.)"""
 
@@ -27,10 +28,10 @@ def _losses(run):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_torchrun_tensor_parallel_trains_as_one_process_and_its_checkpoint_opens_in_one(data_dir, corpus_dir, tmp_path,
-                                                                                      capsys):
+                                                                                      capsys, ranks):
     """`torchrun --nproc-per-node 2 -m fitgpt train --tensor-parallel 2`: every logged loss within fp32 rounding of
     one process's (the same batches on both ranks, which draw them as one process does), its distributed checkpoint
-    read whole by `generate` in one process, and a resume from it under torchrun ends where the straight run did."""
+    read whole by `generate` in one process, and a resume from it on two ranks ends where the straight run did."""
     from test_distributed import finish, torchrun
 
     from fitgpt.cli import main
@@ -46,11 +47,10 @@ def test_torchrun_tensor_parallel_trains_as_one_process_and_its_checkpoint_opens
     capsys.readouterr()
     assert main(["generate", "--run", str(tmp_path / "tp"), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
     assert "def " in capsys.readouterr().out
-    # Resumed at step 3 under torchrun, with the fused loss head (once refused under the split): the same losses after,
-    # within the rounding of a loss summed in chunks.
-    finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "tp", "--tensor-parallel", "2", "--activation-checkpointing",
-                           "block+fused-loss:128", "--resume", str(tmp_path / "tp" / "checkpoints" / "step_00000003")),
-                    tmp_path))
+    # Resumed at step 3 on two ranks (the session's: the first launch was the launcher's), with the fused loss head
+    # (once refused under the split): the same losses after, within the rounding of a loss summed in chunks.
+    ranks(2).cli(_flags(data_dir, corpus_dir, tmp_path / "tp", "--tensor-parallel", "2", "--activation-checkpointing",
+                        "block+fused-loss:128", "--resume", str(tmp_path / "tp" / "checkpoints" / "step_00000003")))
     again, again_val = _losses(tmp_path / "tp")
     torch.testing.assert_close(torch.tensor(again[-3:] + again_val[-1:]), torch.tensor(tp[-3:] + tp_val[-1:]), rtol=1e-5, atol=0)
     # --init-from a Hugging Face folder (the one-process run, exported) into the split, under GPT-2's preset: the
@@ -65,8 +65,8 @@ def test_torchrun_tensor_parallel_trains_as_one_process_and_its_checkpoint_opens
     assert main(from_folder(tmp_path / "init_one")) == 0
     # Planned too: --activation-checkpointing auto, for one rank of the split, in a budget between none's and block's
     # peaks; each rank's measured peak is the plan's (once refused: "auto is not planned per TP rank yet").
-    out, _ = finish(torchrun(from_folder(tmp_path / "init_tp", "--tensor-parallel", "2", "--activation-checkpointing",
-                                         "auto", "--memory-budget", "14MiB"), tmp_path))
+    out, _ = ranks(2).cli(from_folder(tmp_path / "init_tp", "--tensor-parallel", "2", "--activation-checkpointing", "auto",
+                                      "--memory-budget", "14MiB"))
     torch.testing.assert_close(torch.tensor(_losses(tmp_path / "init_tp")[0]), torch.tensor(_losses(tmp_path / "init_one")[0]),
                                rtol=1e-5, atol=0)
     plan = json.loads(out.strip().splitlines()[-1])["memory_plan"]
@@ -75,13 +75,11 @@ def test_torchrun_tensor_parallel_trains_as_one_process_and_its_checkpoint_opens
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_torchrun_splits_gpt2_as_one_process_trains_it_and_checkpoints_it_whole(data_dir, corpus_dir, tmp_path, capsys):
-    """GPT-2's preset (untied) under `--tensor-parallel 2`, once refused: every logged loss within fp32 rounding of one
-    process's; its checkpoint, the query/key/value matrix written in row shards, holds one process's weights (read
-    whole, within the rounding of 6 steps); a resume from step 3 under torchrun logs the straight run's last losses;
-    `generate` reads it in one process."""
-    from test_distributed import finish, torchrun
-
+def test_gpt2_splits_as_one_process_trains_it_and_checkpoints_it_whole(data_dir, corpus_dir, tmp_path, capsys, ranks):
+    """GPT-2's preset (untied) under `--tensor-parallel 2` on two ranks (the session's), once refused: every logged
+    loss within fp32 rounding of one process's; its checkpoint, the query/key/value matrix written in row shards,
+    holds one process's weights (read whole, within the rounding of 6 steps); a resume from step 3 logs the straight
+    run's last losses; `generate` reads it in one process."""
     from fitgpt.cli import main
     from fitgpt.config import load_config
     from fitgpt.train import checkpoint as ckpt
@@ -91,7 +89,7 @@ def test_torchrun_splits_gpt2_as_one_process_trains_it_and_checkpoints_it_whole(
         return _flags(data_dir, corpus_dir, out, "--activation-checkpointing", "block", *extra, preset="tiny")
 
     assert main(gpt2(tmp_path / "one")) == 0
-    finish(torchrun(gpt2(tmp_path / "tp", "--tensor-parallel", "2"), tmp_path))
+    ranks(2).cli(gpt2(tmp_path / "tp", "--tensor-parallel", "2"))
     (one, one_val), (tp, tp_val) = _losses(tmp_path / "one"), _losses(tmp_path / "tp")
     assert len(one) == len(tp) == 6
     torch.testing.assert_close(torch.tensor(tp + tp_val), torch.tensor(one + one_val), rtol=1e-5, atol=0)
@@ -101,8 +99,8 @@ def test_torchrun_splits_gpt2_as_one_process_trains_it_and_checkpoints_it_whole(
     ckpt.load_weights(tmp_path / "one" / step6, whole)
     for name, w in whole.state_dict().items():
         torch.testing.assert_close(split[name], w, rtol=0, atol=1e-5, msg=name)
-    finish(torchrun(gpt2(tmp_path / "tp", "--tensor-parallel", "2", "--resume",
-                         str(tmp_path / "tp" / "checkpoints" / "step_00000003")), tmp_path))
+    ranks(2).cli(gpt2(tmp_path / "tp", "--tensor-parallel", "2", "--resume",
+                      str(tmp_path / "tp" / "checkpoints" / "step_00000003")))
     again, again_val = _losses(tmp_path / "tp")
     torch.testing.assert_close(torch.tensor(again[-3:] + again_val[-1:]), torch.tensor(tp[-3:] + tp_val[-1:]), rtol=1e-6, atol=0)
     capsys.readouterr()
@@ -112,26 +110,24 @@ def test_torchrun_splits_gpt2_as_one_process_trains_it_and_checkpoints_it_whole(
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_torchrun_fsdp_by_tensor_parallel_trains_as_fsdp_alone_and_reshards(data_dir, corpus_dir, tmp_path, capsys):
-    """FSDP 2 x TP 2 on 4 processes, with the chunked loss head: every logged loss within fp32 rounding of FSDP 2's on 2
-    (each data-parallel rank draws FSDP's rank's batches; tensor parallelism changes only who computes them). Its
+def test_fsdp_by_tensor_parallel_trains_as_fsdp_alone_and_reshards(data_dir, corpus_dir, tmp_path, capsys, ranks):
+    """`fitgpt train --parallel fsdp --tensor-parallel 2` on 4 ranks (the session's, started as torchrun starts them):
+    FSDP 2 x TP 2, with the chunked loss head. Every logged loss is within fp32 rounding of FSDP 2's on 2 (each
+    data-parallel rank draws FSDP's rank's batches; tensor parallelism changes only who computes them). Its
     step-3 checkpoint resumes on FSDP 2 with the same data order, ending where the straight run did, and `generate`
     reads it in one process."""
-    from test_distributed import finish, torchrun
-
     from fitgpt.cli import main
 
     # The chunked loss head throughout (on FSDP alone and on the split: each chunk's logits sharded on the vocabulary)
     block = ("--activation-checkpointing", "block+chunked-loss:256", "--parallel", "fsdp")
-    finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "fsdp", *block), tmp_path))
-    _, err = finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "2d", *block, "--tensor-parallel", "2"), tmp_path,
-                             nproc=4))
+    ranks(2).cli(_flags(data_dir, corpus_dir, tmp_path / "fsdp", *block))
+    _, err = ranks(4).cli(_flags(data_dir, corpus_dir, tmp_path / "2d", *block, "--tensor-parallel", "2"))
     assert "x 2 processes, tensor parallel over 2, FSDP over 2 x 2" in err
     (fsdp, fsdp_val), (two, two_val) = _losses(tmp_path / "fsdp"), _losses(tmp_path / "2d")
     assert len(fsdp) == len(two) == 6
     torch.testing.assert_close(torch.tensor(two + two_val), torch.tensor(fsdp + fsdp_val), rtol=1e-6, atol=0)
-    _, err = finish(torchrun(_flags(data_dir, corpus_dir, tmp_path / "2d", *block, "--resume",
-                                    str(tmp_path / "2d" / "checkpoints" / "step_00000003")), tmp_path))
+    _, err = ranks(2).cli(_flags(data_dir, corpus_dir, tmp_path / "2d", *block, "--resume",
+                                 str(tmp_path / "2d" / "checkpoints" / "step_00000003")))
     assert "data order differs" not in err
     again, again_val = _losses(tmp_path / "2d")
     torch.testing.assert_close(torch.tensor(again[-3:] + again_val[-1:]), torch.tensor(two[-3:] + two_val[-1:]),
