@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from rank_pool import free_port
-from test_distributed import finish, torchrun, train_flags
+from test_distributed import train_flags
 
 from fitgpt.cli import main
 from fitgpt.train import checkpoint as ckpt
@@ -80,13 +80,13 @@ def _workers(parent: int) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers in /proc")
-def test_torchrun_restarts_a_killed_rank_and_the_run_continues_exactly(data_dir, corpus_dir, tmp_path):
+def test_torchrun_restarts_a_killed_rank_and_the_run_continues_exactly(data_dir, corpus_dir, tmp_path, ranks):
     """`torchrun --max-restarts 1 ... --resume auto`, one rank SIGKILLed after the first checkpoint: torchrun
     restarts the group, which continues from the newest good checkpoint; the final weights equal an
     uninterrupted run's, bitwise."""
     steps = 24
     straight, elastic = tmp_path / "straight", tmp_path / "elastic"
-    finish(torchrun(train_flags(data_dir, corpus_dir, straight, steps), tmp_path))
+    ranks(2).cli(train_flags(data_dir, corpus_dir, straight, steps))  # the session's ranks, as torchrun starts them
     # The c10d rendezvous, as the README's elastic command: the static one (--master-port) did not restart here.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{free_port()}", "-m", "fitgpt",
