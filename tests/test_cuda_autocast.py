@@ -130,6 +130,7 @@ def test_a_weight_is_cast_once_per_autocast_region():
             assert casts.n == 1
 
 
+@pytest.mark.slow  # 3.2-3.4 s here
 def test_a_cuda_plan_counts_the_head_as_cuda_runs_it(tiny_model_config, monkeypatch):
     cfg = tiny_model_config(vocab_size=256)
     batch, context = 4, 32

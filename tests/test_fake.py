@@ -32,7 +32,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", [c if c in ("fp32", "odd shapes") else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
+@pytest.mark.parametrize("case", [c if c == "fp32" else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_fake_profile_equals_the_real_one_byte_for_byte(case, tiny_model_config):
     """Every block option (none, selective, full) and both heads (plain, chunked loss) are in the profile."""
     kw = dict(CASES[case])
@@ -51,7 +51,7 @@ def test_fake_profile_equals_the_real_one_byte_for_byte(case, tiny_model_config)
 
 
 @pytest.mark.parametrize("target, dtype, accum", [("cpu", None, 1), pytest.param("cpu", torch.bfloat16, 2, marks=pytest.mark.slow),
-                                                  ("t4", torch.float16, 1),
+                                                  pytest.param("t4", torch.float16, 1, marks=pytest.mark.slow),
                                                   pytest.param("h100-80gb", torch.bfloat16, 3, marks=pytest.mark.slow)])
 def test_deep_models_profile_shallow_and_deepen_exactly(target, dtype, accum, tiny_model_config, monkeypatch):
     from fitgpt.estimate import profile as prof

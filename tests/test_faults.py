@@ -141,6 +141,7 @@ def test_generate_refuses_a_run_whose_config_or_tokenizer_does_not_match(data_di
     assert "is not the tokenizer the checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 3.2-3.4 s here
 def test_train_auto_with_a_budget_below_the_fixed_costs_is_a_user_error(data_dir, corpus_dir, tmp_path, capsys, cli_train_args):
     args = cli_train_args(tmp_path / "run", steps=2) + ["--activation-checkpointing", "auto", "--memory-budget", "64KiB"]
     assert main(args) == 2
