@@ -8,16 +8,12 @@ import torch
 import torch.nn as nn
 
 
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _gathered(t, keep: bool):
     """One tensor gathered whole (a collective: every rank calls it), kept in host memory only where ``keep``: the
     other ranks hold one gathered tensor at a time, never the whole state."""
-    full = _full(t)
+    from fitgpt.parallel import gather_whole
+
+    full = gather_whole(t)
     return full.detach().cpu() if keep else None
 
 

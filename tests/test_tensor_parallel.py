@@ -32,7 +32,9 @@ def _batch():
 
 def _grads(model):
     """Each parameter's gradient, gathered whole (a collective under tensor parallelism)."""
-    return {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
+    from fitgpt.parallel import gather_whole
+
+    return {n: gather_whole(p.grad) for n, p in model.named_parameters()}
 
 
 def _equal_steps(rank: int, world: int, tp: int, arch: str) -> dict | None:
@@ -65,12 +67,13 @@ def _equal_steps(rank: int, world: int, tp: int, arch: str) -> dict | None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, tp, arch", [(2, 2, "llama"), (4, 2, "llama"), (4, 4, "llama"), (2, 2, "gpt2"),
-                                             (4, 4, "gpt2")])
+                                             (4, 2, "gpt2"), (4, 4, "gpt2")])
 def test_tensor_parallel_equals_one_process(world, tp, arch, ranks):
     """1 x 2, 2 x 2 (FSDP over the data-parallel pair, each its half of the batch) and 1 x 4 (each rank 8 / tp query
     heads and 4 / tp key/value heads), every policy in one launch: the loss and every gradient within fp32 rounding of
-    one process's, each rank holding 1 / tp of each projection. GPT-2's block too (split alone, without FSDP): each rank
-    the rows of its heads in each third of the one query/key/value matrix (once refused: "not split by heads yet")."""
+    one process's, each rank holding 1 / tp of each projection. GPT-2's block too (once refused: "not split by heads
+    yet"): each rank the rows of its heads in each third of the one query/key/value matrix, and under 2 x 2 FSDP's
+    half of those (once refused: "without --parallel fsdp")."""
     results = ranks(world).run(_equal_steps, tp, arch)[0]
     x, y = _batch()
     cfg = CFGS[arch]
@@ -212,7 +215,7 @@ def test_plan_refuses_what_it_cannot_split_in_one_line(extra, words, capsys):
     ("llama-tiny", 4, "fsdp", None),
     ("llama-tiny", 2, "ddp", None),
     ("tiny", 2, "ddp", None),  # GPT-2 split alone
-    ("tiny", 4, "fsdp", "without --parallel fsdp"),  # and not with FSDP over the split
+    ("tiny", 4, "fsdp", None),  # and with FSDP over the split (once refused: "without --parallel fsdp")
 ])
 def test_the_mesh_a_launch_makes_is_checked_before_anything_runs(preset, world, parallel, words):
     """N x tp processes: FSDP over the N data-parallel groups, tp alone without it; anything else in one line."""

@@ -110,31 +110,44 @@ def test_gpt2_splits_as_one_process_trains_it_and_checkpoints_it_whole(data_dir,
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_fsdp_by_tensor_parallel_trains_as_fsdp_alone_and_reshards(data_dir, corpus_dir, tmp_path, capsys, ranks):
+@pytest.mark.parametrize("preset", ["llama-tiny", "tiny"])
+def test_fsdp_by_tensor_parallel_trains_as_fsdp_alone_and_reshards(preset, data_dir, corpus_dir, tmp_path, capsys, ranks):
     """`fitgpt train --parallel fsdp --tensor-parallel 2` on 4 ranks (the session's, started as torchrun starts them):
-    FSDP 2 x TP 2, with the chunked loss head. Every logged loss is within fp32 rounding of FSDP 2's on 2 (each
-    data-parallel rank draws FSDP's rank's batches; tensor parallelism changes only who computes them). Its
-    step-3 checkpoint resumes on FSDP 2 with the same data order, ending where the straight run did, and `generate`
-    reads it in one process."""
+    FSDP 2 x TP 2, with the chunked loss head, for Llama and GPT-2 (once refused: FSDP over GPT-2's matrix split by
+    heads). Every logged loss is within fp32 rounding of FSDP 2's on 2 (each data-parallel rank draws FSDP's rank's
+    batches; tensor parallelism changes only who computes them). Its step-3 checkpoint resumes on FSDP 2 with the same
+    data order, ending where the straight run did, and FSDP 2's resumes on 2 x 2 the same way. Its step-6 checkpoint,
+    read whole, holds FSDP 2's weights, and `generate` reads it in one process."""
     from fitgpt.cli import main
+    from fitgpt.train import dcp_read
 
-    # The chunked loss head throughout (on FSDP alone and on the split: each chunk's logits sharded on the vocabulary)
-    block = ("--activation-checkpointing", "block+chunked-loss:256", "--parallel", "fsdp")
-    ranks(2).cli(_flags(data_dir, corpus_dir, tmp_path / "fsdp", *block))
-    _, err = ranks(4).cli(_flags(data_dir, corpus_dir, tmp_path / "2d", *block, "--tensor-parallel", "2"))
+    def run(out, world, *extra):
+        # The chunked loss head throughout (on FSDP alone and on the split: each chunk's logits sharded on the vocabulary)
+        return ranks(world).cli(_flags(data_dir, corpus_dir, out, "--activation-checkpointing", "block+chunked-loss:256",
+                                       "--parallel", "fsdp", *extra, preset=preset))[1]
+
+    def step(out, n):
+        return str(out / "checkpoints" / f"step_{n:08d}")
+
+    run(tmp_path / "fsdp", 2)
+    err = run(tmp_path / "2d", 4, "--tensor-parallel", "2")
     assert "x 2 processes, tensor parallel over 2, FSDP over 2 x 2" in err
     (fsdp, fsdp_val), (two, two_val) = _losses(tmp_path / "fsdp"), _losses(tmp_path / "2d")
     assert len(fsdp) == len(two) == 6
     torch.testing.assert_close(torch.tensor(two + two_val), torch.tensor(fsdp + fsdp_val), rtol=1e-6, atol=0)
-    _, err = ranks(2).cli(_flags(data_dir, corpus_dir, tmp_path / "2d", *block, "--resume",
-                                 str(tmp_path / "2d" / "checkpoints" / "step_00000003")))
-    assert "data order differs" not in err
-    again, again_val = _losses(tmp_path / "2d")
-    torch.testing.assert_close(torch.tensor(again[-3:] + again_val[-1:]), torch.tensor(two[-3:] + two_val[-1:]),
-                               rtol=1e-6, atol=0)
+    split, whole = (dcp_read.read_whole(step(tmp_path / r, 6) + "/dcp", "model") for r in ("2d", "fsdp"))
+    for name, w in whole.items():
+        torch.testing.assert_close(split[name], w, rtol=0, atol=1e-5, msg=name)
     capsys.readouterr()
     assert main(["generate", "--run", str(tmp_path / "2d"), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
     assert "def " in capsys.readouterr().out
+    for resumed, world, extra, straight in ((tmp_path / "2d", 2, (), two + two_val),
+                                            (tmp_path / "fsdp", 4, ("--tensor-parallel", "2"), fsdp + fsdp_val)):
+        err = run(resumed, world, *extra, "--resume", step(resumed, 3))
+        assert "data order differs" not in err
+        again, again_val = _losses(resumed)
+        torch.testing.assert_close(torch.tensor(again[-3:] + again_val[-1:]), torch.tensor(straight[3:6] + straight[-1:]),
+                                   rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("extra, words", [

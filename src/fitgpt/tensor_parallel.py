@@ -5,8 +5,9 @@ Llama and as Korthikanti et al. (2022) describe it:
 - each block's query, key, value, gate and up projections column-wise (each rank holds some heads and some of the MLP's
   hidden units), its output and down projections row-wise, their results reduce-scattered on the sequence. GPT-2's
   one query/key/value matrix is split by heads too: rank r holds its heads' rows of each third (``_FusedColwise``),
-  written to checkpoints in row shards (``fitgpt.train.dcp_read.contiguous``); its learned positions are added to
-  each rank's sequence shard;
+  written to checkpoints in row shards (``fitgpt.train.dcp_read.contiguous``); sharded again by FSDP, each rank's rows
+  are placed by fitgpt (``fitgpt.parallel.split_twice``), not by DTensor; its learned positions are added to each
+  rank's sequence shard;
 - the norms (and the dropout after each residual branch) sequence-parallel: between blocks every activation is
   sharded on the sequence, (B, T / tp, C) a rank; each branch all-gathers its input;
 - the token embedding row-wise (the vocabulary sharded) into sequence shards, and the head column-wise into logits
@@ -71,11 +72,6 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
     if world == tp and cfg.parallel == "fsdp":
         return (f"--parallel fsdp with --tensor-parallel {tp} over {tp} ranks shards over one data-parallel rank, "
                 f"which shards nothing: drop --parallel fsdp, or use N x {tp} ranks")
-    if cfg.model.arch == "gpt2" and world > tp:
-        # Checked on 2 x 2 gloo ranks (PyTorch 2.13): the steps are one process's, but DTensor gathers the heads' strided
-        # rows, sharded again by FSDP, out of order (full_tensor), as checkpoints and the sharded start would.
-        return (f"--tensor-parallel {tp} splits GPT-2's one query/key/value matrix by heads, which FSDP does not shard "
-                f"further: use {tp} ranks without --parallel fsdp, or --model.arch llama")
     if cfg.optim.name != "adamw" or cfg.optim.offload or cfg.fsdp_offload:
         return (f"--tensor-parallel {tp} is tested with AdamW on the card: use --optim.name adamw without "
                 "--optim.offload or --fsdp-offload")

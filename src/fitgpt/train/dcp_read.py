@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from fitgpt import safe_pickle
 from fitgpt.errors import CheckpointError
+from fitgpt.parallel import gather_whole, shard_like, split_twice
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -92,13 +93,14 @@ def load(state: dict, where: str) -> None:
 
 
 def _strided(t) -> bool:
-    """A DTensor split in strided shards over one mesh dimension (GPT-2's heads). FSDP over a tensor-parallel split
-    also records a strided shard (its own, on the data-parallel dimension of a 2-D mesh): its pieces are blocks, which
-    DCP writes and reads as they are."""
+    """A DTensor split in strided shards: over one mesh dimension (GPT-2's heads), or split so and sharded again by FSDP
+    (``fitgpt.parallel.split_twice``). FSDP over a contiguous tensor-parallel split also records a strided shard (its
+    own, on the data-parallel dimension): its pieces are blocks, which DCP writes and reads as they are."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    return isinstance(t, DTensor) and t.device_mesh.ndim == 1 and isinstance(t.placements[0], _StridedShard)
+    return (isinstance(t, DTensor) and t.device_mesh.ndim == 1 and isinstance(t.placements[0], _StridedShard)
+            or split_twice(t))
 
 
 @torch.no_grad()
@@ -107,12 +109,22 @@ def contiguous(state):
     same object where it holds none. GPT-2's query/key/value matrix split by heads puts rows q_r, k_r and v_r on rank r:
     three pieces of the whole, where DCP takes a rank's piece to be one block. Written and read in row shards, the
     checkpoint holds the matrix as one process does, and any layout reads it."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
     from torch.utils._pytree import tree_leaves, tree_map_only
 
     if not any(_strided(t) for t in tree_leaves(state)):
         return state
-    return tree_map_only(DTensor, lambda t: t.redistribute(t.device_mesh, [Shard(0)]) if _strided(t) else t, state)
+    return tree_map_only(DTensor, lambda t: _in_rows(t) if _strided(t) else t, state)
+
+
+def _in_rows(t):
+    """A strided DTensor's copy in row shards over each of its mesh's dimensions."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    rows = [Shard(0)] * t.device_mesh.ndim
+    if split_twice(t):  # placed by fitgpt: DTensor's own redistribution takes its pieces out of order
+        return distribute_tensor(gather_whole(t), t.device_mesh, rows, src_data_rank=None)
+    return t.redistribute(t.device_mesh, rows)
 
 
 @torch.no_grad()
@@ -123,6 +135,8 @@ def _restore(state, staged) -> None:
         mine, read = state[k], staged[k]
         if isinstance(mine, (dict, list)):
             _restore(mine, read)
+        elif split_twice(mine):
+            mine.to_local().copy_(shard_like(mine, read.full_tensor(), src_data_rank=None).to_local())
         elif _strided(mine):
             mine.to_local().copy_(read.redistribute(mine.device_mesh, mine.placements).to_local())
         else:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fitgpt.errors import UserError
-from fitgpt.parallel import ddp_wrap, fsdp_shard
+from fitgpt.parallel import ddp_wrap, fsdp_shard, shard_like
 
 log = logging.getLogger(__name__)
 
@@ -275,14 +275,14 @@ def broadcast_weights(info: DistInfo, model: nn.Module, weights: dict[str, torch
 
 def load_full_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict) -> None:
     """Load a single-process optimizer state into an optimizer over (maybe sharded) parameters."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = {}
     for i, s in sd["state"].items():
         p = params[int(i)]
         state[i] = {
-            k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
+            k: shard_like(p, v.to(p.device))
             if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0 else v
             for k, v in s.items()
         }
