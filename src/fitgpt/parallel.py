@@ -153,13 +153,13 @@ def gather_whole(t: torch.Tensor) -> torch.Tensor:
     if not split_twice(t):
         return t.full_tensor() if hasattr(t, "full_tensor") else t
     mesh, local = t.device_mesh, t.to_local()
-    ranks = mesh.mesh.flatten().tolist()  # the mesh's ranks in (dp, tp) order
+    at = mesh.mesh.flatten().tolist()  # the mesh's ranks in (dp, tp) order; it spans the process group
     most = len(rows_held(t, 0, 0))  # the first chunk is the longest
-    pieces = [local.new_empty((most, *local.shape[1:])) for _ in ranks]
+    pieces = [local.new_empty((most, *local.shape[1:])) for _ in at]  # by global rank
     dist.all_gather(pieces, torch.cat([local, local.new_zeros((most - len(local), *local.shape[1:]))]))
     whole = local.new_empty(t.shape)
-    for i, piece in enumerate(pieces):
-        rows = rows_held(t, i // mesh.size(1), i % mesh.size(1))
+    for rank, piece in enumerate(pieces):
+        rows = rows_held(t, *divmod(at.index(rank), mesh.size(1)))
         whole[rows] = piece[:len(rows)]
     return whole
 
