@@ -247,9 +247,14 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """The ten slowest tests, those over SLOW_S not marked slow, and the session against its budget."""
+    """The ten slowest tests, those over SLOW_S not marked slow, and the session against its budget; with
+    FITGPT_TEST_DURATIONS=FILE, every test's seconds written to FILE as JSON (to compare two runs test by test)."""
     if not _durations:
         return
+    if os.environ.get("FITGPT_TEST_DURATIONS"):
+        import json
+
+        Path(os.environ["FITGPT_TEST_DURATIONS"]).write_text(json.dumps({n: d for n, (d, _) in _durations.items()}))
     tr = terminalreporter
     quick = "not slow" in (config.getoption("markexpr") or "")
     budget = BUDGET_S["quick" if quick else "full"]
