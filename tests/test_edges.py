@@ -281,6 +281,22 @@ def test_weights_over_the_budget_are_refused_before_profiling(args, capsys):
     assert code == 2 and one_line(err) and "the weights alone" in err
 
 
+def test_fit_over_ranks_refuses_only_weights_no_layout_it_weighs_can_hold():
+    """fit --world-size 4 weighs FSDP and tensor parallelism over the 4 ranks: weights over the budget whole (4.1 MiB
+    of the tiny preset against 3 MiB) but not a rank's quarter were refused before its search, which names sharding
+    over --world-size as the way out. plan keeps the one layout it is given."""
+    from fitgpt.cli.fit import FitConfig
+    from fitgpt.cli.workload import BudgetConfig
+
+    kw = {"preset": "tiny", "device": "cpu", "memory_budget": "3MiB", "world_size": 4}
+    with pytest.raises(UserError, match="the weights alone"):
+        BudgetConfig(**kw)  # DDP: every rank holds them whole
+    BudgetConfig(**kw, parallel="fsdp")
+    FitConfig(**kw)
+    with pytest.raises(UserError, match="the weights alone"):
+        FitConfig(**{**kw, "memory_budget": "1MiB"})  # over even a quarter of them
+
+
 def test_messages_name_the_flags_given(capsys):
     code, err = run_cli(["plan", "--gpu", "l4", "--gpu-memory", "520MiB"], capsys)
     assert code == 2 and one_line(err) and "--gpu-memory 520MiB" in err and "--memory-budget" not in err

@@ -60,6 +60,11 @@ class FitConfig(BudgetConfig):
             self.check_policy(self.activation_checkpointing)
 
 
+    @property
+    def weight_shards(self) -> int:
+        """fit weighs FSDP and tensor parallelism over every rank of --world-size, whatever --parallel says."""
+        return self.world_size or 1
+
     def _check_ladder(self) -> None:
         """--largest-model's rows are each an optimizer setting of their own: one given for all would bend every row
         and leave its label wrong."""

@@ -197,7 +197,7 @@ class BudgetConfig(WorkloadConfig):
         deep, or a learned position table of 10M rows, would otherwise be profiled for minutes to say so)."""
         if self._base.fsdp_offload:  # the weights live in host memory
             return
-        ranks = self.world_size if self.parallel == "fsdp" else 1
+        ranks = self.weight_shards
         params = param_count(self._source or OwnModel(self.model))
         dtype = self.model.weights_dtype  # fp32 unless pure bf16 (--precision is autocast over the weights)
         weights = (2 if dtype == "bf16" else 4) * params // ranks
@@ -208,6 +208,11 @@ class BudgetConfig(WorkloadConfig):
                             "no checkpointing can help; use fewer blocks (--model.n-blocks), a narrower model "
                             "(--model.n-embed), a shorter --context (a learned position table grows with it), or shard "
                             "the weights over GPUs (--parallel fsdp --world-size N)")
+
+    @property
+    def weight_shards(self) -> int:
+        """Over how many ranks the weights are split at most: FSDP's, where it is asked for."""
+        return self.world_size if self.parallel == "fsdp" else 1
 
     @property
     def host_budget(self) -> int:
