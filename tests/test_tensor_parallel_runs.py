@@ -75,11 +75,13 @@ def test_torchrun_tensor_parallel_trains_as_one_process_and_its_checkpoint_opens
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_gpt2_splits_as_one_process_trains_it_and_checkpoints_it_whole(data_dir, corpus_dir, tmp_path, capsys, ranks):
-    """GPT-2's preset (untied) under `--tensor-parallel 2` on two ranks (the session's), once refused: every logged
+def test_torchrun_splits_gpt2_as_one_process_trains_it_and_checkpoints_it_whole(data_dir, corpus_dir, tmp_path, capsys):
+    """GPT-2's preset (untied) under `torchrun ... --tensor-parallel 2`, once refused: every logged
     loss within fp32 rounding of one process's; its checkpoint, the query/key/value matrix written in row shards,
     holds one process's weights (read whole, within the rounding of 6 steps); a resume from step 3 logs the straight
     run's last losses; `generate` reads it in one process."""
+    from test_distributed import finish, torchrun
+
     from fitgpt.cli import main
     from fitgpt.config import load_config
     from fitgpt.train import checkpoint as ckpt
@@ -89,7 +91,7 @@ def test_gpt2_splits_as_one_process_trains_it_and_checkpoints_it_whole(data_dir,
         return _flags(data_dir, corpus_dir, out, "--activation-checkpointing", "block", *extra, preset="tiny")
 
     assert main(gpt2(tmp_path / "one")) == 0
-    ranks(2).cli(gpt2(tmp_path / "tp", "--tensor-parallel", "2"))
+    finish(torchrun(gpt2(tmp_path / "tp", "--tensor-parallel", "2"), tmp_path))
     (one, one_val), (tp, tp_val) = _losses(tmp_path / "one"), _losses(tmp_path / "tp")
     assert len(one) == len(tp) == 6
     torch.testing.assert_close(torch.tensor(tp + tp_val), torch.tensor(one + one_val), rtol=1e-5, atol=0)
@@ -99,8 +101,8 @@ def test_gpt2_splits_as_one_process_trains_it_and_checkpoints_it_whole(data_dir,
     ckpt.load_weights(tmp_path / "one" / step6, whole)
     for name, w in whole.state_dict().items():
         torch.testing.assert_close(split[name], w, rtol=0, atol=1e-5, msg=name)
-    ranks(2).cli(gpt2(tmp_path / "tp", "--tensor-parallel", "2", "--resume",
-                      str(tmp_path / "tp" / "checkpoints" / "step_00000003")))
+    finish(torchrun(gpt2(tmp_path / "tp", "--tensor-parallel", "2", "--resume",
+                         str(tmp_path / "tp" / "checkpoints" / "step_00000003")), tmp_path))
     again, again_val = _losses(tmp_path / "tp")
     torch.testing.assert_close(torch.tensor(again[-3:] + again_val[-1:]), torch.tensor(tp[-3:] + tp_val[-1:]), rtol=1e-6, atol=0)
     capsys.readouterr()
