@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from fitgpt import safe_pickle
 from fitgpt.errors import CheckpointError
-from fitgpt.parallel import gather_whole, shard_like, split_twice
+from fitgpt.parallel import assign_whole, gather_whole, split_twice
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -136,7 +136,7 @@ def _restore(state, staged) -> None:
         if isinstance(mine, (dict, list)):
             _restore(mine, read)
         elif split_twice(mine):
-            mine.to_local().copy_(shard_like(mine, read.full_tensor(), src_data_rank=None).to_local())
+            assign_whole(mine, read.full_tensor())  # each rank its own rows of the whole, as fitgpt places them
         elif _strided(mine):
             mine.to_local().copy_(read.redistribute(mine.device_mesh, mine.placements).to_local())
         else:
