@@ -297,6 +297,18 @@ def test_fit_over_ranks_refuses_only_weights_no_layout_it_weighs_can_hold():
         FitConfig(**{**kw, "memory_budget": "1MiB"})  # over even a quarter of them
 
 
+def test_fit_over_ranks_says_why_nothing_fits_in_a_ranks_bytes():
+    """Where its search over 4 ranks finds nothing, fit explains a rank's share under FSDP over the 4 (1.0 MiB of
+    weights) and names more ranks; it explained one process's (4.1 MiB) and named --parallel fsdp, which it had
+    weighed already."""
+    from fitgpt.cli.fit import FitConfig, say_why_nothing_fits
+
+    with pytest.raises(UserError) as e:
+        say_why_nothing_fits(FitConfig(preset="tiny", device="cpu", memory_budget="3MiB", world_size=4))
+    msg = str(e.value)
+    assert "Parameters (1.0 MiB)" in msg and "over more than 4 GPUs (--world-size)" in msg and "--parallel" not in msg
+
+
 def test_messages_name_the_flags_given(capsys):
     code, err = run_cli(["plan", "--gpu", "l4", "--gpu-memory", "520MiB"], capsys)
     assert code == 2 and one_line(err) and "--gpu-memory 520MiB" in err and "--memory-budget" not in err

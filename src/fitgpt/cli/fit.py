@@ -95,7 +95,7 @@ def run(args: list[str]) -> int:
     print(f"\n({result['note']}; 0 means not even 1 fits)")
     best = fastest(cfg.workload, cfg.budget, top=cfg.top, policy=cfg.activation_checkpointing)
     if not best["choices"] and not any(a[p][k] for p in policies for k in a[p]):
-        solve(cfg.workload.profile(batch_size=1), cfg.budget)  # nothing at all fits: raises, saying why and what to change
+        say_why_nothing_fits(cfg)
     print("\nThe fastest configurations for the same tokens a step:\n")
     print(format_choices(best, cfg.workload))
     result["fastest"] = [{"micro_batch": c.micro_batch, "grad_accum": c.grad_accum, "precision": c.precision,
@@ -107,6 +107,15 @@ def run(args: list[str]) -> int:
         _report(cfg, best["choices"][0])
     print(json.dumps(result))
     return 0
+
+
+def say_why_nothing_fits(cfg: FitConfig) -> None:
+    """Raises, saying what takes the memory and what to change, at batch 1: over --world-size ranks for a rank of the
+    layout that holds the least (FSDP over all of them), so that the bytes are a rank's and the way out is more ranks,
+    not the sharding the search already weighed."""
+    w = cfg.workload_timed_by(roofline(None, None))  # bytes only: no time model to measure
+    w = w.vary(parallel="fsdp", tensor_parallel=1) if (cfg.world_size or 1) > 1 else w
+    solve(w.profile(batch_size=1), cfg.budget)
 
 
 def _refuse_fixed_costs_over(cfg: FitConfig) -> None:
