@@ -90,6 +90,71 @@ def test_tensor_parallel_equals_one_process(world, tp, arch, ranks):
             torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-7, msg=f"{spec} {name}")
 
 
+def _compiled_and_in_bf16(rank: int, world: int, tp: int, arch: str, cases: tuple) -> dict | None:
+    """One step of each of ``cases`` (policy, --compile, bf16) through the trainer's `prepare_model` (the split,
+    checkpointing, each block compiled where asked, FSDP over the data-parallel ranks where world > tp): the loss and
+    every gradient, gathered whole (rank 0's; None elsewhere). bf16 under autocast, as the trainer runs the split."""
+    from fitgpt.config import TrainConfig
+    from fitgpt.train import distributed as du
+    from fitgpt.train.setup import prepare_model
+
+    torch._dynamo.reset()  # the pool's ranks outlive a test: no compiled code, or cache limit, from an earlier one
+    info = du.init_distributed("cpu", 300)  # the pool's group, already joined
+    dp = world // tp
+    x, y = (t[rank // tp::dp] for t in _batch())
+    results = {}
+    for spec, compile, bf16 in cases:
+        cfg = TrainConfig(model=CFGS[arch], tensor_parallel=tp, parallel="fsdp" if dp > 1 else "ddp", compile=compile,
+                          activation_checkpointing=spec)
+        torch.manual_seed(0)
+        model = Transformer(CFGS[arch])
+        step_model = prepare_model(model, cfg.policy, cfg, info, torch.device("cpu"), None)
+        with step_context(model), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            loss = step_model(x, y)[1]
+            loss.backward()
+        loss = loss.detach().float()
+        dist.all_reduce(loss)
+        results[(spec, compile, bf16)] = {"loss": loss / world, "grads": _grads(model)}
+    return results if rank == 0 else None
+
+
+def _one_process(arch: str, spec: str, bf16: bool) -> tuple[torch.Tensor, dict]:
+    torch.manual_seed(0)
+    model = Transformer(CFGS[arch])
+    apply_activation_checkpointing(model, spec)
+    x, y = _batch()
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        loss = model(x, y)[1]
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world, tp, arch, cases", [
+    (2, 2, "llama", (("block", True, False), ("block", False, True))),
+    (2, 2, "gpt2", (("block", True, False),)),
+    (4, 2, "llama", (("block", True, False),)),  # FSDP over the split, compiled
+])
+def test_tensor_parallel_compiled_and_in_bf16_equals_one_process(world, tp, arch, cases, ranks):
+    """--compile under the split (once refused: "fails inside PyTorch 2.13"), each block compiled as torchtitan
+    does: the loss and every gradient within fp32 rounding of one process's, at 1 x 2 and under FSDP 2 x 2. In bf16:
+    each gradient no further from one process's in bf16 than twice bf16's own distance from fp32 (the split adds
+    its partial sums in bf16: 0.3-0.8% here, as bf16 itself)."""
+    results = ranks(world).run(_compiled_and_in_bf16, tp, arch, cases, timeout=540)[0]
+    for (spec, _, bf16), got in results.items():
+        loss, grads = _one_process(arch, spec, bf16)
+        if not bf16:
+            torch.testing.assert_close(got["loss"], loss, rtol=1e-6, atol=0)
+            for name, g in grads.items():
+                torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-7, msg=f"{spec} {name}")
+            continue
+        torch.testing.assert_close(got["loss"], loss, rtol=1e-3, atol=0)  # bf16's unit: 3.9e-3
+        fp32 = _one_process(arch, spec, False)[1]
+        for name, g in grads.items():
+            assert (got["grads"][name] - g).norm() <= 2 * (g - fp32[name]).norm(), name
+
+
 PLANNED = ("none", "block", "selective", "block+chunked-loss", "selective+fused-loss")
 
 
@@ -224,9 +289,8 @@ def test_the_mesh_a_launch_makes_is_checked_before_anything_runs(preset, world, 
     cfg = load_config(preset, overrides={"tensor_parallel": 2, "parallel": parallel, "model": {"tie_embeddings": False}})
     why = launch_refusal(cfg, world)
     assert (why is None) if words is None else (words in why and "\n" not in why), why
-    if why is None:  # what PyTorch 2.13 cannot compile under the split (tried, see launch_refusal), on any mesh
-        compiled = launch_refusal(dataclasses.replace(cfg, compile=True), world)
-        assert "drop --compile" in compiled and "\n" not in compiled
+    if why is None:  # --compile too (once refused on every mesh: "fails inside PyTorch 2.13")
+        assert launch_refusal(dataclasses.replace(cfg, compile=True), world) is None
 
 
 @pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite

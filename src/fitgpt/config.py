@@ -166,8 +166,8 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """auto: bf16 autocast on CUDA, fp32 elsewhere; fp16 uses a GradScaler."""
     compile: bool = False
-    """torch.compile the model (after activation checkpointing is applied; under --parallel fsdp each block, before
-    sharding)."""
+    """torch.compile the model (after activation checkpointing is applied; under --parallel fsdp or --tensor-parallel
+    each block, before sharding)."""
     activation_checkpointing: str = "none"
     """Which activations to recompute in backward instead of keeping: none, block, group:2, every:2, selective,
     block+chunked-loss, ..., or auto (needs --memory-budget)."""

@@ -75,11 +75,6 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
     if cfg.optim.name != "adamw" or cfg.optim.offload or cfg.fsdp_offload:
         return (f"--tensor-parallel {tp} is tested with AdamW on the card: use --optim.name adamw without "
                 "--optim.offload or --fsdp-offload")
-    if cfg.compile:
-        # Tried on PyTorch 2.13 (gloo, CPU): each block compiled, DTensor's backward all-gather gets a plain gradient;
-        # the whole model compiled, block checkpointing fails in AOTAutograd (a DeviceMesh among the saved tensors).
-        return (f"--tensor-parallel {tp} with --compile fails inside PyTorch 2.13 (DTensor's gradients in compiled "
-                "blocks): drop --compile")
     spec = cfg.activation_checkpointing
     if "offload" in spec:
         return (f"--tensor-parallel {tp} does not offload a split block's saved tensors: drop offload from {spec!r} "
@@ -128,6 +123,22 @@ def _local_loss(model: nn.Module, inputs: tuple, outputs: tuple) -> tuple:
     # to_local() is a view, which FSDP warns of at every step (an in-place op on it would lose its hooks): a copy of
     # the scalar instead.
     return logits, loss.to_local().clone() if isinstance(loss, DTensor) else loss
+
+
+class _EmbeddingRowwise(RowwiseParallel):
+    """The token embedding row-wise (the vocabulary sharded), its partial sums reduce-scattered into sequence shards
+    synchronously. PyTorch's style issues the reduce-scatter asynchronously; its result, waited on where a compiled
+    block (--compile) takes it as input, reaches the redistribute's backward as a plain gradient, not a DTensor, and
+    the backward fails (PyTorch 2.13). Nothing overlaps it in any case: the next op (the positions' add, the first
+    norm) waits for it at once."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Replicate(), output_layouts=Shard(1))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        outputs = outputs.redistribute(placements=output_layouts, async_op=False)  # (B, T / tp, C) a rank
+        return outputs.to_local() if use_local_output else outputs
 
 
 class _FusedColwise(ColwiseParallel):
@@ -186,7 +197,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     if model.position_embed is not None:
         _split_positions(model, mesh)
     parallelize_module(model, mesh, {
-        "token_embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "token_embed": _EmbeddingRowwise(),
         "layer_norm": SequenceParallel(),
         "lm_head": _LossParallelHead(),
     })

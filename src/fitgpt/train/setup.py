@@ -147,7 +147,8 @@ def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist
                   dtype: torch.dtype | None, inspect: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """The one place a model is made ready to train, in this order on every rank: tensor parallelism (in place, over
     the mesh's "tp" dimension), then activation checkpointing (in place), then torch.compile (the whole model; under
-    FSDP each block, as torchtitan does), then DDP or FSDP (over the mesh's "dp" dimension, with tensor parallelism).
+    FSDP or the split each block, as torchtitan does), then DDP or FSDP (over the mesh's "dp" dimension, with tensor
+    parallelism).
     Returns the module the steps call. ``inspect`` sees the checkpointed model before it is compiled or sharded (the
     trainer measures its activations there)."""
     mesh = None
@@ -161,9 +162,13 @@ def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist
     if inspect is not None:
         inspect(model)
     sharded = info.enabled and cfg.parallel == "fsdp"
-    if cfg.compile and sharded:  # each block, before sharding: FSDP's hooks stay outside the compiled code
+    # Each block, before sharding: FSDP's hooks stay outside the compiled code. Under the split too, as torchtitan
+    # compiles it: the whole model compiled would give AOTAutograd the vocabulary-sharded logits, whose gradient a
+    # training step never makes.
+    per_block = cfg.compile and (sharded or mesh is not None)
+    if per_block:
         compile_blocks(model)
-    step_model = torch.compile(model) if cfg.compile and not sharded else model
+    step_model = torch.compile(model) if cfg.compile and not per_block else model
     _, param_dtype = precision_roles(dtype, cfg.parallel == "fsdp")
     if mesh is not None:  # FSDP over the data-parallel groups, or (one group) no data-parallel wrapper
         return fsdp_shard(step_model, param_dtype, mesh=mesh["dp"]) if sharded else step_model
