@@ -127,6 +127,7 @@ def test_block_keeps_only_the_boundaries(counted):
     assert block.saved_bytes == block.activation_bytes + 2 * B * T * 8 - 4
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_every_2_sits_halfway(counted):
     none, every = sum(counted["none"][0].block_bytes), sum(counted["every:2"][0].block_bytes)
     assert every == (N // 2) * BOUNDARY + (N // 2) * (16 * BOUNDARY + 8192)

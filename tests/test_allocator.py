@@ -74,9 +74,9 @@ def test_replay_for_a_card_counts_blocks_segments_and_workspaces(tiny_model_conf
     pytest.param("selective", 3, 1, None, OptimConfig(name="adamw4bit"), marks=pytest.mark.slow),
     pytest.param("pointwise", 1, 1, None, OptimConfig(in_backward=True), marks=pytest.mark.slow),
     pytest.param("block", 1, 1, None, OptimConfig(name="adamw8bit"), marks=pytest.mark.slow),
-    ("none", 2, 1, None, OptimConfig(state_dtype="bf16")),
+    pytest.param("none", 2, 1, None, OptimConfig(state_dtype="bf16"), marks=pytest.mark.slow),
     pytest.param("blocks:0+selective:1", 2, 2, "fsdp", OptimConfig(), marks=pytest.mark.slow),
-    ("torchtitan", 1, 2, "fsdp", OptimConfig(impl="foreach")),
+    pytest.param("torchtitan", 1, 2, "fsdp", OptimConfig(impl="foreach"), marks=pytest.mark.slow),
     ("none", 1, 2, "ddp", OptimConfig()),
 ])
 def test_the_repeated_step_is_the_second_step_run(policy, accum, ranks, parallel, optim, tiny_model_config, logging_allocator):

@@ -246,7 +246,7 @@ def test_a_hugging_face_config_it_cannot_plan_is_one_line(change, words, tmp_pat
     assert code == 2 and one_line(err) and words in err, err
 
 
-@pytest.mark.parametrize("kind", ["loss-only", "loss-first"])
+@pytest.mark.parametrize("kind", ["loss-only", pytest.param("loss-first", marks=pytest.mark.slow)])
 def test_plan_module_takes_a_loss_in_any_tuple(kind):
     """(loss,) was an IndexError; (loss, logits) (own; Hugging Face's order) a backward from the logits."""
     p = plan_module(lambda: Net(kind), (2, 16), vocab_size=V)

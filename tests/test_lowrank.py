@@ -54,8 +54,9 @@ def test_galore_keeps_the_rank_rows_not_the_whole_svd_factor(tiny_model_config):
     assert held == sum(4 * 4 * min(p.shape) for p in hidden_matrices(model))
 
 
-@pytest.mark.parametrize("name, in_backward", [(n, False) for n in NAMES] + [("galore-adamw", True)] + [
-    pytest.param(n, True, marks=pytest.mark.slow) for n in NAMES[1:]])
+@pytest.mark.parametrize("name, in_backward", [("galore-adamw", False), ("apollo", False)] + [
+    pytest.param(n, b, marks=pytest.mark.slow)
+    for n, b in [("galore-adafactor", False), ("apollo-mini", False), *((n, True) for n in NAMES)]])
 def test_planned_to_the_byte_on_the_refresh_step(tiny_model_config, name, in_backward):
     """The plan is the step that refreshes the projection (an SVD or a random draw: gap 1 refreshes every step),
     measured to the byte; an ordinary step (gap 1000) holds no more."""

@@ -89,7 +89,7 @@ def test_the_optimizer_on_the_host_loads_a_plain_state_and_continues_bitwise(tin
             assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("name", ["offload", "offload+in-backward"])
+@pytest.mark.parametrize("name", ["offload", pytest.param("offload+in-backward", marks=pytest.mark.slow)])
 def test_the_optimizer_on_the_host_is_planned_to_the_byte(tiny_model_config, name):
     """On the card: the weights, the gradients unless freed once copied, and only the small parameters' state; on the
     host 16 bytes an offloaded parameter (its copy, its gradient, two moments) and the step counts. The planner runs

@@ -105,8 +105,8 @@ LOW_BIT = {
 }
 
 
-@pytest.mark.parametrize("name", ["in-backward", "in-backward, clipped", "bf16+in-backward", "adafactor",
-                                  "adafactor+in-backward", *(pytest.param(n, marks=pytest.mark.slow) for n in LOW_BIT)])
+@pytest.mark.parametrize("name", ["in-backward, clipped", *(pytest.param(n, marks=pytest.mark.slow) for n in (
+    "in-backward", "bf16+in-backward", "adafactor", "adafactor+in-backward", *LOW_BIT))])
 def test_each_optimizer_setting_is_planned_to_the_byte(tiny_model_config, name):
     """The plan profiles the optimizer the trainer builds: a real step's peak is the predicted one under none and
     block, on a model deep enough to be profiled shallow and deepened (the step inside the backward runs in the

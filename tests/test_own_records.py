@@ -44,7 +44,8 @@ def test_a_resumed_run_keeps_the_snapshot_of_its_first_steps(cli_train_args, tmp
 
 # ---- class 7: the run's own snapshot is the plan's step, event for event ------------------------------------
 
-@pytest.mark.parametrize("flags", [[], ["--log-interval", "1", "--eval-interval", "1"], ["--grad-accum", "2"]])
+@pytest.mark.parametrize("flags", [pytest.param([], marks=pytest.mark.slow), ["--log-interval", "1", "--eval-interval", "1"],
+                                   pytest.param(["--grad-accum", "2"], marks=pytest.mark.slow)])
 def test_a_runs_own_snapshot_is_its_plans_step_event_for_event(cli_train_args, tmp_path, capsys, flags):
     """The data loader's own temporaries are no part of the step; the batch is, as the plan makes it; logging,
     evaluation and saves between steps are not."""

@@ -73,7 +73,7 @@ def test_predicted_peak_matches_measured_for_uniform_and_mixed_plans(tiny_profil
         assert abs(real - pred) <= 0.01 * real, (plan.spec(), pred, real)
 
 
-@pytest.mark.parametrize("grad_accum", [2, 3])
+@pytest.mark.parametrize("grad_accum", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_prediction_holds_with_gradient_accumulation(tiny_model_config, grad_accum):
     """To the byte: the gradients held between micro-batches, and the loss the earlier ones add up (one fp32 total)."""
     cfg = tiny_model_config()
@@ -83,6 +83,7 @@ def test_prediction_holds_with_gradient_accumulation(tiny_model_config, grad_acc
         assert predict(profile, plan).peak == measured.peak(plan), plan.spec()
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_prediction_holds_under_bf16_autocast(tiny_model_config):
     """Autocast caches a bf16 copy of each weight until the forward ends: a recomputed block does not keep
     it for backward (it was counted as kept, over-predicting full plans by about 4%)."""
@@ -214,6 +215,7 @@ def test_plan_spec_round_trips_through_the_policy_grammar(tiny_model_config):
         apply_activation_checkpointing(model, plan.spec())  # the grammar accepts every plan the solver writes
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_under_fsdp_the_no_fit_message_asks_for_more_ranks_not_for_fsdp(tiny_model_config):
     profile = profile_model(tiny_model_config(), 2, 32, "cpu", fake=True, fsdp_ranks=2)
     with pytest.raises(PlanError, match="shard them over more than 2 GPUs \\(--world-size\\)"):

@@ -44,6 +44,7 @@ def test_attention_saved_delta_is_what_the_kernels_meta_versions_return():
     assert attention_saved_delta("math", B, H, T, D, None, 512) == 0  # profiled as the math path itself
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_cuda_profiles_count_allocator_blocks_and_fused_adamw(tiny_model_config):
     cfg = tiny_model_config(n_embed=40, n_head=5, vocab_size=200)  # sizes that are not multiples of 512 bytes
     from fitgpt.model import Transformer
@@ -105,6 +106,7 @@ def test_budget_from_the_card_leaves_the_context_and_workspaces():
     assert BudgetConfig(memory_budget="1GiB").budget == 2**30  # CPU: nothing besides the tensors
 
 
+@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_plan_for_a_card_from_this_cpu(capsys):
     assert main(["plan", "--preset", "tiny", "--gpu", "a100-40gb", "--batch-size", "4", "--context", "64"]) == 0
     out = capsys.readouterr().out
