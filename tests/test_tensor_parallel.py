@@ -142,12 +142,12 @@ def test_tensor_parallel_compiled_and_in_bf16_equals_one_process(world, tp, arch
     each gradient no further from one process's in bf16 than twice bf16's own distance from fp32 (the split adds
     its partial sums in bf16: 0.3-0.8% here, as bf16 itself)."""
     results = ranks(world).run(_compiled_and_in_bf16, tp, arch, cases, timeout=540)[0]
-    for (spec, _, bf16), got in results.items():
+    for (spec, compiled, bf16), got in results.items():
         loss, grads = _one_process(arch, spec, bf16)
-        if not bf16:
-            torch.testing.assert_close(got["loss"], loss, rtol=1e-6, atol=0)
+        if not bf16:  # compiled kernels sum in another order: the bounds of FSDP's compiled step (test_distributed.py)
+            torch.testing.assert_close(got["loss"], loss, rtol=1e-5 if compiled else 1e-6, atol=0)
             for name, g in grads.items():
-                torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-7, msg=f"{spec} {name}")
+                torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6, msg=f"{spec} {name}")
             continue
         torch.testing.assert_close(got["loss"], loss, rtol=1e-3, atol=0)  # bf16's unit: 3.9e-3
         fp32 = _one_process(arch, spec, False)[1]
