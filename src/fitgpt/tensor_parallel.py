@@ -15,6 +15,10 @@ Llama and as Korthikanti et al. (2022) describe it:
   norm's output is gathered for the head on the norm, not in the head, so that the loss heads (chunked-loss,
   fused-loss), which run the head's weight in chunks of their own, take it as the plain head does.
 
+Under --compile each block is compiled after the split (``fitgpt.parallel.compile_blocks``), as torchtitan compiles;
+the token embedding's reduce-scatter is then synchronous (``_EmbeddingRowwise``), since an asynchronous one waited on
+at a compiled block's input loses DTensor's gradient type in the backward (PyTorch 2.13).
+
 Dropout falls only on sharded activations (sequence shards, a rank's heads). On CUDA it draws from DTensor's RNG
 tracker: the ranks share one seed, each shard its own offset. On CPU ranks, which the tracker does not cover, each
 rank draws from its own generator, seeded apart (``seed_dropout_apart``).
