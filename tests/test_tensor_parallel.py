@@ -37,6 +37,18 @@ def _grads(model):
     return {n: gather_whole(p.grad) for n, p in model.named_parameters()}
 
 
+def _one_process(arch: str, spec: str, bf16: bool) -> tuple[torch.Tensor, dict]:
+    """One process's step of the batch under ``spec`` (in bf16 autocast where asked): its loss and gradients."""
+    torch.manual_seed(0)
+    model = Transformer(CFGS[arch])
+    apply_activation_checkpointing(model, spec)
+    x, y = _batch()
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        loss = model(x, y)[1]
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
 def _equal_steps(rank: int, world: int, tp: int, arch: str) -> dict | None:
     """One step of every policy on the (world / tp) x tp mesh: the loss and every gradient, gathered whole (rank 0's;
     None elsewhere), and the rows of the first query projection a rank holds (GPT-2's: of its query, key and value)."""
@@ -75,19 +87,13 @@ def test_tensor_parallel_equals_one_process(world, tp, arch, ranks):
     yet"): each rank the rows of its heads in each third of the one query/key/value matrix, and under 2 x 2 FSDP's
     half of those (once refused: "without --parallel fsdp")."""
     results = ranks(world).run(_equal_steps, tp, arch)[0]
-    x, y = _batch()
-    cfg = CFGS[arch]
     for spec in POLICIES:
-        torch.manual_seed(0)
-        model = Transformer(cfg)
-        apply_activation_checkpointing(model, spec)
-        loss = model(x, y)[1]
-        loss.backward()
+        loss, grads = _one_process(arch, spec, bf16=False)
         got = results[spec]
-        assert got["q_rows"] == (1 if arch == "llama" else 3) * cfg.n_embed // tp
-        torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-6, atol=0)
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-7, msg=f"{spec} {name}")
+        assert got["q_rows"] == (1 if arch == "llama" else 3) * CFGS[arch].n_embed // tp
+        torch.testing.assert_close(got["loss"], loss, rtol=1e-6, atol=0)
+        for name, g in grads.items():
+            torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-7, msg=f"{spec} {name}")
 
 
 def _compiled_and_in_bf16(rank: int, world: int, tp: int, arch: str, cases: tuple) -> dict | None:
@@ -116,17 +122,6 @@ def _compiled_and_in_bf16(rank: int, world: int, tp: int, arch: str, cases: tupl
         dist.all_reduce(loss)
         results[(spec, compile, bf16)] = {"loss": loss / world, "grads": _grads(model)}
     return results if rank == 0 else None
-
-
-def _one_process(arch: str, spec: str, bf16: bool) -> tuple[torch.Tensor, dict]:
-    torch.manual_seed(0)
-    model = Transformer(CFGS[arch])
-    apply_activation_checkpointing(model, spec)
-    x, y = _batch()
-    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-        loss = model(x, y)[1]
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
 @pytest.mark.slow

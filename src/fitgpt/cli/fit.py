@@ -113,21 +113,24 @@ def say_why_nothing_fits(cfg: FitConfig) -> None:
     """Raises, saying what takes the memory and what to change, at batch 1: over --world-size ranks for a rank of the
     layout that holds the least (FSDP over all of them), so that the bytes are a rank's and the way out is more ranks,
     not the sharding the search already weighed."""
-    w = cfg.workload_timed_by(roofline(None, None))  # bytes only: no time model to measure
-    w = w.vary(parallel="fsdp", tensor_parallel=1) if (cfg.world_size or 1) > 1 else w
-    solve(w.profile(batch_size=1), cfg.budget)
+    solve(_bytes_at_batch_one(cfg), cfg.budget)
 
 
 def _refuse_fixed_costs_over(cfg: FitConfig) -> None:
     """In one process the weights, gradients and optimizer state are the same in every configuration the search
     weighs: when they alone are over the budget, say so from one profile at batch 1, before searching for minutes."""
-    if (cfg.world_size or 1) > 1 or cfg.device:  # FSDP would shard them; a measured step is the search's own
+    if cfg.weight_shards > 1 or cfg.device:  # FSDP would shard them; a measured step is the search's own
         return
-    # Bytes only: the time model (seconds of measuring) is left to the search, and a roofline stands in for it here.
-    w = cfg.workload_timed_by(roofline(None, None))
-    p = w.profile(batch_size=1)
+    p = _bytes_at_batch_one(cfg)
     if p.params + p.grads + p.optimizer >= cfg.budget:
         solve(p, cfg.budget)  # raises, saying what takes the memory and what to change
+
+
+def _bytes_at_batch_one(cfg: FitConfig):
+    """One rank's step at batch 1 (over --world-size ranks, under FSDP over all of them), bytes only: the time model
+    (seconds of measuring) is left to the search, and a roofline stands in for it here."""
+    w = cfg.workload_timed_by(roofline(None, None))
+    return (w.vary(parallel="fsdp", tensor_parallel=1) if cfg.weight_shards > 1 else w).profile(batch_size=1)
 
 
 def _report(cfg: FitConfig, choice) -> None:
