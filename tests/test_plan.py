@@ -11,7 +11,7 @@ from fitgpt.config import OptimConfig, load_config
 from fitgpt.device import autocast
 from fitgpt.errors import UserError
 from fitgpt.estimate.hardware import Target, find_gpu
-from fitgpt.estimate.profile import BLOCK_OPTIONS, HEAD_OPTIONS, profile_model
+from fitgpt.estimate.profile import BLOCK_OPTIONS, HEAD_OPTIONS, fixed_costs, profile_model
 from fitgpt.estimate.timing import roofline
 from fitgpt.memory.timeline import measure_train_step
 from fitgpt.model import Transformer
@@ -249,6 +249,26 @@ def test_more_blocks_scale_the_fixed_costs(tiny_profile, tiny_model_config):
     for plan in (Plan.uniform(8, "none"), Plan.uniform(8, "block", "chunked")):
         a, b = predict(deeper, plan).peak, predict(real, plan).peak
         assert abs(a - b) <= 0.02 * b
+
+
+@pytest.mark.parametrize("optim, accum, gpu, fsdp", [
+    ({}, 1, None, 1),
+    pytest.param({"in_backward": True, "state_dtype": "bf16"}, 1, "h100-80gb", 1, marks=pytest.mark.slow),
+    pytest.param({"name": "adamw8bit", "in_backward": True}, 1, None, 1, marks=pytest.mark.slow),
+    pytest.param({"in_backward": True, "state_dtype": "bf16", "grad_clip": 0.0}, 1, None, 2, marks=pytest.mark.slow),
+    pytest.param({"name": "adafactor"}, 2, None, 1, marks=pytest.mark.slow),
+    pytest.param({}, 1, None, 2, marks=pytest.mark.slow),
+])
+def test_the_fixed_costs_alone_are_the_profiles(optim, accum, gpu, fsdp, tiny_model_config):
+    """What `fit` checks its budget against before searching (no step profiled) is what a profile counts, and the
+    optimizer's step: a step in the backward is measured on its first step, the others on their second."""
+    cfg, o = tiny_model_config(), OptimConfig(**optim)
+    target = Target("cuda", find_gpu(gpu)) if gpu else None
+    kw = {"optim_cfg": o, "grad_accum": accum, "target": target, "fsdp_ranks": fsdp, "dtype": torch.bfloat16 if gpu else None}
+    fixed, p = fixed_costs(cfg, **kw), profile_model(cfg, 2, 16, fake=True, **kw)
+    assert (fixed["params"], fixed["grads"], fixed["optimizer"]) == (p.params, p.grads, p.optimizer)
+    assert fixed["optimizer_rise"] == p.optimizer_rise
+    assert fixed["optimizer"] > 0 and fixed["grads"] > 0
 
 
 def test_parse_bytes():

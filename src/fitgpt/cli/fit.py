@@ -118,12 +118,13 @@ def say_why_nothing_fits(cfg: FitConfig) -> None:
 
 def _refuse_fixed_costs_over(cfg: FitConfig) -> None:
     """In one process the weights, gradients and optimizer state are the same in every configuration the search
-    weighs: when they alone are over the budget, say so from one profile at batch 1, before searching for minutes."""
+    weighs: when they alone are over the budget (no step profiled to know it), say so, explained by a profile at batch 1,
+    before searching for minutes."""
     if cfg.weight_shards > 1 or cfg.device:  # FSDP would shard them; a measured step is the search's own
         return
-    p = _bytes_at_batch_one(cfg)
-    if p.params + p.grads + p.optimizer >= cfg.budget:
-        solve(p, cfg.budget)  # raises, saying what takes the memory and what to change
+    fixed = cfg.workload_timed_by(roofline(None, None)).fixed_costs()  # no step profiled: a fraction of one's time
+    if fixed["params"] + fixed["grads"] + fixed["optimizer"] >= cfg.budget:
+        say_why_nothing_fits(cfg)
 
 
 def _bytes_at_batch_one(cfg: FitConfig):

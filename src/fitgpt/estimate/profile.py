@@ -197,7 +197,7 @@ def _profile_model(source, batch_size, context, device, optim_cfg, grad_accum, d
     if context > source.context_length:
         source = source.at(context=context)
     run = _Subject(source, batch_size, context, device, optim_cfg or OptimConfig(), grad_accum, dtype, persistent_grads, target,
-               simulated=target.cuda and device.type != "cuda", cost=cost, mesh=mesh, tp_mesh=tp_mesh,
+               cost=cost, mesh=mesh, tp_mesh=tp_mesh,
                options=BLOCK_OPTIONS + tuple(o for o in EXTRA_OPTIONS if o in extra_options))
     torch.manual_seed(seed)
     if not fake:
@@ -258,6 +258,20 @@ def _deepen(run: _Subject, t0: float) -> StepProfile:
     return dataclasses.replace(deep, **costs, step_flops=deep.step_flops + flops, seconds=time.perf_counter() - t0)
 
 
+def fixed_costs(model: ModelConfig | ModelSource, device: str | torch.device = "cpu", optim_cfg=None, grad_accum: int = 1,
+                dtype: torch.dtype | None = None, persistent_grads: bool = False, target: Target | None = None,
+                fsdp_ranks: int = 1, tp_ranks: int = 1) -> dict[str, int | float]:
+    """What no plan, micro-batch or context changes, without profiling a step: the parameters, gradients and optimizer
+    state (``params``, ``grads``, ``optimizer``, as `StepProfile` counts them) and the optimizer step, on fake tensors,
+    per rank as ``profile_model`` takes the ranks. A check against a budget in a fraction of a profile's time."""
+    source, device = as_source(model), torch.device(device)
+    target = target or Target(device.type)
+    with fake_meshes(fsdp_ranks * tp_ranks, tp_ranks) as (dp_mesh, tp_mesh):
+        run = _Subject(source, 1, source.context_length, device, optim_cfg or OptimConfig(), grad_accum, dtype,
+                       persistent_grads, target, mesh=dp_mesh, tp_mesh=tp_mesh)
+        return _fixed_costs(run)
+
+
 def _fixed_costs(run: _Subject) -> dict[str, int | float]:
     """The full model's parameters, gradients, optimizer state and optimizer step, on fake tensors (sharded as run)."""
     model, mode = fake_model(run.source, run.device)
@@ -278,8 +292,6 @@ class _Subject:
     dtype: torch.dtype | None
     persistent_grads: bool
     target: Target
-    simulated: bool
-    """A CUDA target profiled on CPU: the attention backend's saved tensors are modelled."""
     optimizer_step: bool = True
     """False for the shallow profiles of a deep model, whose optimizer costs are taken at full depth."""
     cost: OpCost | None = None
@@ -290,6 +302,11 @@ class _Subject:
     """The block options profiled, one step each."""
     tp_mesh: object = None
     """The fake ranks' DeviceMesh when the step is one rank's under tensor parallelism (None: not split)."""
+
+    @property
+    def simulated(self) -> bool:
+        """A CUDA target profiled on CPU: the attention backend's saved tensors are modelled."""
+        return self.target.cuda and self.device.type != "cuda"
 
     @property
     def backend(self) -> str:

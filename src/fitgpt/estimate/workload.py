@@ -19,7 +19,7 @@ from fitgpt.command import train_command
 from fitgpt.config import TrainConfig
 from fitgpt.device import autocast_dtype
 from fitgpt.estimate.hardware import Target
-from fitgpt.estimate.profile import StepProfile, profile_model
+from fitgpt.estimate.profile import StepProfile, fixed_costs, profile_model
 from fitgpt.estimate.ranks import RanksBusy, in_own_process
 from fitgpt.estimate.replay import predicted_snapshot, simulate_step
 from fitgpt.estimate.source import ModelSource, OwnModel
@@ -71,14 +71,19 @@ class Workload:
         """The step's profile (or that of another micro-batch or context of it), per rank; ``extra_options``: as
         ``profile_model`` takes them (torchtitan's rule, where a policy names it)."""
         t = self.train
-        args = (self.model, batch_size or t.batch_size, context or self.context, self.device)
-        kw = {"optim_cfg": t.optim, "grad_accum": t.grad_accum, "dtype": self.dtype, "seed": t.seed,
-              "persistent_grads": self.persistent_grads, "fake": self.fake, "target": self.target, "cost": self.cost,
-              "fsdp_ranks": self.fsdp_ranks, "extra_options": extra_options, "tp_ranks": t.tensor_parallel}
-        try:
-            return profile_model(*args, **kw)
-        except RanksBusy:  # under torchrun: the fake ranks get a process of their own
-            return in_own_process(profile_model, *args, **kw)
+        return _on_fake_ranks(profile_model, self.model, batch_size or t.batch_size, context or self.context, self.device,
+                              seed=t.seed, fake=self.fake, cost=self.cost, extra_options=extra_options, **self._rank_step())
+
+    def fixed_costs(self) -> dict[str, int | float]:
+        """The step's parameters, gradients and optimizer state per rank (``params``, ``grads``, ``optimizer``), as its
+        profile counts them, without profiling a step (`fixed_costs`): on fake CPU tensors, the target modelled."""
+        return _on_fake_ranks(fixed_costs, self.model, "cpu", **self._rank_step())
+
+    def _rank_step(self) -> dict:
+        """What one rank's step is, as ``profile_model`` and ``fixed_costs`` take it."""
+        t = self.train
+        return {"optim_cfg": t.optim, "grad_accum": t.grad_accum, "dtype": self.dtype, "persistent_grads": self.persistent_grads,
+                "target": self.target, "fsdp_ranks": self.fsdp_ranks, "tp_ranks": t.tensor_parallel}
 
     def replay(self, policy: str) -> dict[str, int] | None:
         """For a CUDA target planned here (one process, or one rank under DDP or FSDP): the plan's step replayed
@@ -88,22 +93,14 @@ class Workload:
             return None  # offload copies nothing on the CPU the replay runs on
         t = self.train
         args = (self.model, policy, t.batch_size, self.context, t.grad_accum, self.dtype, t.optim, self.target)
-        kw = {"ranks": self.world_size, "parallel": t.parallel, "tp": t.tensor_parallel}
-        try:
-            return simulate_step(*args, **kw)
-        except RanksBusy:  # under torchrun: the fake ranks get a process of their own
-            return in_own_process(simulate_step, *args, **kw)
+        return _on_fake_ranks(simulate_step, *args, ranks=self.world_size, parallel=t.parallel, tp=t.tensor_parallel)
 
     def snapshot(self, policy: str) -> dict:
         """The step of ``policy`` as PyTorch's memory snapshot, predicted on fake tensors (`predicted_snapshot`): per rank
         under DDP or FSDP, through CUDA's caching allocator (modelled) for a CUDA target."""
         t = self.train
         args = (self.model, policy, t.batch_size, self.context, t.grad_accum, self.dtype, t.optim, self.target)
-        kw = {"ranks": self.world_size, "parallel": t.parallel, "tp": t.tensor_parallel}
-        try:
-            return predicted_snapshot(*args, **kw)
-        except RanksBusy:
-            return in_own_process(predicted_snapshot, *args, **kw)
+        return _on_fake_ranks(predicted_snapshot, *args, ranks=self.world_size, parallel=t.parallel, tp=t.tensor_parallel)
 
     def vary(self, cost: OpCost | None = None, **changes) -> Workload:
         """The same workload with training settings changed (batch_size, grad_accum, precision, parallel). The
@@ -200,3 +197,12 @@ def _dtype(precision: str, target: Target, device: torch.device, fake: bool) -> 
     """The autocast dtype of ``precision``: as the target trains it when planned on fake tensors (its card is not
     here to ask), as the device measured on does otherwise."""
     return target.autocast_dtype(precision) if fake else autocast_dtype(precision, device)
+
+
+def _on_fake_ranks(fn, *args, **kw):
+    """``fn(*args, **kw)`` here, or, under torchrun (this process in a real group: ``RanksBusy``), in a process of its
+    own, where its fake ranks can be made."""
+    try:
+        return fn(*args, **kw)
+    except RanksBusy:
+        return in_own_process(fn, *args, **kw)
