@@ -226,6 +226,9 @@ BUDGET_S = {"full": 8 * 60, "quick": 3 * 60}
 _durations: dict[str, tuple[float, bool]] = {}
 _quick_cases: set[str] = set()
 """The cases a parametrized test keeps in the quick loop while its other cases are marked slow: kept on purpose."""
+_calls: dict[str, float] = {}
+"""Each test's own call, its fixtures' setup aside: a shared fixture's setup falls on whichever test asks first, so a
+test slow by its setup alone is not one to mark slow (the next test would pay it)."""
 _started = time.monotonic()
 
 
@@ -244,6 +247,8 @@ def pytest_runtest_logreport(report):
     if report.when in ("setup", "call"):
         took, _ = _durations.get(report.nodeid, (0.0, False))
         _durations[report.nodeid] = (took + report.duration, "slow" in report.keywords)
+        if report.when == "call":
+            _calls[report.nodeid] = report.duration
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -263,9 +268,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.write_line(f"{len(_durations)} tests in {wall:.0f} s; the {'quick loop' if quick else 'full suite'}'s budget "
                   f"on this machine: {budget} s ({wall / budget:.2f}x)")
     for nodeid, (d, slow) in sorted(_durations.items(), key=lambda kv: -kv[1][0])[:10]:
-        note = "" if slow or d < SLOW_S else "  (its quick case)" if nodeid in _quick_cases else "  (not marked slow)"
+        note = ("" if slow or d < SLOW_S else "  (its quick case)" if nodeid in _quick_cases
+                else "  (a shared fixture's setup)" if _calls.get(nodeid, 0.0) < SLOW_S else "  (not marked slow)")
         tr.write_line(f"  {d:7.1f} s  {nodeid}{note}")
-    unmarked = [n for n, (d, slow) in _durations.items() if d >= SLOW_S and not slow and n not in _quick_cases]
+    unmarked = [n for n, (d, slow) in _durations.items()
+                if d >= SLOW_S and _calls.get(n, 0.0) >= SLOW_S and not slow and n not in _quick_cases]
     if unmarked:
         tr.write_line(f"{len(unmarked)} tests took {SLOW_S} s or more without the slow mark: mark them slow")
 

@@ -114,7 +114,6 @@ def counted(tiny_model_config):
     return out
 
 
-@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_block_keeps_only_the_boundaries(counted):
     none, block = counted["none"][0], counted["block"][0]
     # Without checkpointing a block holds 16 (B, T, C) tensors and its norms' statistics.
@@ -127,7 +126,6 @@ def test_block_keeps_only_the_boundaries(counted):
     assert block.saved_bytes == block.activation_bytes + 2 * B * T * 8 - 4
 
 
-@pytest.mark.slow  # 2.5 s or more here: the quick loop leaves it to the full suite
 def test_every_2_sits_halfway(counted):
     none, every = sum(counted["none"][0].block_bytes), sum(counted["every:2"][0].block_bytes)
     assert every == (N // 2) * BOUNDARY + (N // 2) * (16 * BOUNDARY + 8192)
