@@ -59,6 +59,7 @@ def test_imports_run_one_way():
         walk(part, [])
 
 
+@pytest.mark.slow  # a Python and torch start-up, 3 s here: the quick loop leaves it to the full suite
 def test_the_settings_load_nothing_heavy():
     """The training config is read by every part (the planner, the CLI, the loop): loading it must not pull in the
     data pipeline, the tokenizer library or the flag parser (before: all three, and tqdm through the pipeline)."""
