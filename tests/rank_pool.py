@@ -8,6 +8,9 @@ a timeout ends the group (the other ranks may be left waiting in a collective) a
 so one test's failure is never another's. Tests that kill or stop a process, or test the launcher itself, keep their
 own processes under torchrun.
 
+``pool.submit(fn, *args)`` starts a body and returns at once: the test computes its own side of the comparison (the
+prediction, one process's step) while the ranks work, then collects them with ``.result()``.
+
 ``pool.cli(argv)`` runs ``fitgpt ARGV`` on every rank as ``torchrun -m fitgpt ARGV`` would: the pool's group is
 left, the command meets its own group through the environment torchrun sets (a new port each time), with one
 intra-op thread a rank (torchrun's default), and the ranks' output comes back as torchrun's would, rank by rank.
@@ -90,15 +93,30 @@ class RankPool:
                       for r in range(world)]
         for p in self.procs:
             p.start()
+        self.pending = None
+        """The body submitted and not yet collected."""
 
     @property
-    def alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
+    def ready(self) -> bool:
+        """Every rank alive and waiting for work."""
+        return self.pending is None and all(p.is_alive() for p in self.procs)
 
     def run(self, fn, *args, timeout: float = 120.0) -> list:
+        return self.submit(fn, *args, timeout=timeout).result()
+
+    def submit(self, fn, *args, timeout: float = 120.0) -> Submitted:
+        """``fn`` started on every rank while this process works on (the one-process side of a comparison, on the
+        cores the ranks leave idle); ``.result()`` is then what ``run`` returns. A body left uncollected (its test
+        failed first) ends the group, and the next test gets new ranks."""
+        if self.pending is not None:
+            raise RuntimeError(f"{self.pending.__name__} is still running on these ranks: collect it first")
         port = free_port()
         for inbox in self.inboxes:
             inbox.put((fn, args, port))
+        self.pending = fn
+        return Submitted(self, fn, timeout)
+
+    def _collect(self, fn, timeout: float) -> list:
         results: dict[int, object] = {}
         while len(results) < self.world:
             try:
@@ -111,6 +129,7 @@ class RankPool:
                 self.close()  # the others may wait in a collective the failed rank never joins
                 raise AssertionError(f"{fn.__name__}, rank {rank} of {self.world}:\n{error}")
             results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        self.pending = None
         return [results[r] for r in range(self.world)]
 
     def cli(self, argv: list[str], timeout: float = 300.0) -> tuple[str, str]:
@@ -132,6 +151,16 @@ class RankPool:
             p.join(timeout=10)
 
 
+class Submitted:
+    """A body running on the ranks: ``.result()`` waits for each rank's return value (`RankPool.run`)."""
+
+    def __init__(self, pool: RankPool, fn, timeout: float):
+        self.pool, self.fn, self.timeout = pool, fn, timeout
+
+    def result(self) -> list:
+        return self.pool._collect(self.fn, self.timeout)
+
+
 class RankPools:
     """One pool a world size, started on first use, a new one where the last failed; all closed at the session's end."""
 
@@ -140,7 +169,9 @@ class RankPools:
 
     def __call__(self, world: int) -> RankPool:
         pool = self.pools.get(world)
-        if pool is None or not pool.alive:
+        if pool is None or not pool.ready:
+            if pool is not None:
+                pool.close()
             pool = self.pools[world] = RankPool(world)
         return pool
 

@@ -157,7 +157,7 @@ def test_plan_predicts_each_ranks_peak_under_ddp_and_fsdp(ranks, tiny_model_conf
     on fake ranks) replays each step's very allocations: on exact counts, its peak is the measured one plus the
     token batches."""
     cfgs = {arch: _memory_model(tiny_model_config, arch) for arch in ("gpt2", "llama")}
-    measured = ranks(2).run(_measured_peaks, cfgs)
+    measuring = ranks(2).submit(_measured_peaks, cfgs)  # the ranks measure while this process predicts
     rows = []
     for mode, dtype, arch, specs in MEMORY_CASES:
         cfg, accum = cfgs[arch], 2 if mode.endswith("accum") else 1
@@ -165,6 +165,7 @@ def test_plan_predicts_each_ranks_peak_under_ddp_and_fsdp(ranks, tiny_model_conf
         profile = profile_model(cfg, 4, 64, "cpu", dtype=dtype, fake=True, grad_accum=accum, **kw)
         for plan in specs:
             rows.append((mode, str(dtype), arch, plan.spec(), predict(profile, plan).peak))
+    measured = measuring.result()
     for r in range(2):
         assert [row[:4] for row in measured[r]] == [row[:4] for row in rows]
         assert [row[4] for row in measured[r]] == [row[4] for row in rows]

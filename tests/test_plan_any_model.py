@@ -262,10 +262,11 @@ def _measured_peaks(rank: int, world: int) -> dict:
 def test_plan_module_plans_one_rank_under_fsdp_and_ddp_as_two_real_ranks_measure(tmp_path, ranks):
     """A hand-written module planned with world_size=2: each rank's measured peak on 2 gloo CPU ranks equals the
     per-rank prediction to the byte, every option (main: plan_module had no world size)."""
-    measured = ranks(2).run(_measured_peaks)
-    for parallel in ("fsdp", "ddp"):
-        plan = plan_module(NanoGPT, (B, T), vocab_size=V, precision="fp32", world_size=2, parallel=parallel,
-                           snapshot=tmp_path / f"{parallel}.pickle")
+    measuring = ranks(2).submit(_measured_peaks)  # the ranks measure while this process plans
+    plans = {parallel: plan_module(NanoGPT, (B, T), vocab_size=V, precision="fp32", world_size=2, parallel=parallel,
+                                   snapshot=tmp_path / f"{parallel}.pickle") for parallel in ("fsdp", "ddp")}
+    measured = measuring.result()
+    for parallel, plan in plans.items():
         for option in RANK_OPTIONS:
             assert measured[0][parallel, option] == measured[1][parallel, option] == plan.uniform[option], (parallel, option)
         assert (tmp_path / f"{parallel}.pickle").stat().st_size > 0

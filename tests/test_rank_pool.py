@@ -25,6 +25,19 @@ def test_a_failing_rank_fails_its_own_test_with_its_traceback_and_the_next_gets_
     assert ranks(2).run(_rank) == [(0, 2), (1, 2)]  # rank 0, left waiting, was ended with its group
 
 
+@pytest.mark.slow
+def test_a_body_left_uncollected_ends_its_group_and_the_next_test_gets_new_ranks(ranks):
+    """A test that fails between ``submit`` and ``result`` leaves its body's answers behind: they must never be the next
+    test's, and its ranks never be asked for another body while they work on the first."""
+    first = ranks(2)
+    first.submit(_rank)  # its test failed here, before collecting
+    with pytest.raises(RuntimeError, match="_rank is still running on these ranks: collect it first"):
+        first.submit(_rank)
+    assert ranks(2) is not first and not first.procs[0].is_alive()
+    ports = ranks(2).run(_group_port)
+    assert ports[0] == ports[1] and isinstance(ports[0], str)  # its own answers, not the body left behind's (rank, world)
+
+
 def _group_port(rank: int, world: int) -> str:
     dist.barrier()
     return os.environ["MASTER_PORT"]

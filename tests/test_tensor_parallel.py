@@ -191,11 +191,12 @@ def test_each_tensor_parallel_rank_is_planned_to_the_byte(world, tp, arch, ranks
     from fitgpt.estimate.replay import simulate_step
     from fitgpt.plan import Plan, predict
 
-    peaks = ranks(world).run(_measured_peaks, tp, arch)
+    measuring = ranks(world).submit(_measured_peaks, tp, arch)  # the ranks measure while this process predicts
     cfg = CFGS[arch]
     profile = profile_model(cfg, 2, cfg.context_length, "cpu", OptimConfig(), fake=True, tp_ranks=tp,
                             fsdp_ranks=world // tp)
     whole = profile_model(cfg, 2, cfg.context_length, "cpu", OptimConfig(), fake=True)
+    peaks = measuring.result()
     for rank, measured in enumerate(peaks):
         for spec, peak in measured.items():
             plan = Plan.from_policy(spec, cfg.n_blocks)[0]
