@@ -133,9 +133,9 @@ def test_the_optimizer_on_the_host_needs_a_cuda_card(make_cfg, tmp_path, capsys)
 def test_training_with_the_optimizer_on_the_host_resumes_from_and_into_a_plain_run(make_cfg, tmp_path, monkeypatch):
     """Through the trainer (the CUDA check lifted: on the CPU the host's copies are plain copies): the weights of the
     plain run, bit for bit, clipping on; each run's checkpoint resumes under the other setting."""
-    import fitgpt.train.trainer as trainer
+    import fitgpt.refusals as refusals
 
-    monkeypatch.setattr(trainer, "offload_refusal", lambda device_type: None)
+    monkeypatch.setattr(refusals, "offload_refusal", lambda device_type: None)
     model = {"context_length": 32, "n_embed": 64, "n_head": 4, "n_blocks": 2, "dropout": 0.0}
     kw = {"max_steps": 4, "checkpoint_interval": 2, "model": model}
     runs = {}

@@ -22,7 +22,6 @@ from fitgpt.memory.snapshot import first_difference, read_snapshot, write_snapsh
 from fitgpt.model.config import require_positive_ints
 from fitgpt.optim import describe_optimizer
 from fitgpt.plan.solver import Plan, PlanError, predict, solve
-from fitgpt.tensor_parallel import launch_refusal
 from fitgpt.units import format_bytes
 from fitgpt.utils import outputs_apart, writable_dir
 
@@ -54,8 +53,8 @@ class PlanConfig(BudgetConfig):
         outputs_apart({"--compare": self.compare, "--config": self.config, "--hf-config": self.hf_config},
                       [("--memory-snapshot", self.memory_snapshot), ("--report", report and report / "plan.json"),
                        ("--report", report and report / "plan.png")])
-        super().__post_init__()
         self._check_tensor_parallel()
+        super().__post_init__()  # the trainer's refusals, the split's among them, over --world-size ranks
         if self.activation_checkpointing != "auto":
             self.check_policy(self.activation_checkpointing)
         if self.compare:  # read now: a file that is not a snapshot is refused before anything is profiled
@@ -71,20 +70,21 @@ class PlanConfig(BudgetConfig):
 
 
     def _check_tensor_parallel(self) -> None:
-        """What planning per tensor-parallel rank takes: the trainer's refusals, and what is not planned yet."""
+        """What planning per tensor-parallel rank takes: fitgpt's model on fake ranks, --world-size of them (default:
+        one group); the trainer's refusals of the split come with the others (`launch_config`)."""
         tp = self.tensor_parallel
         require_positive_ints(self, ("tensor_parallel",))
         if tp == 1:
             return
-        world = tp if self.world_size == 1 else self.world_size  # --world-size: all the ranks, FSDP's x TP's
         if self.hf_config or self.device:
             raise UserError(f"--tensor-parallel {tp} splits fitgpt's own model, planned on fake ranks: drop "
                             f"{'--hf-config' if self.hf_config else '--device'}")
+        self.world_size = tp if self.world_size == 1 else self.world_size  # --world-size: all the ranks, FSDP's x TP's
+
+    def launch_config(self) -> TrainConfig:
         # As the trainer refuses it, but for auto: the trainer cannot plan it per rank, this command does.
         spec = "none" if self.activation_checkpointing == "auto" else self.activation_checkpointing
-        if why := launch_refusal(dataclasses.replace(self.train_config(), activation_checkpointing=spec), world):
-            raise UserError(why)
-        self.world_size = world
+        return dataclasses.replace(self.train_config(), activation_checkpointing=spec)
 
     def train_config(self) -> TrainConfig:
         return dataclasses.replace(super().train_config(), tensor_parallel=self.tensor_parallel)

@@ -19,7 +19,7 @@ from fitgpt.config import (
     load_config,
     load_config_named_in,
 )
-from fitgpt.device import resolve_device
+from fitgpt.device import autocast_dtype, resolve_device
 from fitgpt.errors import UserError, require_not_empty
 from fitgpt.estimate.hardware import CUDA_CONTEXT, Target, find_gpu
 from fitgpt.estimate.source import OwnModel, param_count, read_hf_config
@@ -27,7 +27,7 @@ from fitgpt.estimate.workload import Workload, workload_for
 from fitgpt.memory.allocator import expandable_from
 from fitgpt.memory.flops import OpCost
 from fitgpt.model.config import ModelConfig, require_positive_ints
-from fitgpt.refusals import IN_BACKWARD_ONE_PROCESS, OFFLOAD_ONE_PROCESS, fsdp_optimizer_refusal, galore8bit_refusal, offload_refusal
+from fitgpt.refusals import launch_refusal, meta_model_refusal
 from fitgpt.units import format_bytes, parse_bytes
 from fitgpt.utils import host_memory
 
@@ -88,10 +88,6 @@ class WorkloadConfig:
             self.model = dataclasses.replace(self.model, context_length=context)
         names = ("batch_size", "context", "grad_accum", "world_size")
         require_positive_ints(self, tuple(n for n in names if getattr(self, n) is not None))
-        if self.optim.in_backward and (self.world_size or 1) > 1:
-            raise UserError(IN_BACKWARD_ONE_PROCESS)
-        if self.optim.name != "adamw" and self.parallel == "fsdp" and self.world_size > 1:
-            raise UserError(fsdp_optimizer_refusal(self.optim))
         if self.device is not None and (self.target or self.gpu):
             raise UserError("--device measures on this machine and --target/--gpu plan for another; give one of them")
         if self.gpu_memory is not None and self.gpu is None:
@@ -101,24 +97,21 @@ class WorkloadConfig:
             self.plan_target()
             if self.target == "cpu":
                 raise UserError("--gpu names a CUDA card: drop --target cpu (or --gpu)")
-        if self.device is None:
-            dtype = self.plan_target().autocast_dtype(self.precision)  # a precision the target has (bf16 on a T4 is refused)
-            self._check_fp16(dtype)
-        if self.optim.name == "galore-adamw8bit" and (why := galore8bit_refusal(self.measured_device().type if self.device else None)):
-            raise UserError(why)
-        if self.optim.offload:
-            if (self.world_size or 1) > 1:
-                raise UserError(OFFLOAD_ONE_PROCESS)
-            if why := offload_refusal(self.measured_device().type if self.device else self.plan_target().device):
-                raise UserError(why)
+        self._check_launch()
 
-    def _check_fp16(self, dtype: torch.dtype | None) -> None:
-        """What the trainer refuses in fp16, refused here: a plan it could not run (auto is fp16 on a card without bf16)."""
-        if dtype != torch.float16 or not (self.optim.in_backward or self.optim.offload):
-            return
-        flag = "--optim.in-backward" if self.optim.in_backward else "--optim.offload"
-        raise UserError(f"{flag} steps out of reach of fp16's loss scaler, and --precision {self.precision} is fp16 on "
-                        f"{'the ' + self.gpu if self.gpu else 'this target'}: add --precision fp32")
+    def _check_launch(self) -> None:
+        """What the trainer would refuse, refused before anything is profiled, in the trainer's words (`refusals`)."""
+        if self.device:
+            device = self.measured_device()
+            where, dtype = device.type, autocast_dtype(self.precision, device)
+        else:  # a precision the target has (bf16 on a T4 is refused)
+            target = self.plan_target()
+            where, dtype = target.device, target.autocast_dtype(self.precision)
+        cfg = self.launch_config()
+        for why in (launch_refusal(cfg, self.world_size or 1, where, dtype, planned=not self.device),
+                    None if self._source else meta_model_refusal(cfg)):
+            if why:
+                raise UserError(why)
 
     @functools.cached_property
     def workload(self) -> Workload:
@@ -142,6 +135,10 @@ class WorkloadConfig:
             term = "chunked-loss" if policy.loss_chunk_rows else "fused-loss"
             raise UserError(f"--activation-checkpointing {spec}: {term} needs fitgpt's head (lm_head(x, targets)); "
                             f"a --hf-config model computes its own loss: drop '+{term}'")
+
+    def launch_config(self) -> TrainConfig:
+        """The run whose launch the trainer's refusals are asked about: the one these flags name."""
+        return self.train_config()
 
     def train_config(self) -> TrainConfig:
         """The training config these flags name (read once, by ``workload``)."""

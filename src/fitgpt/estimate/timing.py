@@ -185,11 +185,17 @@ class _OpTimer(TorchDispatchMode):
 
 
 def _median_run(runs: list[list]) -> list[tuple[str, str, int, float]]:
-    """One run of (key, kind, work, seconds) per op, the seconds the median over the repeats (same op sequence)."""
-    first = runs[0]
-    if any(len(r) != len(first) for r in runs):
-        raise RuntimeError("calibration steps ran different ops from one repeat to the next")
-    return [(k, kind, w, statistics.median(r[j][3] for r in runs)) for j, (k, kind, w, _) in enumerate(first)]
+    """The median step as one run of (key, kind, work, seconds): an op is the n-th of its key and size in a step, its
+    seconds the median over the repeats that ran it, and it is kept where at least half the repeats ran it. An
+    optimizer whose step branches on the data (APOLLO's norm limiter, a skipped refresh) runs other ops from one
+    repeat to the next: the step it takes most often is the one costed."""
+    seen: dict[tuple[str, str, int, int], list[float]] = {}
+    for run in runs:
+        nth: dict[tuple[str, str, int], int] = defaultdict(int)
+        for key, kind, work, seconds in run:
+            nth[key, kind, work] += 1
+            seen.setdefault((key, kind, work, nth[key, kind, work]), []).append(seconds)
+    return [(key, kind, work, statistics.median(s)) for (key, kind, work, _), s in seen.items() if 2 * len(s) >= len(runs)]
 
 
 def _line(points: list[tuple[int, float]], pooled: float, big: int) -> tuple[float, float]:

@@ -54,13 +54,15 @@ _NAMES = {"adafactor": "Adafactor (PyTorch's, factored second moments)",
           "apollo-mini": "APOLLO-Mini (apollo-torch)"}
 
 
-def describe_optimizer(cfg: OptimConfig, device: torch.device) -> str:
-    """E.g. 'AdamW fused' or 'AdamW for-loop, bf16 moments, stepped in the backward'."""
+def describe_optimizer(cfg: OptimConfig, device: torch.device, model: nn.Module | None = None) -> str:
+    """E.g. 'AdamW fused' or 'AdamW for-loop, bf16 moments, stepped in the backward'; GaLore's and APOLLO's rank as
+    ``model``'s matrices take it."""
     where = torch.device("cpu") if cfg.offload else device
     parts = [f"AdamW {optimizer_impl(cfg, where)}" if cfg.name == "adamw" else _NAMES.get(cfg.name, f"{cfg.name} (torchao)")]
     parts += ["bf16 moments"] if cfg.state_dtype == "bf16" else []
     if cfg.projects:
-        own = lowrank.settings(cfg.name, cfg.rank, cfg.update_proj_gap, cfg.proj_scale)
+        limit = lowrank.rank_limit(hidden_matrices(model)) if model is not None else None
+        own = lowrank.settings(cfg.name, cfg.rank, cfg.update_proj_gap, cfg.proj_scale, limit)
         parts += [f"rank {own['rank']}, refreshed every {own['update_proj_gap']} steps, scale {own['scale']:g}"]
     if cfg.offload:
         parts += ["state and step on the host" + (", each gradient freed on the card once copied" if cfg.in_backward else "")]
@@ -78,8 +80,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
 
     hidden = {id(p) for p in hidden_matrices(model)} if cfg.name == "muon" or cfg.projects else set()
     if cfg.projects:  # the attention and MLP matrices projected, as GaLore's and APOLLO's recipes do
-        groups = lowrank.projected_groups(groups, hidden, lowrank.settings(cfg.name, cfg.rank, cfg.update_proj_gap,
-                                                                           cfg.proj_scale))
+        own = lowrank.settings(cfg.name, cfg.rank, cfg.update_proj_gap, cfg.proj_scale,
+                               lowrank.rank_limit(hidden_matrices(model)))
+        groups = lowrank.projected_groups(groups, hidden, own)
         seeds = {id(p): i + 1 for i, p in enumerate(decay + no_decay)}  # the library's numbering, from 1
 
     def make(groups: list[dict], on: torch.device = device) -> torch.optim.Optimizer:

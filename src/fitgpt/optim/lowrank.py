@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import math
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -42,17 +44,48 @@ METHODS: dict[str, tuple[str, str, dict]] = {
 PROJECTION, SEED = "projection", "projection_seed"  # a projector's tensors in a saved state
 
 
-def settings(name: str, rank: int, update_proj_gap: int, scale: float) -> dict:
-    """The projected group's settings: the method's own, with those given (0: the method's) in their place."""
+def settings(name: str, rank: int, update_proj_gap: int, scale: float, limit: int | None = None) -> dict:
+    """The projected group's settings: the method's own, with those given (0: the method's) in their place. The
+    method's own rank is capped at ``limit`` (`rank_limit`): a rank beyond every matrix's would project none further."""
     given = {"rank": rank, "update_proj_gap": update_proj_gap, "scale": scale}
-    return {**METHODS[name][2], **{k: v for k, v in given.items() if v}, "proj_type": "std"}
+    own = METHODS[name][2]
+    if limit is not None and not rank:
+        own = {**own, "rank": min(own["rank"], limit)}
+    return {**own, **{k: v for k, v in given.items() if v}, "proj_type": "std"}
+
+
+def rank_limit(matrices) -> int:
+    """The highest rank a projection of ``matrices`` (the hidden matrices, as shapes or tensors) can have: the longest
+    of their shorter sides. GaLore keeps at most that many singular vectors of a matrix; APOLLO projects past it."""
+    return max((min(m.shape if isinstance(m, torch.Tensor) else m) for m in matrices), default=0)
+
+
+@contextlib.contextmanager
+def no_code_from_the_hub() -> Iterator[None]:
+    """Imports under which nothing reaches for a model hub: bitsandbytes (which both libraries import) fetches a CPU
+    kernel from one at import where the CPU has AVX-512 bf16, a download of code that fitgpt never runs (its CPU
+    ops are never called here), that fails offline and warns. The ``kernels`` package is hidden for the import, so
+    that bitsandbytes takes its own fallback at once; its warning about it is dropped."""
+    hidden = "kernels" not in sys.modules
+    if hidden:
+        sys.modules["kernels"] = None  # an import of it raises ImportError
+    quiet = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        quiet.setLevel(level)
+        if hidden:
+            del sys.modules["kernels"]
 
 
 def _library(name: str):
     module, cls, _ = METHODS[name]
     package = module.replace("_", "-")
     try:
-        return getattr(importlib.import_module(module), cls)
+        with no_code_from_the_hub():
+            return getattr(importlib.import_module(module), cls)
     except ImportError as e:
         raise UserError(f"--optim.name {name} needs {package} (and bitsandbytes, which it imports): pip install "
                         f"'fitgpt[lowrank]' ({e})") from None
@@ -71,8 +104,9 @@ def _compact(m):
 
 def _projector_classes():
     """GaLore's SVD projector and APOLLO's random one, each with the additions above."""
-    from apollo_torch.random_projector import GradientProjector
-    from galore_torch.galore_projector import GaLoreProjector
+    with no_code_from_the_hub():
+        from apollo_torch.random_projector import GradientProjector
+        from galore_torch.galore_projector import GaLoreProjector
 
     class SVD(GaLoreProjector):
         def project(self, grad, iter):

@@ -23,12 +23,13 @@ from dataclasses import dataclass
 from fitgpt.command import ranks_per_node, train_command
 from fitgpt.config import TrainConfig
 from fitgpt.device import resolve_device
+from fitgpt.errors import UserError
 from fitgpt.estimate.profile import StepProfile, named_options
 from fitgpt.estimate.source import param_count
 from fitgpt.estimate.workload import Workload, workload_for
 from fitgpt.plan.extrapolate import extrapolate
 from fitgpt.plan.solver import Plan, PlanError, Prediction, predict, solve
-from fitgpt.tensor_parallel import launch_refusal
+from fitgpt.refusals import launch_refusal
 from fitgpt.units import format_bytes, parse_bytes
 from fitgpt.utils import in_processes
 
@@ -115,28 +116,30 @@ def _precisions(w: Workload) -> list[str]:
 
 
 def _layouts(w: Workload) -> list[Layout]:
-    cuda = w.target.cuda
+    """The layouts the trainer would launch (`refusals.launch_refusal`, the trainer's own refusals)."""
     if w.world_size == 1:  # FSDP (and its offload) shards across processes: the trainer runs it under torchrun, N >= 2
         return [Layout("single")]
-    if w.train.optim.name != "adamw":  # only AdamW shards (refusals.fsdp_optimizer_refusal)
-        return [Layout("ddp")]
-    return [Layout("ddp"), Layout("fsdp")] + ([Layout("fsdp", True)] if cuda else []) + _tensor_parallel(w)
+    offered = [Layout("ddp"), Layout("fsdp")] + ([Layout("fsdp", True)] if w.target.cuda else []) + _tensor_parallel(w)
+    return [layout for layout in offered if layout_refusal(w, layout) is None]
+
+
+def layout_refusal(w: Workload, layout: Layout) -> str | None:
+    """Why the trainer would refuse ``w`` under ``layout`` (None: it trains); fit names the plan it solves."""
+    try:
+        cfg = dataclasses.replace(w.train, tensor_parallel=layout.tp, parallel=layout.trains_as,
+                                  fsdp_offload=layout.offload, activation_checkpointing="none")
+    except UserError as e:  # a combination the config refuses (FSDP's offload with pure bf16 weights)
+        return str(e)
+    return launch_refusal(cfg, w.world_size, w.target.device, None, planned=w.fake)
 
 
 def _tensor_parallel(w: Workload) -> list[Layout]:
-    """Each tensor-parallel degree within a node (its GPUs: the fast links) that the trainer can split the model
-    over: alone where it spans every rank, else with FSDP over the groups."""
-    if w.source is not None or w.train.optim.offload:  # a model of fitgpt's own, its optimizer on the card
+    """Each tensor-parallel degree within a node (its GPUs: the fast links): alone where it spans every rank, else
+    with FSDP over the groups."""
+    if w.source is not None:  # a model of fitgpt's own
         return []
     per_node = ranks_per_node(w.world_size)
-    out = []
-    for tp in (d for d in _divisors(per_node) if d > 1):
-        layout = Layout("tp" if tp == w.world_size else "fsdp", tp=tp)
-        cfg = dataclasses.replace(w.train, tensor_parallel=tp, parallel=layout.trains_as,
-                                  activation_checkpointing="none")  # fit names the plan it solves
-        if launch_refusal(cfg, w.world_size) is None:
-            out.append(layout)
-    return out
+    return [Layout("tp" if tp == w.world_size else "fsdp", tp=tp) for tp in _divisors(per_node) if tp > 1]
 
 
 def _offloaded(p: StepProfile, params: int, world: int) -> StepProfile:

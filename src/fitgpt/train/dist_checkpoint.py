@@ -158,9 +158,12 @@ def _stage(state: dict) -> dict:
 
 def load_optimizer(optimizer, saved, info: dist_utils.DistInfo) -> None:
     """The checkpoint's optimizer state into ``optimizer``: a whole state dict (one process's checkpoint), or a
-    distributed checkpoint's, of which each rank reads the pieces of its own shards (any world size wrote it)."""
+    distributed checkpoint's, of which each rank reads the pieces of its own shards (any world size wrote it). The
+    groups' settings are this run's, as it was built and logs them (a changed --optim.weight-decay or beta steps as
+    asked), not the saved ones that loading a state dict would restore."""
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
     if isinstance(saved, dict):
-        dist_utils.load_full_optimizer_state(optimizer, saved)
+        dist_utils.load_full_optimizer_state(optimizer, _with_settings(saved, settings))
         return
     where = str(saved.path / ckpt.DCP_DIR)
     try:
@@ -170,9 +173,18 @@ def load_optimizer(optimizer, saved, info: dist_utils.DistInfo) -> None:
             dcp_read.load({"optimizer": template}, where)
         else:  # one process holds the whole state: read it as saved, whatever wraps the optimizer
             template = _read_whole(where, "optimizer")
-        optimizer.load_state_dict(template)
+        optimizer.load_state_dict(_with_settings(template, settings))
     except (Exception, CheckpointException) as e:
         raise dcp_read.refusal(where, e, "this optimizer") from None
+
+
+def _with_settings(saved: dict, settings: list[dict]) -> dict:
+    """``saved`` with each parameter group's settings replaced by ``settings`` (the same optimizer's groups, as
+    `fitgpt.train.resume.check_same_optimizer` makes sure), its parameters and state kept."""
+    groups = saved["param_groups"]
+    if len(groups) != len(settings):
+        return saved  # not the same optimizer's: its own load refuses it
+    return {**saved, "param_groups": [{**g, **s} for g, s in zip(groups, settings)]}
 
 
 def _read_whole(where: str, key: str) -> dict:

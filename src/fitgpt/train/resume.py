@@ -68,6 +68,7 @@ def load_for_resume(path: Path, cfg: TrainConfig, model: nn.Module, tok_hash: st
         raise UserError(f"--resume {path}: the data in {cfg.data.path} was tokenized with another tokenizer than the "
                         f"checkpoint was trained with; resume on its own data (--data.dir {_trained_on(ck_meta)})")
     check_same_model(path, ck_meta["config"]["model"], cfg)
+    check_same_optimizer(path, ck_meta["config"], cfg)
     ckpt.load_weights(path, model, ck_meta)  # a tensor at a time; under FSDP each rank keeps its shard
     state = ckpt.load_state(path, ck_meta, [p.shape for p in optimizer_params(model)])
     return ck_meta, state
@@ -94,19 +95,45 @@ def check_same_model(path: Path, saved: dict, cfg: TrainConfig) -> None:
             )
 
 
-# Settings whose change on resume makes the run differ from the uninterrupted one (the model's shape is checked apart).
+# What a resume may change, decided here alone. The optimizer's state is kept in the form its settings give it: AdamW's
+# two moments (fp32, bf16, or torchao's 8-bit and 4-bit, all saved as plain moments) read into one another; any other
+# optimizer, GaLore's and APOLLO's projections and Kahan's compensation are their own. Every other setting may change:
+# the run then differs from the uninterrupted one (warned), and steps with the settings it logs.
+_ADAMW_MOMENTS = ("adamw", "adamw8bit", "adamw4bit")
+_STATE_FORM = ("optim.name", "optim.rank", "optim.update_proj_gap", "optim.proj_scale")
 _TRAJECTORY = ("batch_size", "grad_accum", "max_steps", "seed", "precision", "model.dropout", "data.dir") + tuple(
     f"optim.{f.name}" for f in dataclasses.fields(OptimConfig))
 
 
+def _setting(d: dict, key: str, default=None):
+    for part in key.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return default if d is None else d
+
+
+def check_same_optimizer(path: Path, saved: dict, cfg: TrainConfig) -> None:
+    """A checkpoint's optimizer state is read only by an optimizer that keeps it in the same form; otherwise a one-line
+    refusal naming both settings and what to do, before anything is read or written."""
+    defaults, now = to_dict(TrainConfig()), to_dict(cfg)
+    was = {k: _setting(saved, k, _setting(defaults, k)) for k in _STATE_FORM + ("optim.rounding",)}
+    ask = {k: _setting(now, k) for k in was}
+    if was["optim.name"] in _ADAMW_MOMENTS and ask["optim.name"] in _ADAMW_MOMENTS:
+        differ = []
+    else:
+        differ = [k for k in _STATE_FORM if was[k] != ask[k]]
+    if "kahan" in (was["optim.rounding"], ask["optim.rounding"]) and was["optim.rounding"] != ask["optim.rounding"]:
+        differ.append("optim.rounding")
+    if differ:
+        flags = ", ".join(f"--{k.replace('_', '-')} {was[k]} (this run asks for {ask[k]})" for k in differ)
+        raise UserError(f"--resume {path}: the checkpoint's optimizer state was made with {flags}, a form the other "
+                        f"setting cannot read; resume with the checkpoint's settings (--config {cfg.run_dir / 'config.json'}), "
+                        "or start a new run from its weights (fitgpt export, then --init-from) in another --out-dir")
+
+
 def warn_changed_settings(saved: dict, cfg: TrainConfig) -> None:
     now = to_dict(cfg)
-    changed = []
-    for key in _TRAJECTORY:
-        a, b = saved, now
-        for part in key.split("."):
-            a, b = a.get(part) if isinstance(a, dict) else None, b.get(part) if isinstance(b, dict) else None
-        if a is not None and a != b:
-            changed.append(f"{key} {a} -> {b}")
+    changed = [f"{key} {a} -> {_setting(now, key)}" for key in _TRAJECTORY
+               if (a := _setting(saved, key)) is not None and a != _setting(now, key)]
     if changed:
-        log.warning("resuming with changed settings (%s): the run is no longer bitwise the uninterrupted one", ", ".join(changed))
+        log.warning("resuming with changed settings (%s): the run is no longer bitwise the uninterrupted one; it steps "
+                    "with the settings it logs", ", ".join(changed))

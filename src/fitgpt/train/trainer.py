@@ -27,7 +27,7 @@ from fitgpt.hf import import_config
 from fitgpt.memory.allocator import expandable_from
 from fitgpt.optim import build_optimizer, describe_optimizer
 from fitgpt.parallel import materialise, precision_roles
-from fitgpt.refusals import IN_BACKWARD_ONE_PROCESS, OFFLOAD_ONE_PROCESS, fsdp_optimizer_refusal, galore8bit_refusal, offload_refusal
+from fitgpt.refusals import launch_refusal, meta_model_refusal
 from fitgpt.step import grad_scaler
 from fitgpt.train import distributed as dist_utils
 from fitgpt.train.dist_checkpoint import DistributedSaver, load_optimizer
@@ -120,37 +120,19 @@ def _measure_activations(model: nn.Module, policy: Policy, cfg: TrainConfig, dat
 
 
 def _check_launch(cfg: TrainConfig, info: dist_utils.DistInfo) -> None:
-    """What can be refused before anything is written: the device, and settings this launch cannot honour."""
-    resolve_device(cfg.device)
+    """What can be refused before anything is written: the device, and settings this launch cannot honour (the
+    refusals plan and fit consult too)."""
+    device = resolve_device(cfg.device)
     if cfg.parallel == "fsdp" and not info.enabled:
         raise UserError("--parallel fsdp shards the model across processes, and this is one: launch with torchrun "
                          "--nproc-per-node N (N >= 2), or use --parallel ddp (the default) to train in one process")
-    if info.enabled and cfg.parallel == "fsdp" and cfg.optim.name != "adamw":
-        raise UserError(fsdp_optimizer_refusal(cfg.optim))
-    if cfg.optim.in_backward and info.enabled:
-        raise UserError(IN_BACKWARD_ONE_PROCESS)
-    if cfg.tensor_parallel > 1:  # of the model trained: --init-from's, where it names one
-        imported = cfg.init_from and (Path(cfg.init_from) / "config.json").is_file()
-        model = import_config(cfg.init_from) if imported else cfg.model
-        if why := tensor_parallel.launch_refusal(dataclasses.replace(cfg, model=model), info.world):
+    if cfg.init_from and (Path(cfg.init_from) / "config.json").is_file():  # the model trained: --init-from's
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(import_config(cfg.init_from),
+                                                                 weights_dtype=cfg.model.weights_dtype))
+    for why in (launch_refusal(cfg, info.world, device.type, autocast_dtype(cfg.precision, device)),
+                meta_model_refusal(cfg)):
+        if why:
             raise UserError(why)
-    if cfg.model.weights_dtype == "bf16" and info.enabled:
-        raise UserError("--model.weights-dtype bf16 rounds each update into the weights in one process; under torchrun "
-                        "use fp32 weights (FSDP's pure bf16: --parallel fsdp --precision bf16), or train in one process")
-    device = resolve_device(cfg.device)
-    if cfg.optim.in_backward and autocast_dtype(cfg.precision, device) == torch.float16:
-        raise UserError("--optim.in-backward steps before fp16's loss scaler could skip an overflow, and --precision "
-                        "auto is fp16 on this device: use --precision fp32")
-    if cfg.optim.name == "galore-adamw8bit" and (why := galore8bit_refusal(device.type)):
-        raise UserError(why)
-    if cfg.optim.offload:
-        if info.enabled:
-            raise UserError(OFFLOAD_ONE_PROCESS)
-        if why := offload_refusal(device.type):
-            raise UserError(why)
-        if autocast_dtype(cfg.precision, device) == torch.float16:
-            raise UserError("--optim.offload steps out of reach of fp16's loss scaler, and --precision auto is fp16 on "
-                            "this device: use --precision fp32")
 
 
 def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None) -> dict:
@@ -243,7 +225,7 @@ def _log_start(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, de
         "process%s%s), %s, steps %d -> %d, run dir %s",
         cfg.preset, model.num_params() / 1e6, device, dtype or "fp32", tokens_per_step(cfg, info),
         cfg.batch_size * cfg.grad_accum * info.world // tp, cfg.batch_size, cfg.grad_accum, info.world // tp,
-        "es" if info.world // tp > 1 else "", layout, describe_optimizer(cfg.optim, device), start_step, cfg.max_steps,
+        "es" if info.world // tp > 1 else "", layout, describe_optimizer(cfg.optim, device, model), start_step, cfg.max_steps,
         cfg.run_dir,
     )
     if device.type == "cuda":  # what the plan's replay should model: plan --alloc-conf, or the same environment
