@@ -46,3 +46,28 @@ def format_count(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f}{unit}"
     return str(int(n))
+
+
+_DURATIONS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str, flag: str = "--time-budget") -> float:
+    """Seconds from ``90s``, ``8m``, ``3h``, ``7d``, ``1h30m`` or a plain number of seconds."""
+    s = str(text).strip().lower()
+    parts = re.findall(r"([0-9]*\.?[0-9]+)\s*([smhd]?)", s)
+    rebuilt = "".join(f"{n}{u}" for n, u in parts)
+    units = [u for _, u in parts]
+    if not parts or rebuilt != re.sub(r"\s+", "", s) or (len(parts) > 1 and "" in units) or len(set(units)) != len(units):
+        raise UserError(f"{flag} {text!r} is not a duration; write it like 90s, 8m, 3h, 7d or 1h30m")
+    seconds = sum(float(n) * _DURATIONS[u or "s"] for n, u in parts)
+    if not seconds > 0:
+        raise UserError(f"{flag} must be positive, got {text!r}")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """``45s``, ``8.0m``, ``3.0h``, ``7.0d``."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"

@@ -129,6 +129,17 @@ class DirLock:
             self._fd = None
 
 
+def process_age() -> float:
+    """Seconds since this process started (its interpreter's start-up and imports included), from Linux's /proc; 0
+    where that cannot be read."""
+    try:
+        start_ticks = float(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def host_memory() -> int:
     """This machine's physical memory in bytes, as the OS reports it."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -13,6 +13,7 @@ COMMANDS = {
     "bench": ("fitgpt.cli.bench", "measure checkpointing policies side by side: peak memory, FLOPs, step time"),
     "plan": ("fitgpt.cli.plan", "the fastest checkpointing plan that fits --memory-budget"),
     "fit": ("fitgpt.cli.fit", "the largest sizes and the fastest configurations that fit --memory-budget"),
+    "ladder": ("fitgpt.cli.ladder", "train a ladder of small models on your data and fit a scaling law (law.json)"),
     "export": ("fitgpt.cli.export", "write a run as a Hugging Face transformers folder (the [hf] extra)"),
 }
 

@@ -11,15 +11,17 @@ from typing import Optional
 
 from fitgpt.cli.workload import BudgetConfig, parse_workload
 from fitgpt.command import train_command
-from fitgpt.errors import UserError
+from fitgpt.config import load_config
+from fitgpt.data.config import DataConfig
+from fitgpt.errors import UserError, require_not_empty
 from fitgpt.estimate.timing import roofline
 from fitgpt.memory.picture import draw
 from fitgpt.plan.family import LADDER_SETTINGS, LOSS_COST, largest_model
 from fitgpt.plan.fastest import fastest, format_choices
 from fitgpt.plan.largest import largest
 from fitgpt.plan.solver import solve
-from fitgpt.units import format_bytes, format_count
-from fitgpt.utils import outputs_apart, writable_dir
+from fitgpt.units import format_bytes, format_count, parse_duration
+from fitgpt.utils import host_memory, outputs_apart, writable_dir
 
 
 @dataclass
@@ -35,12 +37,33 @@ class FitConfig(BudgetConfig):
     report: Optional[str] = None
     """Write the picture of where the memory goes into this folder: fit.png, the fastest configuration's step beside
     none at its settings, on one scale (as fitgpt plan --report draws a plan)."""
+    time_budget: Optional[str] = None
+    """Instead: which model this much training time buys, e.g. 4m, 7d: for each depth of one family of shapes (width
+    64 a block), its fastest configuration that fits, the tokens it trains in the time, and the loss the law
+    predicts; the pick is the least. Default --memory-budget on this machine: its memory."""
+    law: Optional[str] = None
+    """With --time-budget: a law file written by fitgpt ladder on this data (default: Hoffmann et al.'s published
+    coefficients, fitted on another corpus and tokenizer, and said so on every line that uses them)."""
+    data: DataConfig = None  # filled from --preset and --config
+    """With --time-budget, the data to train on, as fitgpt train takes it (--data.dir): its size counts the epochs,
+    and its tokenizer must be the law's."""
     largest_model: bool = False
     """Instead: the largest model of the preset's shape (its width per block, head size, MLP ratio, key/value heads)
     that trains at --batch-size x --context on one card, under each optimizer memory setting (AdamW; bf16 moments;
     the step in the backward; 8-bit AdamW), each with its fastest checkpointing plan and its train command."""
 
     def __post_init__(self) -> None:
+        require_not_empty(self, ("time_budget", "law"))
+        self.data = self.data or load_config(self.preset, self.config).data
+        if self.time_budget is not None:
+            parse_duration(self.time_budget)
+            if not (self.memory_budget or self.gpu):  # this machine's memory: what a run here may use
+                self.memory_budget = f"{host_memory() // 2**20}MiB"
+            if self.largest_model:
+                raise UserError("--time-budget picks the model the time buys and --largest-model the largest that fits: "
+                                "drop one of them")
+        elif self.law:
+            raise UserError("--law predicts the loss of the rows of --time-budget: add --time-budget, e.g. 4m")
         super().__post_init__()
         if self.top < 1:
             raise UserError("--top must be at least 1")
@@ -81,6 +104,10 @@ def run(args: list[str]) -> int:
     cfg = parse_workload(FitConfig, args, "fitgpt fit")
     if cfg.largest_model:
         return _largest_model(cfg)
+    if cfg.time_budget:
+        from fitgpt.cli.fit_budget import time_budget
+
+        return time_budget(cfg)
     _refuse_fixed_costs_over(cfg)
     result = largest(cfg.workload, cfg.budget, given=cfg.activation_checkpointing)
     a, cur, policies = result["answers"], result["current"], result["policies"]

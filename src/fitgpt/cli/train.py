@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import tyro
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -13,11 +14,15 @@ from fitgpt.errors import UserError
 from fitgpt.train.loop import TrainingError
 from fitgpt.train.trainer import train
 from fitgpt.units import format_bytes
+from fitgpt.utils import process_age
 
 
 def parse(args: list[str]) -> TrainConfig:
     # Only --preset and --config are looked at first, to pick the defaults; tyro parses every flag.
-    return tyro.cli(TrainConfig, default=load_config_named_in(args), args=args, prog="fitgpt train")
+    cfg = tyro.cli(TrainConfig, default=load_config_named_in(args), args=args, prog="fitgpt train")
+    if cfg.time_budget is not None and any(a == "--max-steps" or a.startswith("--max-steps=") for a in args):
+        raise UserError("--time-budget and --max-steps each say how long to train: drop one of them")
+    return cfg
 
 
 def _planner(cfg: TrainConfig):
@@ -55,7 +60,8 @@ def run(args: list[str]) -> int:
     cfg = _auto_config(cfg)
     try:
         with logging_redirect_tqdm():
-            summary = train(cfg, planner=_planner(cfg))
+            # --time-budget counts the whole command: the interpreter's start-up and imports too.
+            summary = train(cfg, planner=_planner(cfg), started=time.perf_counter() - process_age())
     except TrainingError as e:
         print(f"fitgpt train: {e}")
         return 1

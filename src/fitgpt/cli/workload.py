@@ -255,4 +255,6 @@ def workload_default(cls: type[Flags], args: list[str]) -> Flags:
         setattr(default, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
     default.preset, default.config, default.model, default.optim = base.preset, base.config, base.model, base.optim
     default.precision, default.parallel = base.precision, base.parallel  # a config file's, unless a flag says otherwise
+    if hasattr(default, "data"):  # fit --time-budget's data
+        default.data = base.data
     return default

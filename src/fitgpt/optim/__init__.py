@@ -135,10 +135,20 @@ def set_lr(optimizer: torch.optim.Optimizer | InBackward, lr: float) -> None:
             group["lr"] = lr
 
 
-def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
-    """Linear warmup to cfg.lr over warmup_steps, then cosine decay to cfg.min_lr at max_steps."""
+def lr_at(step: int, cfg: OptimConfig, max_steps: int | None = None, fraction: float | None = None) -> float:
+    """Linear warmup to cfg.lr over warmup_steps, then the decay to cfg.min_lr by the end of the run: over the steps
+    after the warmup to ``max_steps``, or (a run of --time-budget) by ``fraction``, the share of the time spent."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, max_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if fraction is None:
+        # WSD's cooldown is the last steps of the run, so that its stable part is the same whatever the run's length.
+        start = 0 if cfg.schedule == "wsd" else cfg.warmup_steps
+        fraction = (step - start) / max(1, max_steps - start)
+    return decayed_lr(min(1.0, max(0.0, fraction)), cfg)
+
+
+def decayed_lr(progress: float, cfg: OptimConfig) -> float:
+    """The learning rate at ``progress`` (0 to 1) through the run's decay: cosine, or WSD's hold then cooldown."""
+    if cfg.schedule == "wsd":
+        return cfg.lr - (cfg.lr - cfg.min_lr) * max(0.0, 1.0 - (1.0 - progress) / cfg.cooldown)  # lr exactly, held
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)

@@ -212,6 +212,15 @@ def any_rank(info: DistInfo, flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
+def all_max(info: DistInfo, values: list[float], device: torch.device) -> list[float]:
+    """Each of ``values``, the largest any rank holds (so that all ranks decide alike on a measured time)."""
+    if not info.enabled:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def from_main(info: DistInfo, fn):
     """``fn()`` computed on rank 0 and handed to every rank (a choice all ranks must share, made once). A user error
     it raises is raised on every rank, so that all of them stop with the same one line (rather than the others

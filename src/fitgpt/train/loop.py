@@ -22,11 +22,12 @@ from fitgpt.data.loader import BatchSampler, TokenData
 from fitgpt.device import is_host_oom, peak_memory
 from fitgpt.memory.snapshot import MeasuredSnapshot, write_snapshot
 from fitgpt.memory.timeline import PeakProbe
-from fitgpt.optim import lr_at, set_lr
+from fitgpt.optim import set_lr
 from fitgpt.parallel import sync_context
 from fitgpt.step import StepResult, train_step
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as dist_utils
+from fitgpt.train.deadline import Deadline, StepBudget
 from fitgpt.train.dist_checkpoint import DistributedSaver
 from fitgpt.train.metrics import MetricsWriter
 from fitgpt.train.resume import rng_state
@@ -78,6 +79,8 @@ class LoopState:
     metrics: MetricsWriter | None
     saver: DistributedSaver | None
     """Under torchrun, what writes every rank's shards of a checkpoint; one process writes its own."""
+    length: StepBudget | Deadline
+    """How long the run is: its steps, or its time (`fitgpt.train.deadline`)."""
 
 
 @dataclass
@@ -98,27 +101,31 @@ def tokens_per_step(cfg: TrainConfig, info: dist_utils.DistInfo) -> int:
 
 
 def run_loop(run: LoopState, start_step: int) -> Progress:
-    """Step, log, evaluate, save, until --max-steps or a signal.
+    """Step, log, evaluate, save, until --max-steps, the --time-budget's deadline, or a signal.
 
     The steps' results stay on the device; they are read together (one host sync) at each log,
     evaluation or save point, where skipped (non-finite) steps are reported, or stop the run."""
     cfg, info = run.cfg, run.info
     p = Progress(step=start_step)
     # disable=None hides the bar when stderr is not a terminal (CI logs, pipes).
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if cfg.progress and info.is_main else True, dynamic_ncols=True)
+    timed = isinstance(run.length, Deadline)
+    bar = tqdm(total=None if timed else cfg.max_steps, initial=start_step, disable=None if cfg.progress and info.is_main else True,
+               dynamic_ncols=True)
     t_log = time.perf_counter()
     run.model.train()
     # With --activation-checkpointing auto, the second step of this process is measured against the plan.
-    probe_step = start_step + 1 if cfg.max_steps > start_step + 1 else start_step
+    probe_step = start_step + 1 if timed or cfg.max_steps > start_step + 1 else start_step
     pending: list[tuple[int, float, StepResult]] = []  # (step, lr, result) not read on the host yet
     recording = MeasuredSnapshot(run.model, run.optimizer, run.device).__enter__() if cfg.memory_snapshot else None
     with StopFlag() as stop, contextlib.ExitStack() as cleanup:
         cleanup.callback(lambda: recording and recording.__exit__(None, None, None))  # a run stopped while recording
-        while p.step < cfg.max_steps:
-            lr = lr_at(p.step, cfg.optim, cfg.max_steps)
+        last = False
+        while not last:
+            lr = run.length.lr(p.step, cfg)
             set_lr(run.optimizer, lr)
             pending.append((p.step, lr, _run_step(run, recording, p.step, probe=run.planned is not None and p.step == probe_step)))
             p.step += 1
+            last = run.length.last(p.step)
             if recording is not None:  # a recorded step ends as the plan's: its results read, and freed, before the next
                 with recording.outside():
                     _read_results(run, p, pending)
@@ -127,7 +134,6 @@ def run_loop(run: LoopState, start_step: int) -> Progress:
             # What happens between steps (logging, evaluation, saves) is no part of a recorded step.
             with recording.outside() if recording is not None else contextlib.nullcontext():
                 bar.update(1)
-                last = p.step == cfg.max_steps
                 log_due, eval_due = p.step % cfg.log_interval == 0 or last, p.step % cfg.eval_interval == 0 or last
                 save_due = p.step % cfg.checkpoint_interval == 0 or last
                 # A signal may reach one rank only: all of them stop, and save, at the same step (checked where
@@ -140,14 +146,18 @@ def run_loop(run: LoopState, start_step: int) -> Progress:
                     if info.is_main and log_due and applied:
                         t_log = _log_metrics(run, p, lr, bar, t_log)
                 if eval_due:
+                    t_eval = time.perf_counter()
                     p.val_loss = evaluate(run.step_model, run.data, cfg, run.device, run.amp)
+                    run.length.timed("eval", time.perf_counter() - t_eval)
                     if run.metrics:
                         run.metrics.write({"step": p.step, "val_loss": p.val_loss})
                     log.info("step %d: train loss %.4f, val loss %.4f", p.step, p.loss, p.val_loss)
                 if save_due or stopping:
-                    p.checkpoint = _save(run, p.step) or p.checkpoint
+                    t_save = time.perf_counter()
+                    p.checkpoint = _save(run, p.step, deadline_reached=timed and last) or p.checkpoint
+                    run.length.timed("save", time.perf_counter() - t_save)
             if stopping:
-                p.interrupted = stop.signal or ("SIGNAL" if p.step < cfg.max_steps else None)
+                p.interrupted = stop.signal or ("SIGNAL" if not last else None)
                 log.warning("stopped by %s at step %d; resume with --resume latest", stop.signal or "a signal on another rank", p.step)
                 break
         finish_saves(run, p)
@@ -258,7 +268,7 @@ def _log_metrics(run: LoopState, p: Progress, lr: float, bar: tqdm, t_log: float
     return now
 
 
-def _save(run: LoopState, step: int) -> Path | None:
+def _save(run: LoopState, step: int, deadline_reached: bool = False) -> Path | None:
     """Write checkpoint ``step``; returns the newest checkpoint known to be written (a background save's is known
     at the next). Every rank's data position and RNG are gathered first (collectives every rank joins). One process
     writes its own; under torchrun every rank writes its shards (`dist_checkpoint`). A failed write stops every rank."""
@@ -267,7 +277,8 @@ def _save(run: LoopState, step: int) -> Path | None:
     rngs = dist_utils.gather_objects(info, rng_state(run.device))
     state = {"scaler": run.scaler.state_dict(), "rng": rngs[0], "rng_ranks": rngs}
     meta = {"config": to_dict(cfg), "sampler": samplers[0], "sampler_ranks": samplers, "world_size": info.world,
-            "data": {"dir": str(cfg.data.path), "tokenizer_sha256": run.data.tokenizer_sha256}}
+            "data": {"dir": str(cfg.data.path), "tokenizer_sha256": run.data.tokenizer_sha256},
+            "time_spent": run.length.spent_now(), "deadline_reached": deadline_reached}
     try:
         if run.saver is not None:
             return run.saver.save(step, run.model, run.optimizer, state, meta)

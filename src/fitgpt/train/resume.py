@@ -17,6 +17,7 @@ from fitgpt.model import ModelConfig
 from fitgpt.optim import optimizer_params
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as dist_utils
+from fitgpt.units import format_duration, parse_duration
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +53,24 @@ def resume_run(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, sc
         sampler.load_state_dict(samplers[dp_rank * ck_tp])
     set_rng_state(rngs[info.rank] if info.rank < len(rngs) else rngs[0], device)
     step = ck_meta["step"]
-    if step >= cfg.max_steps:
-        raise UserError(f"--resume {path}: the checkpoint is at step {step} and --max-steps is {cfg.max_steps}, so "
-                         "there is nothing to train; raise --max-steps to continue (nothing was changed)")
+    _check_left_to_train(path, step, ck_meta, cfg)
+    state["time_spent"] = float(ck_meta.get("time_spent") or 0.0)  # of a --time-budget (a run of steps: none)
     warn_changed_settings(ck_meta["config"], cfg)
     log.info("resumed from %s at step %d", path, step)
     return step, state
+
+
+def _check_left_to_train(path: Path, step: int, ck_meta: dict, cfg: TrainConfig) -> None:
+    """A resume with nothing left to train is refused, naming the setting to raise (nothing was changed)."""
+    if cfg.time_budget is None and step >= cfg.max_steps:
+        raise UserError(f"--resume {path}: the checkpoint is at step {step} and --max-steps is {cfg.max_steps}, so "
+                        "there is nothing to train; raise --max-steps to continue (nothing was changed)")
+    spent, budget = float(ck_meta.get("time_spent") or 0.0), ck_meta["config"].get("time_budget")
+    ended = ck_meta.get("deadline_reached") and budget and cfg.budget_seconds <= parse_duration(budget)
+    if cfg.time_budget is not None and (spent >= cfg.budget_seconds or ended):
+        raise UserError(f"--resume {path}: the run has spent {format_duration(spent)} of --time-budget "
+                        f"{cfg.time_budget}, so there is nothing to train; raise --time-budget to continue (nothing was "
+                        "changed)")
 
 
 def load_for_resume(path: Path, cfg: TrainConfig, model: nn.Module, tok_hash: str) -> tuple[dict, dict]:
@@ -101,7 +114,7 @@ def check_same_model(path: Path, saved: dict, cfg: TrainConfig) -> None:
 # the run then differs from the uninterrupted one (warned), and steps with the settings it logs.
 _ADAMW_MOMENTS = ("adamw", "adamw8bit", "adamw4bit")
 _STATE_FORM = ("optim.name", "optim.rank", "optim.update_proj_gap", "optim.proj_scale")
-_TRAJECTORY = ("batch_size", "grad_accum", "max_steps", "seed", "precision", "model.dropout", "data.dir") + tuple(
+_TRAJECTORY = ("batch_size", "grad_accum", "max_steps", "time_budget", "seed", "precision", "model.dropout", "data.dir") + tuple(
     f"optim.{f.name}" for f in dataclasses.fields(OptimConfig))
 
 

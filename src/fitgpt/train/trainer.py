@@ -30,6 +30,7 @@ from fitgpt.parallel import materialise, precision_roles
 from fitgpt.refusals import launch_refusal, meta_model_refusal
 from fitgpt.step import grad_scaler
 from fitgpt.train import distributed as dist_utils
+from fitgpt.train.deadline import run_length
 from fitgpt.train.dist_checkpoint import DistributedSaver, load_optimizer
 from fitgpt.train.loop import LoopState, TrainingError, run_loop, tokens_per_step
 from fitgpt.train.metrics import MetricsWriter, plot_loss_curve
@@ -52,13 +53,15 @@ from fitgpt.utils import DirLock
 log = logging.getLogger(__name__)
 
 
-def train(cfg: TrainConfig, planner: Planner | None = None) -> dict:
+def train(cfg: TrainConfig, planner: Planner | None = None, started: float | None = None) -> dict:
     """Train per cfg and return a summary (steps, losses, time, run directory).
 
     ``planner`` turns --activation-checkpointing auto into a plan for this device and process count (the CLI hands
     in the planner's ``plan_for``; the loop itself never imports the planner). Under torchrun every rank
-    runs this function; rank 0 alone logs, writes metrics and checkpoints.
+    runs this function; rank 0 alone logs, writes metrics and checkpoints. ``started`` (`time.perf_counter`'s clock):
+    when the run's time began, for --time-budget (the CLI's process start; default: now).
     """
+    started = time.perf_counter() if started is None else started  # a --time-budget counts from here
     info = dist_utils.init_distributed(cfg.device, cfg.dist_timeout)
     heartbeat = dist_utils.Heartbeat.start(info, on_stalled=lambda rank: _stop_stalled(info, rank))
     try:
@@ -70,7 +73,7 @@ def train(cfg: TrainConfig, planner: Planner | None = None) -> dict:
 
             # --resume auto is decided once, by rank 0 under the lock, for every rank.
             cfg = dataclasses.replace(cfg, resume=dist_utils.from_main(info, claim))
-            summary = _train(cfg, info, planner)
+            summary = _train(cfg, info, planner, started)
             dist_utils.leave_together(info)
             return summary
     except Exception as e:
@@ -135,7 +138,7 @@ def _check_launch(cfg: TrainConfig, info: dist_utils.DistInfo) -> None:
             raise UserError(why)
 
 
-def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None) -> dict:
+def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None, started: float) -> dict:
     device = dist_utils.local_device(info, resolve_device(cfg.device))
     dtype = autocast_dtype(cfg.precision, device)
     if not info.is_main:
@@ -190,8 +193,10 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
     amp_dtype, _ = precision_roles(dtype, cfg.parallel == "fsdp" and info.enabled)  # FSDP: pure half precision, no autocast
     saver = (DistributedSaver(info, cfg.run_dir, cfg.keep_last, cfg.background_saves(device.type), cfg.dist_timeout)
              if info.enabled else None)
+    state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights and two moments, about
+    length = run_length(cfg, info, device, started, state["time_spent"] if state else 0.0, state_bytes)
     run = LoopState(cfg, info, device, data, model, step_model, optimizer, scaler, sampler, autocast(device, amp_dtype), policy,
-                    planned, metrics, saver)
+                    planned, metrics, saver, length)
     t_start = time.perf_counter()
     try:
         with tensor_parallel.step_context(model):  # loss_parallel, over a head split on the vocabulary
@@ -210,7 +215,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None)
         "seconds": time.perf_counter() - t_start, "interrupted": progress.interrupted,
         "checkpoint": str(progress.checkpoint) if progress.checkpoint else None, "loss_png": str(png) if png else None,
         "activation_bytes": act and act.measured, "memory_plan": planned, "data_tokens": data.meta["train_tokens"],
-        "world_size": info.world, "rank": info.rank,
+        "world_size": info.world, "rank": info.rank, "time_spent": length.spent_now(),
     }
 
 
@@ -222,11 +227,12 @@ def _log_start(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, de
         layout = f", tensor parallel over {tp}" + (f", FSDP over {info.world // tp} x {tp}" if info.world > tp else "")
     log.info(
         "training %s (%.2fM params) on %s, %s, %d tokens/step (global batch %d = %d per micro-batch x %d accumulation x %d "
-        "process%s%s), %s, steps %d -> %d, run dir %s",
+        "process%s%s), %s, %s, run dir %s",
         cfg.preset, model.num_params() / 1e6, device, dtype or "fp32", tokens_per_step(cfg, info),
         cfg.batch_size * cfg.grad_accum * info.world // tp, cfg.batch_size, cfg.grad_accum, info.world // tp,
-        "es" if info.world // tp > 1 else "", layout, describe_optimizer(cfg.optim, device, model), start_step, cfg.max_steps,
-        cfg.run_dir,
+        "es" if info.world // tp > 1 else "", layout, describe_optimizer(cfg.optim, device, model),
+        f"steps {start_step} -> {cfg.max_steps}" if cfg.time_budget is None else
+        f"from step {start_step} for --time-budget {cfg.time_budget} (the learning rate over the time)", cfg.run_dir,
     )
     if device.type == "cuda":  # what the plan's replay should model: plan --alloc-conf, or the same environment
         log.info("CUDA caching allocator: %s", "expandable segments (expandable_segments:True)" if expandable_from()

@@ -1,0 +1,75 @@
+"""`fitgpt fit --time-budget 4m [--law law.json]`: which model the time buys, a row per depth, the pick last."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from fitgpt.command import train_command
+from fitgpt.data.loader import TokenData
+from fitgpt.data.prepare import ensure_prepared
+from fitgpt.errors import UserError
+from fitgpt.memory.tracker import round_up
+from fitgpt.plan.budget import PUBLISHED, budget_rows
+from fitgpt.scaling.law import read_law
+from fitgpt.units import format_bytes, format_count, format_duration, parse_duration
+
+
+def _data(cfg):
+    """The data's meta (prepared on first use, as training does), and the law checked against its tokenizer."""
+    data_cfg, meta = ensure_prepared(cfg.data, progress=False)
+    data = TokenData(data_cfg.path, meta)
+    law = read_law(cfg.law) if cfg.law else None
+    if law is not None and (law.data["tokenizer_sha256"] != data.tokenizer_sha256 or
+                            law.data["vocab_size"] != data.vocab_size):
+        raise UserError(f"--law {cfg.law} was fitted on data of another tokenizer (vocabulary {law.data['vocab_size']}) "
+                        f"than --data.dir {data_cfg.path} (vocabulary {data.vocab_size}): fit one on this data with "
+                        f"fitgpt ladder --data.dir {data_cfg.path}, or name its own data")
+    return data_cfg, data, law
+
+
+def time_budget(cfg) -> int:
+    seconds = parse_duration(cfg.time_budget)
+    data_cfg, data, law = _data(cfg)
+    unique = float(data.meta["train_tokens"])
+    # The law's points were trained in one precision: the rows train in it too (without a law, the fastest).
+    precision = law.recipe.get("precision", cfg.precision) if law and cfg.precision == "auto" else cfg.precision
+    w = cfg.workload.vary(model=dataclasses.replace(cfg.model, vocab_size=round_up(data.vocab_size, 64)),
+                          precision=precision)
+    w = dataclasses.replace(w, train=dataclasses.replace(w.train, data=data_cfg))
+    rows, pick = budget_rows(w, cfg.budget, seconds, law, unique)
+    if not rows:
+        raise UserError(f"not even depth 1 of the family fits --memory-budget {format_bytes(cfg.budget)} at batch "
+                        f"{w.train.batch_size} x {w.context}: lower --batch-size or --context")
+    if rows[pick].tokens < rows[pick].choice.tokens:
+        raise UserError(f"--time-budget {cfg.time_budget} trains no model of the family a single step after its start-up "
+                        f"(the fastest, depth {rows[0].depth}, takes {rows[0].choice.step_seconds:.1f}s a step): give it "
+                        "more time")
+    whose = (f"law {cfg.law} (fitted on this data: {len(law.points)} points, rms log residual {law.rms_residual:.3f}; "
+             "interval: its bootstrap's 5th to 95th percentile)" if law else
+             f"PUBLISHED coefficients (Hoffmann et al. 2022: E={PUBLISHED.E}, A={PUBLISHED.A}, alpha={PUBLISHED.alpha}, "
+             f"B={PUBLISHED.B}, beta={PUBLISHED.beta}), fitted on another corpus and tokenizer: their losses rank the "
+             "rows and mean nothing on their own; fit yours with fitgpt ladder")
+    print(f"What {format_duration(seconds)} of training buys on {w.where()} ({cfg.world_size or 1} process"
+          f"{'es' if (cfg.world_size or 1) > 1 else ''}), memory budget {format_bytes(cfg.budget)}, "
+          f"{w.train.batch_size * w.train.grad_accum} x {w.context} tokens a step, on {data_cfg.path} "
+          f"({unique:,.0f} unique tokens); the loss from the {whose}:\n")
+    print("| # | depth x width | parameters | micro-batch x accum | precision | parallel | checkpointing | peak | "
+          "tokens/s | tokens | epochs | predicted loss |")
+    print("|---:|---|---:|---|---|---|---|---:|---:|---:|---:|---|")
+    for i, r in enumerate(rows):
+        c = r.choice
+        interval = f" ({r.low:.3f} to {r.high:.3f})" if law else " (published law)"
+        print(f"| {i}{' pick' if i == pick else ''} | {r.depth} x {r.depth * 64} | {format_count(r.n_params)} | "
+              f"{c.micro_batch} x {c.grad_accum} | {c.precision} | {c.layout.name} | `{c.policy}` | {format_bytes(c.peak)} | "
+              f"{c.tokens_per_s:,.0f} | {format_count(r.tokens)} | {r.epochs:.2f} | {r.loss:.3f}{interval} |")
+    commands = [train_command(dataclasses.replace(r.train, time_budget=cfg.time_budget), cfg.world_size or 1)
+                for r in rows]
+    print(f"\n(parameters: the blocks', as the law counts them; tokens: the time after a start-up, its evaluations "
+          f"included, at the predicted tokens/s; epochs of {unique:,.0f} unique tokens, repeats counted as Muennighoff "
+          f"et al. 2023; time model: {getattr(w.cost, 'source', 'the roofline')})")
+    for i, command in enumerate(commands):
+        print(f"{'pick' if i == pick else f'row {i}'}: {command}")
+    print(json.dumps({"rows": [r.as_json(command) for r, command in zip(rows, commands)], "pick": pick,
+                      "law": cfg.law or "published", "time_budget_seconds": seconds, "memory_budget": cfg.budget}))
+    return 0

@@ -1,0 +1,95 @@
+"""`fitgpt ladder --time-budget 8m`: train a ladder of small models on your data, fit the scaling law, write law.json
+and law.png."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import tyro
+
+from fitgpt.config import load_config, load_config_named_in, to_dict
+from fitgpt.data.config import DataConfig
+from fitgpt.errors import UserError, require_not_empty
+from fitgpt.units import format_duration, parse_duration
+from fitgpt.utils import writable_dir
+
+
+@dataclass
+class LadderConfig:
+    """Train the family of shapes set by depth (width 64 a block) at each of --depths on your data, within
+    --time-budget, and fit the scaling law L(N, D) = E + A/N^alpha + B/D^beta through their losses."""
+
+    time_budget: Optional[str] = None
+    """How long the whole ladder may take, fit included, e.g. 8m, 1h."""
+    out: str = "law.json"
+    """The law file to write (its picture beside it, with .png)."""
+    depths: tuple[int, ...] = (1, 2, 3, 4, 5)
+    """The family's depths to train (width 64 x depth): at least two sizes, three points each where the budget allows."""
+    work_dir: str = "runs/ladder"
+    """Where the ladder's runs go, a run directory each (their checkpoints, metrics and logs: the points' evidence)."""
+    overwrite: bool = False
+    """Replace an earlier ladder's runs in --work-dir and its --out."""
+    preset: str = "tiny"
+    """The recipe each rung trains with (batch, context, learning rate, warmup, optimizer, architecture)."""
+    config: Optional[str] = None
+    """A JSON config file (for example a run's config.json) applied over the preset, as for fitgpt train."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The data, as fitgpt train takes it (--data.dir: your prepared data; prepared on first use)."""
+    eval_batches: int = 20
+    """Validation batches behind each point's loss (the same windows for every point)."""
+    seed: int = 1337
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        require_not_empty(self, ("time_budget", "out", "work_dir", "preset", "config", "device"))
+        if self.time_budget is None:
+            raise UserError("--time-budget is required: how long the ladder may take, e.g. --time-budget 8m")
+        parse_duration(self.time_budget)
+        if len(set(self.depths)) < 2 or min(self.depths) < 1:
+            raise UserError(f"--depths {' '.join(map(str, self.depths))}: give at least two different depths of 1 or more")
+        if self.eval_batches < 1:
+            raise UserError("--eval-batches must be at least 1")
+        out = Path(self.out)
+        if out.is_dir() or out.suffix != ".json":
+            raise UserError(f"--out {self.out}: name a .json file, e.g. law.json")
+        if (out.exists() or out.with_suffix(".png").exists()) and not self.overwrite:
+            raise UserError(f"--out {self.out} exists: add --overwrite to replace it (and its .png), or name another file")
+        writable_dir(out.parent if str(out.parent) else Path("."), "--out")
+
+
+def run(args: list[str]) -> int:
+    base = load_config_named_in(args)
+    default = LadderConfig.__new__(LadderConfig)
+    for f in dataclasses.fields(LadderConfig):
+        setattr(default, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+    default.preset, default.config, default.data = base.preset, base.config, base.data
+    cfg = tyro.cli(LadderConfig, default=default, args=args, prog="fitgpt ladder")
+    train_cfg = load_config(cfg.preset, cfg.config, {"data": dataclasses.asdict(cfg.data) | {"inputs": list(cfg.data.inputs)},
+                                                     "eval_batches": cfg.eval_batches, "seed": cfg.seed,
+                                                     "device": cfg.device})
+    from fitgpt.scaling.ladder import run_ladder
+    from fitgpt.scaling.picture import draw_law
+
+    budget = parse_duration(cfg.time_budget)
+    law = run_ladder(train_cfg, budget, tuple(sorted(set(cfg.depths))), Path(cfg.work_dir), cfg.overwrite)
+    out = Path(cfg.out)
+    law.write(out)
+    png = draw_law(law, out.with_suffix(".png"))
+    c = law.coefficients
+    print("| depth | parameters (non-embedding) | tokens | val loss | law | residual (log) | how |\n|---:|---:|---:|---:|---:|---:|---|")
+    for p, r in zip(law.points, law.residuals):
+        predicted = law.predict(p["n_params"], p["tokens"])[0]
+        print(f"| {p['depth']} | {p['n_params']:,} | {p['tokens']:,} | {p['val_loss']:.4f} | {predicted:.4f} | {r:+.4f} | {p['how']} |")
+    print(f"\nlaw: L = {c.E:.3f} + {c.A:.4g} / N^{c.alpha:.3f} + {c.B:.4g} / D^{c.beta:.3f}, fitted on {len(law.points)} "
+          f"points (rms log residual {law.rms_residual:.4f}; {len(law.bootstrap)} bootstrap refits), on "
+          f"{law.data['dir']} (vocabulary {law.data['vocab_size']}, {law.data['unique_tokens']:,} unique tokens) "
+          f"in {format_duration(budget)}")
+    print(f"wrote {out}" + (f" and {png}" if png else " (no picture: matplotlib is not installed)")
+          + f"; use it: fitgpt fit --law {out} --time-budget 4m --data.dir {law.data['dir']}")
+    print(json.dumps({"law": str(out), "coefficients": dataclasses.asdict(c), "points": len(law.points),
+                      "rms_log_residual": law.rms_residual, "config": to_dict(train_cfg)["data"]}))
+    return 0

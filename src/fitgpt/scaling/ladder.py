@@ -1,0 +1,171 @@
+"""`fitgpt ladder`: a ladder of small models of one family (`family`), trained on the user's data within a time budget,
+and the scaling law fitted through their losses (`law`).
+
+Each depth trains once under warmup-stable-decay (WSD): the learning rate held after the warmup, then decayed over
+the run's last fifth. Its stable part is the same whatever the run's length, so a checkpoint taken there and trained
+on through a cooldown of its own (a fifth of the branch) is the shorter run's end: Hägele et al. (2024) find such
+cooldowns give the loss a run of that length would (cosine's, too). Each depth gives three points for about 1.2 times
+one run's compute: its end, and two branches from a quarter and a half of it (where they are past the warmup). The
+depths share the budget equally (about equal compute each: the smaller ones see more tokens), each share set anew
+from the time left once the depth before has run, at the throughput measured for it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fitgpt.config import TrainConfig
+from fitgpt.data.loader import TokenData
+from fitgpt.data.prepare import ensure_prepared
+from fitgpt.device import autocast, autocast_dtype, resolve_device
+from fitgpt.errors import UserError
+from fitgpt.memory.tracker import round_up
+from fitgpt.optim import build_optimizer
+from fitgpt.scaling.family import non_embedding_params, shape
+from fitgpt.scaling.law import Law, fit_law
+from fitgpt.step import grad_scaler, train_step
+from fitgpt.train.trainer import train
+
+log = logging.getLogger(__name__)
+
+BRANCHES = (0.25, 0.5)
+"""Where along each depth's run a cooldown branches off (fractions of its steps)."""
+FIT_RESERVE = 0.06
+"""The budget's share kept for the fit, its bootstrap and the picture."""
+OVERHEAD = 1.3
+"""Wall seconds per second of a depth's steps (its runs' setup, evaluations and saves), until one depth measures it."""
+
+
+@dataclass
+class Rung:
+    depth: int
+    n_params: int
+    tokens_per_s: float
+    steps: int
+
+
+def _quiet() -> None:
+    for name in ("fitgpt.train", "fitgpt.data", "fitgpt.activation_checkpoint"):
+        logging.getLogger(name).setLevel(logging.ERROR)  # a branch's changed --max-steps is its design
+
+
+def measure_throughput(cfg: TrainConfig, steps: int = 3) -> float:
+    """Tokens a second of ``cfg``'s training step on its device, the median of ``steps`` after a warm-up (a real
+    model, optimizer and step: what the ladder's runs will do, without a run directory)."""
+    from fitgpt.model import Transformer
+
+    device = resolve_device(cfg.device)
+    dtype = autocast_dtype(cfg.precision, device)
+    torch.manual_seed(cfg.seed)
+    model = Transformer(cfg.model).to(device)
+    optimizer = build_optimizer(model, cfg.optim, device)
+    g = torch.Generator().manual_seed(cfg.seed)
+    idx = torch.randint(0, cfg.model.vocab_size, (cfg.grad_accum, cfg.batch_size, cfg.model.context_length + 1),
+                        generator=g).to(device)
+    batches = [(idx[i, :, :-1], idx[i, :, 1:]) for i in range(cfg.grad_accum)]
+    kw = {"amp": autocast(device, dtype), "scaler": grad_scaler(device, dtype), "grad_clip": cfg.optim.grad_clip}
+    seconds = []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        result = train_step(model, optimizer, batches, **kw)
+        result.loss.item()  # the device's queue drained
+        seconds.append(time.perf_counter() - t0)
+    seconds = sorted(seconds[1:])
+    return cfg.batch_size * cfg.grad_accum * cfg.model.context_length / seconds[len(seconds) // 2]
+
+
+def _branch(main: Path, step: int, out: Path, cfg: TrainConfig, overwrite: bool) -> dict:
+    """From checkpoint ``step`` of the run in ``main``: a run of its own in ``out`` that cools down over a fifth of its
+    length (its --max-steps, so that the checkpoint's step is where the decay begins)."""
+    if out.exists() and overwrite:
+        shutil.rmtree(out)
+    (out / "checkpoints").mkdir(parents=True)
+    name = f"step_{step:08d}"
+    shutil.copytree(main / "checkpoints" / name, out / "checkpoints" / name)
+    for f in ("config.json", "tokenizer.json"):
+        shutil.copyfile(main / f, out / f)
+    steps = round(step / (1 - cfg.optim.cooldown))
+    return train(dataclasses.replace(cfg, out_dir=str(out), max_steps=steps, resume="latest", overwrite=False))
+
+
+def run_ladder(base: TrainConfig, budget: float, depths: tuple[int, ...], work: Path, overwrite: bool) -> Law:
+    """Train the ladder of ``depths`` on ``base``'s data and recipe (its schedule made WSD) within ``budget``
+    seconds, in run directories under ``work``, and fit the law through its points."""
+    started = time.perf_counter()
+    if work.exists() and any(work.iterdir()) and not overwrite:
+        raise UserError(f"--work-dir {work} holds an earlier ladder's runs: add --overwrite to replace them, or name "
+                        "another --work-dir")
+    data_cfg, meta = ensure_prepared(base.data, progress=False)
+    data = TokenData(data_cfg.path, meta)
+    data.check_context(base.model.context_length)
+    model = dataclasses.replace(base.model, vocab_size=round_up(data.vocab_size, 64))
+    recipe = dataclasses.replace(base, data=data_cfg, model=model, optim=dataclasses.replace(base.optim, schedule="wsd"),
+                                 time_budget=None, eval_interval=10**9, log_interval=10**9, progress=False,
+                                 tensorboard=False, activation_checkpointing="none", keep_last=len(BRANCHES) + 3)
+    _quiet()
+    tokens_per_step = recipe.batch_size * recipe.grad_accum * model.context_length
+    branching = sum(BRANCHES) * recipe.optim.cooldown / (1 - recipe.optim.cooldown)  # the branches' extra steps
+    points, rungs, overhead = [], [], OVERHEAD
+    order = sorted(depths, reverse=True)  # the largest first: the smallest, last, absorb what the timing missed
+    for i, depth in enumerate(order):
+        t_depth = time.perf_counter()
+        cfg = dataclasses.replace(recipe, model=shape(depth, model))
+        tps = measure_throughput(cfg)
+        share = (budget * (1 - FIT_RESERVE) - (t_depth - started)) / (len(order) - i)
+        steps = 4 * int(share / overhead / (1 + branching) * tps / tokens_per_step / 4)  # checkpoints at each quarter
+        if steps < 8:
+            raise UserError(f"--time-budget {budget:.0f}s leaves depth {depth} {share:.1f}s, under 8 steps at the "
+                            f"{tps:,.0f} tokens/s measured: give the ladder more time, or fewer or smaller --depths "
+                            f"(the runs so far are in {work})")
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, warmup_steps=warmup_for(cfg, steps)))
+        rung = Rung(depth, non_embedding_params(cfg.model), tps, steps)
+        rungs.append(rung)
+        points += _rung_points(rung, cfg, work, overwrite, tokens_per_step)
+        # Wall seconds per second of the steps' own compute (setup, evaluation, saves): the next depths' shares.
+        overhead = (time.perf_counter() - t_depth) / (steps * (1 + branching) * tokens_per_step / tps)
+        log.info("depth %d (%s parameters): %d steps at %.0f tokens/s, %d points, %.2fx the steps' time; %.0fs of %.0fs "
+                 "spent", depth, f"{rung.n_params:,}", steps, tps, sum(p["depth"] == depth for p in points), overhead,
+                 time.perf_counter() - started, budget)
+    info = {"tokenizer_sha256": data.tokenizer_sha256, "vocab_size": data.vocab_size, "unique_tokens":
+            int(meta["train_tokens"]), "dir": str(data_cfg.path)}
+    device = resolve_device(recipe.device)
+    dtype = autocast_dtype(recipe.precision, device)
+    how = {"family": "n_embed = 64 x depth, heads of 64", "arch": model.arch, "device": device.type,
+           "precision": {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"), "context": model.context_length,
+           "batch_size": recipe.batch_size, "grad_accum": recipe.grad_accum, "optimizer": recipe.optim.name,
+           "lr": recipe.optim.lr, "min_lr": recipe.optim.min_lr, "warmup_steps": f"min({recipe.optim.warmup_steps}, a tenth of the run)",
+           "schedule": f"wsd, cooldown {recipe.optim.cooldown}", "preset": recipe.preset, "seed": recipe.seed,
+           "eval_batches": recipe.eval_batches, "budget_seconds": budget,
+           "rungs": [dataclasses.asdict(r) for r in rungs]}
+    return fit_law(points, info, how)
+
+
+def warmup_for(cfg: TrainConfig, steps: int) -> int:
+    """The recipe's warmup, at most a tenth of a run of ``steps`` (a short run would otherwise be mostly warmup, and
+    leave no stable learning rate to branch from)."""
+    return max(1, min(cfg.optim.warmup_steps, steps // 10))
+
+
+def _rung_points(rung: Rung, cfg: TrainConfig, work: Path, overwrite: bool, tokens_per_step: int) -> list[dict]:
+    """One depth's run and its cooldown branches from a quarter and a half of it: a point each."""
+    quarter = rung.steps // 4
+    main = work / f"depth{rung.depth}"
+    run_cfg = dataclasses.replace(cfg, out_dir=str(main), max_steps=rung.steps, checkpoint_interval=quarter,
+                                  overwrite=overwrite and main.exists())
+    points = [_point(rung, rung.steps, tokens_per_step, train(run_cfg), "end")]
+    for f in BRANCHES:
+        at = round(f * 4) * quarter
+        summary = _branch(main, at, work / f"depth{rung.depth}-from{at}", run_cfg, overwrite)
+        points.append(_point(rung, summary["steps"], tokens_per_step, summary, f"cooldown from step {at}"))
+    return points
+
+
+def _point(rung: Rung, steps: int, tokens_per_step: int, summary: dict, how: str) -> dict:
+    return {"depth": rung.depth, "n_params": rung.n_params, "tokens": steps * tokens_per_step,
+            "val_loss": summary["val_loss"], "run": summary["run_dir"], "how": how}

@@ -1,0 +1,144 @@
+"""The model a budget buys (issue 56): durations, the learning rate over a run of steps or of time, a run that ends on
+its deadline and resumes counting the time spent, the law fitted and read back, the ladder, and fit --time-budget."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from test_doors import one_line, run_cli
+
+from fitgpt.config import OptimConfig
+from fitgpt.errors import UserError
+from fitgpt.optim import lr_at
+from fitgpt.scaling.law import R_STAR, Coefficients, effective_tokens, fit_law, read_law
+from fitgpt.train.deadline import Deadline
+from fitgpt.train.distributed import DistInfo
+from fitgpt.train.trainer import train
+from fitgpt.units import parse_duration
+
+
+def test_durations_parse_as_people_write_them():
+    assert [parse_duration(t) for t in ("90s", "8m", "3h", "7d", "1h30m", "45", "1.5h")] == [
+        90, 480, 10800, 604800, 5400, 45, 5400]
+    for bad in ("", "x", "8mm", "m", "-3m", "1h1h", "3 h 2", "nan", "1e3"):
+        with pytest.raises(UserError, match="--time-budget .* is not a duration"):
+            parse_duration(bad)
+    with pytest.raises(UserError, match="must be positive"):
+        parse_duration("0s")
+
+
+def test_wsd_holds_the_learning_rate_whatever_the_runs_length_then_cools_down_linearly():
+    """The ladder's branches rest on it: a checkpoint in the stable part is the same step of any longer run."""
+    cfg = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=10, schedule="wsd", cooldown=0.2)
+    assert lr_at(4, cfg, 100) == pytest.approx(5e-3)
+    assert all(lr_at(s, cfg, 100) == lr_at(s, cfg, 1000) == 1e-2 for s in range(10, 80))
+    assert lr_at(90, cfg, 100) == pytest.approx(1e-3 + 9e-3 * 0.5)
+    assert lr_at(100, cfg, 100) == pytest.approx(1e-3)
+    # Over a time budget: by the share of the time spent.
+    assert lr_at(50, cfg, fraction=0.5) == 1e-2 and lr_at(50, cfg, fraction=0.9) == pytest.approx(5.5e-3)
+    cosine = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=10)
+    assert lr_at(55, cosine, 100) == pytest.approx(1e-3 + 0.5 * (1 + math.cos(math.pi * 0.5)) * 9e-3)
+    assert lr_at(10, cosine, fraction=1.0) == pytest.approx(1e-3)
+    with pytest.raises(UserError, match="--optim.cooldown"):
+        OptimConfig(cooldown=0.5)
+
+
+def test_a_deadline_leaves_room_for_the_last_step_evaluation_and_checkpoint():
+    """On a clock that moves 1 s a step: the run ends at the step after which another, the evaluation (as it was
+    timed) and the checkpoint would pass the budget."""
+    now = [0.0]
+    d = Deadline(budget=20.0, spent_before=3.0, started=0.0, info=DistInfo(), device=None, eval_steps=1.0,
+                 save_seconds=2.0, clock=lambda: now[0])
+    ends = []
+    for step in range(1, 30):
+        now[0] += 1.0
+        ends.append(d.last(step))
+        if ends[-1]:
+            break
+    # After step k: spent 3 + k; another step (1 s), an evaluation (1 step: 1 s) and the save (2 s) need 4 s.
+    assert len(ends) == 14 and ends[-1] and not any(ends[:-1])
+    d.timed("eval", 5.0)  # a measured evaluation replaces the estimate
+    assert d.last(15) and d.spent() == 17.0
+
+
+def _meta(run):
+    return json.loads(sorted((run / "checkpoints").glob("step_*/meta.json"))[-1].read_text())
+
+
+def test_a_run_of_a_time_budget_ends_with_its_last_evaluation_and_checkpoint_and_resumes_counting_its_time(
+        make_cfg, tmp_path):
+    run = tmp_path / "run"
+    cfg = make_cfg(run, time_budget="4s", max_steps=10**6, eval_interval=10**6, checkpoint_interval=10**6,
+                   optim={"schedule": "wsd"})
+    summary = train(cfg)
+    assert summary["steps"] > 1 and summary["val_loss"] is not None
+    assert summary["checkpoint"].endswith(f"step_{summary['steps']:08d}")
+    spent = _meta(run)["time_spent"]
+    assert 0 < spent <= summary["time_spent"]
+    lrs = [m["lr"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "lr" in m]
+    assert lrs[-1] < cfg.optim.lr  # cooled down by the deadline
+    with pytest.raises(UserError, match=r"spent .* of --time-budget 4s, so there is nothing to train; raise --time-budget"):
+        train(make_cfg(run, time_budget="4s", resume="latest"))
+    again = train(make_cfg(run, time_budget="6s", max_steps=10**6, eval_interval=10**6, checkpoint_interval=10**6,
+                           optim={"schedule": "wsd"}, resume="latest"))
+    assert again["steps"] > summary["steps"] and again["time_spent"] > spent
+
+
+@pytest.mark.parametrize("args,needle", [(["--time-budget", "4m", "--max-steps", "10"], "drop one of them"),
+                                         (["--time-budget", "soon"], "--time-budget 'soon' is not a duration")])
+def test_train_refuses_a_time_budget_it_cannot_keep(args, needle, capsys, tmp_path):
+    code, err = run_cli(["train", "--out-dir", str(tmp_path / "run"), *args], capsys)
+    assert code == 2 and one_line(err) and needle in err
+    assert not (tmp_path / "run").exists()
+
+
+TRUE = Coefficients(E=1.8, A=60.0, alpha=0.35, B=400.0, beta=0.3)
+DATA = {"unique_tokens": 10**7, "tokenizer_sha256": "abc", "vocab_size": 512, "dir": "data"}
+
+
+def _points(noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"n_params": n, "tokens": d, "val_loss": float(TRUE.loss(n, d) * math.exp(rng.normal(0, noise) if noise else 0))}
+            for n in (5e4, 4e5, 1.3e6, 3e6) for d in (2e5, 5e5, 1.2e6)]
+
+
+def test_repeated_tokens_count_as_muennighoffs_law_says():
+    assert effective_tokens(5e6, 1e7) == 5e6
+    assert effective_tokens(2e7, 1e7) == pytest.approx(1e7 + 1e7 * R_STAR * (1 - math.exp(-1 / R_STAR)))
+    assert effective_tokens(1e9, 1e7) < 1e7 * (1 + R_STAR)  # never more than R* epochs' worth
+
+
+def test_the_law_is_fitted_through_its_points_and_read_back_exactly(tmp_path):
+    law = fit_law(_points(), DATA, {"precision": "fp32"}, resamples=20)
+    assert law.rms_residual < 1e-4  # exact points: the Huber fit finds a law through them
+    for p in _points():
+        assert law.predict(p["n_params"], p["tokens"])[0] == pytest.approx(p["val_loss"], rel=1e-3)
+    law.write(tmp_path / "law.json")
+    back = read_law(tmp_path / "law.json")
+    assert back.coefficients == law.coefficients and back.bootstrap == law.bootstrap and back.data == DATA
+    noisy = fit_law(_points(noise=0.02), DATA, {}, resamples=50)
+    loss, low, high = noisy.predict(1e6, 1e6)
+    assert low <= loss <= high and high - low > 0  # the bootstrap's interval
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda d: "{not json", "not a valid law file"),
+    (lambda d: {**d, "version": 99}, "not a law file of this fitgpt"),
+    (lambda d: {**d, "coefficients": {**d["coefficients"], "A": -1.0}}, "must be positive"),
+    (lambda d: {**d, "coefficients": {**d["coefficients"], "E": "__import__('os')"}}, "coefficients.E is not a finite number"),
+    (lambda d: {**d, "data": {**d["data"], "tokenizer_sha256": None}}, "tokenizer_sha256"),
+    (lambda d: {**d, "residuals": []}, "one length"),
+])
+def test_a_corrupt_or_hand_edited_law_is_one_line_naming_the_file(tmp_path, edit, needle):
+    law = fit_law(_points(), DATA, {}, resamples=2)
+    law.write(tmp_path / "law.json")
+    edited = edit(json.loads((tmp_path / "law.json").read_text()))
+    (tmp_path / "law.json").write_text(edited if isinstance(edited, str) else json.dumps(edited))
+    with pytest.raises(UserError, match=rf"--law {tmp_path / 'law.json'}: .*{needle}"):
+        read_law(tmp_path / "law.json")
+
+
+def test_too_few_points_for_a_law_is_one_line():
+    with pytest.raises(UserError, match="at least 6 points"):
+        fit_law(_points()[:5], DATA, {})

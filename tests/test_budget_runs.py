@@ -1,0 +1,89 @@
+"""The model a budget buys, end to end (issue 56): a ladder trained and its law fitted on the tests' data, and fit
+--time-budget reading a law and printing a row per depth, the pick the least predicted loss."""
+
+import dataclasses
+import json
+import shlex
+
+import pytest
+from test_budget import TRUE
+from test_doors import one_line, run_cli
+
+from fitgpt.cli import main
+from fitgpt.cli.train import parse
+from fitgpt.data.loader import TokenData
+from fitgpt.errors import UserError
+from fitgpt.plan.budget import STARTUP_SECONDS
+from fitgpt.scaling.family import non_embedding_params, shape
+from fitgpt.scaling.ladder import run_ladder
+from fitgpt.scaling.law import fit_law, read_law
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_ladder_gives_three_points_a_depth_each_its_runs_loss_and_fits_a_law_through_them(make_cfg, tmp_path):
+    base = make_cfg(tmp_path / "unused", eval_batches=4)
+    work = tmp_path / "ladder"
+    law = run_ladder(base, 30.0, (1, 2), work, overwrite=False)
+    assert len(law.points) == 6 and {p["depth"] for p in law.points} == {1, 2}
+    tokens_per_step = base.batch_size * base.model.context_length
+    for p in law.points:
+        assert p["n_params"] == non_embedding_params(shape(p["depth"], dataclasses.replace(base.model, vocab_size=512)))
+        metrics = [json.loads(line) for line in open(f"{p['run']}/metrics.jsonl")]
+        last = [m for m in metrics if "val_loss" in m][-1]
+        assert last["val_loss"] == p["val_loss"] and last["step"] * tokens_per_step == p["tokens"]
+        if p["how"] != "end":  # a cooldown over a fifth of the branch: from step s to s / 0.8
+            start = int(p["how"].rsplit(" ", 1)[1])
+            assert last["step"] == round(start / 0.8)
+    assert law.data["tokenizer_sha256"] == TokenData(base.data.path).tokenizer_sha256
+    law.write(tmp_path / "law.json")
+    assert read_law(tmp_path / "law.json").points == law.points
+    with pytest.raises(UserError, match="--work-dir .* holds an earlier ladder's runs: add --overwrite"):
+        run_ladder(base, 30.0, (1, 2), work, overwrite=False)
+
+
+@pytest.fixture
+def law_of(data_dir, tmp_path):
+    """A law file of TRUE's coefficients for the tests' data (or another tokenizer's, ``sha``)."""
+    def make(sha=None):
+        data = TokenData(data_dir)
+        meta = data.meta
+        points = [{"n_params": n, "tokens": d, "val_loss": float(TRUE.loss(n, d))} for n in (5e4, 4e5, 1.3e6, 3e6)
+                  for d in (2e5, 5e5, 1.2e6)]
+        law = fit_law(points, {"tokenizer_sha256": sha or data.tokenizer_sha256, "vocab_size": data.vocab_size,
+                               "unique_tokens": int(meta["train_tokens"]), "dir": str(data_dir)}, {"precision": "fp32"},
+                      resamples=10)
+        law.write(tmp_path / "law.json")
+        return str(tmp_path / "law.json")
+    return make
+
+
+def test_fit_time_budget_prints_a_row_per_depth_the_pick_the_least_loss_and_commands_that_train_them(
+        law_of, data_dir, capsys):
+    law = law_of()
+    capsys.readouterr()
+    assert main(["fit", "--time-budget", "2m", "--law", law, "--data.dir", str(data_dir), "--batch-size", "4",
+                 "--context", "32", "--memory-budget", "2GiB"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows, pick = result["rows"], result["pick"]
+    losses = [r["predicted_loss"] for r in rows]
+    assert pick == losses.index(min(losses)) and result["law"] == law
+    assert [r["depth"] for r in rows] == list(range(1, len(rows) + 1))
+    assert rows[-1]["params"] >= 8 * rows[pick]["params"] and rows[0]["depth"] == 1
+    for r in rows:
+        assert r["loss_low"] <= r["predicted_loss"] <= r["loss_high"]
+        assert r["tokens"] == pytest.approx(r["tokens_per_s"] * (120 - STARTUP_SECONDS) / (1 + 10 / (3 * 100)), abs=1)
+        command = shlex.split(r["command"])
+        assert command[:2] == ["fitgpt", "train"] and "--time-budget" in command
+        cfg = parse(command[2:])
+        assert (cfg.model.n_blocks, cfg.model.n_embed, cfg.time_budget, cfg.optim.schedule) == (
+            r["depth"], 64 * r["depth"], "2m", "wsd")
+        assert cfg.batch_size * cfg.grad_accum == 4 and cfg.precision == "fp32"  # the law's recipe's precision
+
+
+def test_fit_refuses_a_law_of_another_tokenizer(law_of, data_dir, capsys):
+    code, err = run_cli(["fit", "--time-budget", "2m", "--law", law_of(sha="other"), "--data.dir", str(data_dir),
+                         "--memory-budget", "1GiB"], capsys)
+    assert code == 2 and one_line(err) and "was fitted on data of another tokenizer" in err
+
+
