@@ -142,3 +142,29 @@ def test_a_corrupt_or_hand_edited_law_is_one_line_naming_the_file(tmp_path, edit
 def test_too_few_points_for_a_law_is_one_line():
     with pytest.raises(UserError, match="at least 6 points"):
         fit_law(_points()[:5], DATA, {})
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["fit", "--time-budget", "3s", "--memory-budget", "1GiB"], "is spent before a run's first step"),
+    (["fit", "--law", "law.json", "--memory-budget", "1GiB"], "--law predicts the loss of the rows of --time-budget"),
+    (["fit", "--time-budget", "4m", "--largest-model"], "drop one of them"),
+    (["fit", "--time-budget", "a week", "--memory-budget", "1GiB"], "is not a duration"),
+    (["ladder"], "--time-budget is required"),
+    (["ladder", "--time-budget", "8m", "--depths", "3"], "at least two different depths"),
+    (["ladder", "--time-budget", "8m", "--out", "law.txt"], "name a .json file"),
+])
+def test_fit_and_ladder_refuse_a_budget_they_cannot_answer_in_one_line(args, needle, data_dir, capsys):
+    code, err = run_cli([*args, "--data.dir", str(data_dir)], capsys)
+    assert code == 2 and one_line(err) and needle in err, err
+
+
+def test_a_ladder_never_writes_over_a_law_or_an_earlier_ladder(data_dir, tmp_path, capsys):
+    (tmp_path / "law.json").write_text("{}")
+    code, err = run_cli(["ladder", "--time-budget", "8m", "--out", str(tmp_path / "law.json"), "--data.dir", str(data_dir)],
+                        capsys)
+    assert code == 2 and "exists: add --overwrite" in err and (tmp_path / "law.json").read_text() == "{}"
+    (tmp_path / "ladder").mkdir()
+    (tmp_path / "ladder" / "mine.txt").write_text("keep")
+    code, err = run_cli(["ladder", "--time-budget", "8m", "--out", str(tmp_path / "new.json"), "--work-dir",
+                         str(tmp_path / "ladder"), "--data.dir", str(data_dir)], capsys)
+    assert code == 2 and "holds an earlier ladder's runs" in err and (tmp_path / "ladder" / "mine.txt").exists()

@@ -354,3 +354,17 @@ def test_fsdp_cpu_offload_trains_exactly_as_fsdp(data_dir, corpus_dir, tmp_path,
         runs[name] = json.loads(out.strip().splitlines()[-1])
     assert runs["offload"]["train_loss"] == runs["plain"]["train_loss"]
     assert runs["offload"]["val_loss"] == runs["plain"]["val_loss"]
+
+
+@pytest.mark.slow
+def test_a_time_budget_under_torchrun_ends_every_rank_at_one_step(ranks, data_dir, corpus_dir, tmp_path):
+    """The ranks decide on the largest of their clocks: they stop after the same step (one that stopped alone would
+    leave the others waiting in a collective) and step with the same learning rate, and the last checkpoint is it."""
+    flags = train_flags(data_dir, corpus_dir, tmp_path / "run", 1, "--parallel", "fsdp", "--optim.schedule", "wsd")
+    at = flags.index("--max-steps")
+    flags[at:at + 2] = ["--time-budget", "10s"]
+    out, _ = ranks(2).cli(flags)
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] > 3 and summary["checkpoint"].endswith(f"step_{summary['steps']:08d}")
+    meta = json.loads((Path(summary["checkpoint"]) / "meta.json").read_text())
+    assert meta["deadline_reached"] and meta["time_spent"] > 0

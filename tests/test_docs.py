@@ -21,7 +21,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benc
 
 CONFIGS = {"train": "fitgpt.config:TrainConfig", "prepare": "fitgpt.cli.prepare:PrepareConfig",
            "generate": "fitgpt.cli.generate:GenerateConfig", "export": "fitgpt.cli.export:ExportConfig",
-           "bench": "fitgpt.cli.bench:BenchConfig", "plan": "fitgpt.cli.plan:PlanConfig", "fit": "fitgpt.cli.fit:FitConfig"}
+           "bench": "fitgpt.cli.bench:BenchConfig", "plan": "fitgpt.cli.plan:PlanConfig", "fit": "fitgpt.cli.fit:FitConfig",
+           "ladder": "fitgpt.cli.ladder:LadderConfig"}
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*([:.][A-Za-z0-9_]*)?$")  # FILE, DIR, N, X, HOST:29500, ...
 
 

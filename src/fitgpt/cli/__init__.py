@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import traceback
 
 COMMANDS = {
@@ -31,7 +32,21 @@ def setup_logging(verbose: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+_started: float | None = None  # when the running command began
+
+
+def command_started() -> float:
+    """When the running command began (`time.perf_counter`'s clock): the process's start for the command line's
+    (`fitgpt ...`, `python -m fitgpt ...`: the interpreter and the imports count, so that `train --time-budget` keeps
+    to the wall clock), the call of ``main(argv)`` for a program's (a test's, a notebook's)."""
+    return time.perf_counter() if _started is None else _started
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _started
+    from fitgpt.utils import process_age
+
+    _started = time.perf_counter() - (process_age() if argv is None else 0.0)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())

@@ -8,6 +8,7 @@ import json
 from fitgpt.command import train_command
 from fitgpt.data.loader import TokenData
 from fitgpt.data.prepare import ensure_prepared
+from fitgpt.device import resolve_device
 from fitgpt.errors import UserError
 from fitgpt.memory.tracker import round_up
 from fitgpt.plan.budget import PUBLISHED, budget_rows
@@ -37,14 +38,13 @@ def time_budget(cfg) -> int:
     w = cfg.workload.vary(model=dataclasses.replace(cfg.model, vocab_size=round_up(data.vocab_size, 64)),
                           precision=precision)
     w = dataclasses.replace(w, train=dataclasses.replace(w.train, data=data_cfg))
-    rows, pick = budget_rows(w, cfg.budget, seconds, law, unique)
+    here = None if (cfg.gpu or cfg.target) else w.device if not w.fake else resolve_device("auto")
+    rows, pick = budget_rows(w, cfg.budget, seconds, law, unique, here)
     if not rows:
-        raise UserError(f"not even depth 1 of the family fits --memory-budget {format_bytes(cfg.budget)} at batch "
-                        f"{w.train.batch_size} x {w.context}: lower --batch-size or --context")
-    if rows[pick].tokens < rows[pick].choice.tokens:
-        raise UserError(f"--time-budget {cfg.time_budget} trains no model of the family a single step after its start-up "
-                        f"(the fastest, depth {rows[0].depth}, takes {rows[0].choice.step_seconds:.1f}s a step): give it "
-                        "more time")
+        raise UserError(f"depth 1 of the family does not fit --memory-budget {format_bytes(cfg.budget)} at batch "
+                        f"{w.train.batch_size} x {w.context}, or trains not one step in --time-budget "
+                        f"{cfg.time_budget}: lower --batch-size or --context, or give it more time")
+
     whose = (f"law {cfg.law} (fitted on this data: {len(law.points)} points, rms log residual {law.rms_residual:.3f}; "
              "interval: its bootstrap's 5th to 95th percentile)" if law else
              f"PUBLISHED coefficients (Hoffmann et al. 2022: E={PUBLISHED.E}, A={PUBLISHED.A}, alpha={PUBLISHED.alpha}, "
@@ -67,7 +67,9 @@ def time_budget(cfg) -> int:
                 for r in rows]
     print(f"\n(parameters: the blocks', as the law counts them; tokens: the time after a start-up, its evaluations "
           f"included, at the predicted tokens/s; epochs of {unique:,.0f} unique tokens, repeats counted as Muennighoff "
-          f"et al. 2023; time model: {getattr(w.cost, 'source', 'the roofline')})")
+          f"et al. 2023; tokens/s: "
+          + (f"each row's step timed for real on {here} (the median of its steps over 1.5 s), its configuration chosen by the time model"
+             if here is not None else getattr(w.cost, 'source', 'the roofline')) + ")")
     for i, command in enumerate(commands):
         print(f"{'pick' if i == pick else f'row {i}'}: {command}")
     print(json.dumps({"rows": [r.as_json(command) for r, command in zip(rows, commands)], "pick": pick,

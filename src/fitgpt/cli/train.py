@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import tyro
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from fitgpt.cli import command_started
 from fitgpt.config import TrainConfig, load_config_named_in
 from fitgpt.errors import UserError
 from fitgpt.train.loop import TrainingError
 from fitgpt.train.trainer import train
 from fitgpt.units import format_bytes
-from fitgpt.utils import process_age
 
 
 def parse(args: list[str]) -> TrainConfig:
@@ -60,8 +59,7 @@ def run(args: list[str]) -> int:
     cfg = _auto_config(cfg)
     try:
         with logging_redirect_tqdm():
-            # --time-budget counts the whole command: the interpreter's start-up and imports too.
-            summary = train(cfg, planner=_planner(cfg), started=time.perf_counter() - process_age())
+            summary = train(cfg, planner=_planner(cfg), started=command_started())  # --time-budget counts from there
     except TrainingError as e:
         print(f"fitgpt train: {e}")
         return 1

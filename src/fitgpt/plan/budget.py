@@ -11,11 +11,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from fitgpt.config import TrainConfig
+from fitgpt.errors import UserError
 from fitgpt.estimate.source import OwnModel, param_count
+from fitgpt.estimate.throughput import measured_tokens_per_s
 from fitgpt.estimate.workload import Workload
 from fitgpt.plan.fastest import Choice, fastest
-from fitgpt.scaling.family import non_embedding_params, shape
+from fitgpt.scaling.family import non_embedding_params, shape, warmup_for
 from fitgpt.scaling.law import Coefficients, Law, effective_tokens
 
 PUBLISHED = Coefficients(E=1.69, A=406.4, alpha=0.34, B=410.7, beta=0.28)
@@ -42,11 +46,14 @@ class Row:
     low: float
     high: float
     train: TrainConfig
+    modelled_tokens_per_s: float
+    """The per-op time model's tokens/s (where the step was timed for real, beside it)."""
 
     def as_json(self, command: str) -> dict:
         c = self.choice
         return {"depth": self.depth, "params": self.n_params, "total_params": self.total_params, "tokens": self.tokens,
-                "epochs": self.epochs, "tokens_per_s": c.tokens_per_s, "micro_batch": c.micro_batch,
+                "epochs": self.epochs, "tokens_per_s": c.tokens_per_s,
+                "modelled_tokens_per_s": self.modelled_tokens_per_s, "micro_batch": c.micro_batch,
                 "grad_accum": c.grad_accum, "precision": c.precision, "parallel": c.layout.name, "policy": c.policy,
                 "predicted_peak": c.peak, "predicted_loss": self.loss, "loss_low": self.low, "loss_high": self.high,
                 "command": command}
@@ -66,34 +73,47 @@ def predicted(law: Law | None, n: float, tokens: float, unique: float) -> tuple[
     return loss, loss, loss
 
 
-def budget_row(w: Workload, depth: int, memory: int, seconds: float, law: Law | None, unique: float) -> Row | None:
-    """Depth ``depth``'s row, or None where no configuration of it fits ``memory``."""
+def budget_row(w: Workload, depth: int, memory: int, seconds: float, law: Law | None, unique: float,
+               here: torch.device | None = None) -> Row | None:
+    """Depth ``depth``'s row, or None where no configuration of it fits ``memory``. ``here``: the device at hand, on
+    which the chosen configuration's step is timed for real (`measured_tokens_per_s`); otherwise (a card named) its
+    tokens/s are the time model's."""
     model = shape(depth, w.train.model)
     wd = w.vary(model=model)
     result = fastest(wd, memory, top=1)
     if not result["choices"]:
         return None
     c = result["choices"][0]
+    modelled = c.tokens_per_s
+    if here is not None:
+        c = dataclasses.replace(c, compute_seconds=c.tokens / measured_tokens_per_s(c.config(wd.train), here),
+                                link_seconds=0.0)
     tokens = int(c.tokens_per_s * usable_seconds(seconds, w.train))
     n = non_embedding_params(model)
     loss, low, high = predicted(law, n, tokens, unique)
     steps = tokens // max(1, c.tokens)
-    optim = dataclasses.replace(w.train.optim, schedule="wsd", warmup_steps=max(1, min(w.train.optim.warmup_steps, steps // 10)))
+    optim = dataclasses.replace(w.train.optim, schedule="wsd", warmup_steps=warmup_for(w.train.optim.warmup_steps, steps))
     train = dataclasses.replace(c.config(wd.train), optim=optim, time_budget=None)
-    return Row(depth, n, param_count(OwnModel(model)), c, tokens, tokens / unique, loss, low, high, train)
+    return Row(depth, n, param_count(OwnModel(model)), c, tokens, tokens / unique, loss, low, high, train, modelled)
 
 
-def budget_rows(w: Workload, memory: int, seconds: float, law: Law | None, unique: float) -> tuple[list[Row], int]:
+def budget_rows(w: Workload, memory: int, seconds: float, law: Law | None, unique: float,
+                here: torch.device | None = None) -> tuple[list[Row], int]:
     """The rows from the smallest depth up, until one of SPAN times the best's parameters or more predicts a higher
     loss (or nothing larger fits): every row from 1/SPAN to SPAN times the pick's parameters, and the pick's index."""
+    if usable_seconds(seconds, w.train) <= 0:
+        raise UserError(f"--time-budget {seconds:.0f}s is spent before a run's first step (its start-up: about "
+                        f"{STARTUP_SECONDS:.0f}s): give it more time")
     rows: list[Row] = []
     for depth in DEPTHS:
-        row = budget_row(w, depth, memory, seconds, law, unique)
-        if row is None:
+        row = budget_row(w, depth, memory, seconds, law, unique, here)
+        if row is None or row.tokens < row.choice.tokens:  # it does not fit, or trains not one step in the time
             break
         rows.append(row)
         best = min(rows, key=lambda r: r.loss)
         if row.n_params >= SPAN * best.n_params and row.loss > best.loss:
             break
+    if not rows:
+        return [], 0
     best = min(rows, key=lambda r: r.loss)
     return rows, rows.index(best)

@@ -34,3 +34,9 @@ def flags(depth: int) -> list[str]:
     """The train flags that set the family's shape of ``depth``."""
     width = WIDTH_PER_BLOCK * depth
     return ["--model.n-blocks", str(depth), "--model.n-embed", str(width), "--model.n-head", str(width // HEAD_DIM)]
+
+
+def warmup_for(warmup_steps: int, steps: int) -> int:
+    """A recipe's warmup in a run of ``steps``: at most a tenth of it (a short run would otherwise be mostly warmup,
+    and leave no stable learning rate to branch from). The ladder's runs and the runs fit picks share it."""
+    return max(1, min(warmup_steps, steps // 10))

@@ -11,10 +11,12 @@ from the time left once the depth before has run, at the throughput measured for
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,13 +25,12 @@ import torch
 from fitgpt.config import TrainConfig
 from fitgpt.data.loader import TokenData
 from fitgpt.data.prepare import ensure_prepared
-from fitgpt.device import autocast, autocast_dtype, resolve_device
+from fitgpt.device import autocast_dtype, resolve_device
 from fitgpt.errors import UserError
+from fitgpt.estimate.throughput import measured_tokens_per_s
 from fitgpt.memory.tracker import round_up
-from fitgpt.optim import build_optimizer
-from fitgpt.scaling.family import non_embedding_params, shape
+from fitgpt.scaling.family import non_embedding_params, shape, warmup_for
 from fitgpt.scaling.law import Law, fit_law
-from fitgpt.step import grad_scaler, train_step
 from fitgpt.train.trainer import train
 
 log = logging.getLogger(__name__)
@@ -50,34 +51,18 @@ class Rung:
     steps: int
 
 
-def _quiet() -> None:
-    for name in ("fitgpt.train", "fitgpt.data", "fitgpt.activation_checkpoint"):
-        logging.getLogger(name).setLevel(logging.ERROR)  # a branch's changed --max-steps is its design
-
-
-def measure_throughput(cfg: TrainConfig, steps: int = 3) -> float:
-    """Tokens a second of ``cfg``'s training step on its device, the median of ``steps`` after a warm-up (a real
-    model, optimizer and step: what the ladder's runs will do, without a run directory)."""
-    from fitgpt.model import Transformer
-
-    device = resolve_device(cfg.device)
-    dtype = autocast_dtype(cfg.precision, device)
-    torch.manual_seed(cfg.seed)
-    model = Transformer(cfg.model).to(device)
-    optimizer = build_optimizer(model, cfg.optim, device)
-    g = torch.Generator().manual_seed(cfg.seed)
-    idx = torch.randint(0, cfg.model.vocab_size, (cfg.grad_accum, cfg.batch_size, cfg.model.context_length + 1),
-                        generator=g).to(device)
-    batches = [(idx[i, :, :-1], idx[i, :, 1:]) for i in range(cfg.grad_accum)]
-    kw = {"amp": autocast(device, dtype), "scaler": grad_scaler(device, dtype), "grad_clip": cfg.optim.grad_clip}
-    seconds = []
-    for _ in range(steps + 1):
-        t0 = time.perf_counter()
-        result = train_step(model, optimizer, batches, **kw)
-        result.loss.item()  # the device's queue drained
-        seconds.append(time.perf_counter() - t0)
-    seconds = sorted(seconds[1:])
-    return cfg.batch_size * cfg.grad_accum * cfg.model.context_length / seconds[len(seconds) // 2]
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The runs' own logs held back to errors (a branch's changed --max-steps is its design), for the ladder's while."""
+    loggers = [logging.getLogger(name) for name in ("fitgpt.train", "fitgpt.data", "fitgpt.activation_checkpoint")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _branch(main: Path, step: int, out: Path, cfg: TrainConfig, overwrite: bool) -> dict:
@@ -108,22 +93,33 @@ def run_ladder(base: TrainConfig, budget: float, depths: tuple[int, ...], work: 
     recipe = dataclasses.replace(base, data=data_cfg, model=model, optim=dataclasses.replace(base.optim, schedule="wsd"),
                                  time_budget=None, eval_interval=10**9, log_interval=10**9, progress=False,
                                  tensorboard=False, activation_checkpointing="none", keep_last=len(BRANCHES) + 3)
-    _quiet()
+    with _quiet():
+        points, rungs = _rungs(recipe, depths, budget, started, work, overwrite)
+    info = {"tokenizer_sha256": data.tokenizer_sha256, "vocab_size": data.vocab_size, "unique_tokens":
+            int(meta["train_tokens"]), "dir": str(data_cfg.path)}
+    return fit_law(points, info, _recipe_record(recipe, rungs, budget))
+
+
+def _rungs(recipe: TrainConfig, depths: tuple[int, ...], budget: float, started: float, work: Path,
+           overwrite: bool) -> tuple[list[dict], list[Rung]]:
+    """Each depth trained, the largest first (the smallest, last, absorb what the timing missed), its share of the time
+    left set from its measured throughput and the overhead the depth before took: the points and the rungs."""
+    model = recipe.model
     tokens_per_step = recipe.batch_size * recipe.grad_accum * model.context_length
     branching = sum(BRANCHES) * recipe.optim.cooldown / (1 - recipe.optim.cooldown)  # the branches' extra steps
     points, rungs, overhead = [], [], OVERHEAD
-    order = sorted(depths, reverse=True)  # the largest first: the smallest, last, absorb what the timing missed
+    order = sorted(depths, reverse=True)
     for i, depth in enumerate(order):
         t_depth = time.perf_counter()
         cfg = dataclasses.replace(recipe, model=shape(depth, model))
-        tps = measure_throughput(cfg)
+        tps = measured_tokens_per_s(cfg, resolve_device(cfg.device))
         share = (budget * (1 - FIT_RESERVE) - (t_depth - started)) / (len(order) - i)
         steps = 4 * int(share / overhead / (1 + branching) * tps / tokens_per_step / 4)  # checkpoints at each quarter
         if steps < 8:
             raise UserError(f"--time-budget {budget:.0f}s leaves depth {depth} {share:.1f}s, under 8 steps at the "
                             f"{tps:,.0f} tokens/s measured: give the ladder more time, or fewer or smaller --depths "
                             f"(the runs so far are in {work})")
-        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, warmup_steps=warmup_for(cfg, steps)))
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, warmup_steps=warmup_for(cfg.optim.warmup_steps, steps)))
         rung = Rung(depth, non_embedding_params(cfg.model), tps, steps)
         rungs.append(rung)
         points += _rung_points(rung, cfg, work, overwrite, tokens_per_step)
@@ -132,24 +128,20 @@ def run_ladder(base: TrainConfig, budget: float, depths: tuple[int, ...], work: 
         log.info("depth %d (%s parameters): %d steps at %.0f tokens/s, %d points, %.2fx the steps' time; %.0fs of %.0fs "
                  "spent", depth, f"{rung.n_params:,}", steps, tps, sum(p["depth"] == depth for p in points), overhead,
                  time.perf_counter() - started, budget)
-    info = {"tokenizer_sha256": data.tokenizer_sha256, "vocab_size": data.vocab_size, "unique_tokens":
-            int(meta["train_tokens"]), "dir": str(data_cfg.path)}
+    return points, rungs
+
+
+def _recipe_record(recipe: TrainConfig, rungs: list[Rung], budget: float) -> dict:
+    """How the law's points were trained, for law.json: what a run must share with them for the law to speak of it."""
     device = resolve_device(recipe.device)
     dtype = autocast_dtype(recipe.precision, device)
-    how = {"family": "n_embed = 64 x depth, heads of 64", "arch": model.arch, "device": device.type,
-           "precision": {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"), "context": model.context_length,
-           "batch_size": recipe.batch_size, "grad_accum": recipe.grad_accum, "optimizer": recipe.optim.name,
-           "lr": recipe.optim.lr, "min_lr": recipe.optim.min_lr, "warmup_steps": f"min({recipe.optim.warmup_steps}, a tenth of the run)",
-           "schedule": f"wsd, cooldown {recipe.optim.cooldown}", "preset": recipe.preset, "seed": recipe.seed,
-           "eval_batches": recipe.eval_batches, "budget_seconds": budget,
-           "rungs": [dataclasses.asdict(r) for r in rungs]}
-    return fit_law(points, info, how)
-
-
-def warmup_for(cfg: TrainConfig, steps: int) -> int:
-    """The recipe's warmup, at most a tenth of a run of ``steps`` (a short run would otherwise be mostly warmup, and
-    leave no stable learning rate to branch from)."""
-    return max(1, min(cfg.optim.warmup_steps, steps // 10))
+    o = recipe.optim
+    return {"family": "n_embed = 64 x depth, heads of 64", "arch": recipe.model.arch, "device": device.type,
+            "precision": {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"),
+            "context": recipe.model.context_length, "batch_size": recipe.batch_size, "grad_accum": recipe.grad_accum,
+            "optimizer": o.name, "lr": o.lr, "min_lr": o.min_lr, "warmup_steps": f"min({o.warmup_steps}, a tenth of the run)",
+            "schedule": f"wsd, cooldown {o.cooldown}", "preset": recipe.preset, "seed": recipe.seed,
+            "eval_batches": recipe.eval_batches, "budget_seconds": budget, "rungs": [dataclasses.asdict(r) for r in rungs]}
 
 
 def _rung_points(rung: Rung, cfg: TrainConfig, work: Path, overwrite: bool, tokens_per_step: int) -> list[dict]:

@@ -62,8 +62,8 @@ class Deadline:
     _agreed: float = field(default=0.0, init=False)
     _last_step_end: float | None = field(default=None, init=False)
 
-    def __post_init__(self) -> None:
-        self._agreed = self.spent_now()
+    def __post_init__(self) -> None:  # made on every rank at one point of `train`: the ranks agree from the first step
+        self._agreed = dist_utils.all_max(self.info, [self.spent_now()], self.device)[0]
 
     def spent_now(self) -> float:
         """Seconds of the budget spent by now, on this rank's clock (what a checkpoint records)."""
