@@ -146,7 +146,8 @@ def test_too_few_points_for_a_law_is_one_line():
 
 @pytest.mark.parametrize("args,needle", [
     (["fit", "--time-budget", "3s", "--memory-budget", "1GiB"], "is spent before a run's first step"),
-    (["fit", "--law", "law.json", "--memory-budget", "1GiB"], "--law predicts the loss of the rows of --time-budget"),
+    (["fit", "--law", "law.json", "--memory-budget", "1GiB"], "--law is for the rows of --time-budget"),
+    (["fit", "--time-budget", "4m", "--unique-tokens", "0", "--memory-budget", "1GiB"], "--unique-tokens must be"),
     (["fit", "--time-budget", "4m", "--largest-model"], "drop one of them"),
     (["fit", "--time-budget", "a week", "--memory-budget", "1GiB"], "is not a duration"),
     (["ladder"], "--time-budget is required"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -47,6 +48,9 @@ class FitConfig(BudgetConfig):
     data: DataConfig = None  # filled from --preset and --config
     """With --time-budget, the data to train on, as fitgpt train takes it (--data.dir): its size counts the epochs,
     and its tokenizer must be the law's."""
+    unique_tokens: Optional[float] = None
+    """With --time-budget: the unique tokens the run will draw from, to count its repeats (default: the prepared
+    data's train tokens); e.g. 1e12 to plan for a corpus larger than the data at hand."""
     largest_model: bool = False
     """Instead: the largest model of the preset's shape (its width per block, head size, MLP ratio, key/value heads)
     that trains at --batch-size x --context on one card, under each optimizer memory setting (AdamW; bf16 moments;
@@ -62,8 +66,11 @@ class FitConfig(BudgetConfig):
             if self.largest_model:
                 raise UserError("--time-budget picks the model the time buys and --largest-model the largest that fits: "
                                 "drop one of them")
-        elif self.law:
-            raise UserError("--law predicts the loss of the rows of --time-budget: add --time-budget, e.g. 4m")
+        elif self.law or self.unique_tokens is not None:
+            flag = "--law" if self.law else "--unique-tokens"
+            raise UserError(f"{flag} is for the rows of --time-budget: add --time-budget, e.g. 4m")
+        if self.unique_tokens is not None and not (self.unique_tokens >= 1 and math.isfinite(self.unique_tokens)):
+            raise UserError(f"--unique-tokens must be a number of tokens, 1 or more, got {self.unique_tokens}")
         super().__post_init__()
         if self.top < 1:
             raise UserError("--top must be at least 1")

@@ -32,7 +32,7 @@ def _data(cfg):
 def time_budget(cfg) -> int:
     seconds = parse_duration(cfg.time_budget)
     data_cfg, data, law = _data(cfg)
-    unique = float(data.meta["train_tokens"])
+    unique = float(cfg.unique_tokens or data.meta["train_tokens"])
     # The law's points were trained in one precision: the rows train in it too (without a law, the fastest).
     precision = law.recipe.get("precision", cfg.precision) if law and cfg.precision == "auto" else cfg.precision
     w = cfg.workload.vary(model=dataclasses.replace(cfg.model, vocab_size=round_up(data.vocab_size, 64)),
@@ -53,7 +53,7 @@ def time_budget(cfg) -> int:
     print(f"What {format_duration(seconds)} of training buys on {w.where()} ({cfg.world_size or 1} process"
           f"{'es' if (cfg.world_size or 1) > 1 else ''}), memory budget {format_bytes(cfg.budget)}, "
           f"{w.train.batch_size * w.train.grad_accum} x {w.context} tokens a step, on {data_cfg.path} "
-          f"({unique:,.0f} unique tokens); the loss from the {whose}:\n")
+          f"({unique:,.0f} unique tokens{', --unique-tokens' if cfg.unique_tokens else ''}); the loss from the {whose}:\n")
     print("| # | depth x width | parameters | micro-batch x accum | precision | parallel | checkpointing | peak | "
           "tokens/s | tokens | epochs | predicted loss |")
     print("|---:|---|---:|---|---|---|---|---:|---:|---:|---:|---|")
