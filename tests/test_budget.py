@@ -169,3 +169,10 @@ def test_a_ladder_never_writes_over_a_law_or_an_earlier_ladder(data_dir, tmp_pat
     code, err = run_cli(["ladder", "--time-budget", "8m", "--out", str(tmp_path / "new.json"), "--work-dir",
                          str(tmp_path / "ladder"), "--data.dir", str(data_dir)], capsys)
     assert code == 2 and "holds an earlier ladder's runs" in err and (tmp_path / "ladder" / "mine.txt").exists()
+
+
+def test_the_law_is_drawn(tmp_path):
+    from fitgpt.scaling.picture import draw_law
+
+    png = draw_law(fit_law(_points(), DATA, {}, resamples=2), tmp_path / "law.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

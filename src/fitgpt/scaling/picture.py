@@ -11,9 +11,8 @@ import numpy as np
 from fitgpt.scaling.law import Law, effective_tokens
 
 
-def draw_law(law: Law, out: Path, extra: list[tuple[str, list[tuple[float, float, float]]]] | None = None) -> Path | None:
-    """law.png at ``out``; ``extra``: labelled (n_params, tokens, loss) points to draw beside the ladder's (measured
-    runs, for instance). None where matplotlib is not installed."""
+def draw_law(law: Law, out: Path) -> Path | None:
+    """law.png at ``out`` (None where matplotlib is not installed)."""
     try:
         import matplotlib
 
@@ -36,10 +35,7 @@ def draw_law(law: Law, out: Path, extra: list[tuple[str, list[tuple[float, float
     flops = np.geomspace(6 * min(sizes) * min(d_all) / 2, 6 * max(sizes) * max(d_all) * 8, 100)
     best_n = np.array([c.optimal_params(f) for f in flops])
     right.plot(flops, c.loss(best_n, flops / (6 * best_n)), "k--", lw=1.5, label="compute-optimal frontier")
-    for label, pts in extra or []:
-        left.scatter([d for _, d, _ in pts], [loss for *_, loss in pts], marker="x", s=60, color="red", zorder=4, label=label)
-        right.scatter([6 * n * d for n, d, _ in pts], [loss for *_, loss in pts], marker="x", s=60, color="red", zorder=4)
-    left.set(xscale="log", xlabel="tokens D", ylabel="val loss", title=f"{law.points and len(law.points)} points, "
+    left.set(xscale="log", xlabel="tokens D", ylabel="val loss", title=f"{len(law.points)} points, "
              f"rms log residual {law.rms_residual:.3f}")
     right.set(xscale="log", xlabel="training compute 6 N D (FLOPs)", ylabel="val loss",
               title=f"E={c.E:.2f} A={c.A:.3g} alpha={c.alpha:.2f} B={c.B:.3g} beta={c.beta:.2f}")
