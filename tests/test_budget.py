@@ -1,6 +1,7 @@
 """The model a budget buys (issue 56): durations, the learning rate over a run of steps or of time, a run that ends on
 its deadline and resumes counting the time spent, the law fitted and read back, the ladder, and fit --time-budget."""
 
+import functools
 import json
 import math
 
@@ -66,6 +67,7 @@ def _meta(run):
     return json.loads(sorted((run / "checkpoints").glob("step_*/meta.json"))[-1].read_text())
 
 
+@pytest.mark.slow
 def test_a_run_of_a_time_budget_ends_with_its_last_evaluation_and_checkpoint_and_resumes_counting_its_time(
         make_cfg, tmp_path):
     run = tmp_path / "run"
@@ -103,12 +105,18 @@ def _points(noise=0.0, seed=0):
             for n in (5e4, 4e5, 1.3e6, 3e6) for d in (2e5, 5e5, 1.2e6)]
 
 
+@functools.cache
+def _exact_law():
+    return fit_law(_points(), DATA, {}, resamples=2)
+
+
 def test_repeated_tokens_count_as_muennighoffs_law_says():
     assert effective_tokens(5e6, 1e7) == 5e6
     assert effective_tokens(2e7, 1e7) == pytest.approx(1e7 + 1e7 * R_STAR * (1 - math.exp(-1 / R_STAR)))
     assert effective_tokens(1e9, 1e7) < 1e7 * (1 + R_STAR)  # never more than R* epochs' worth
 
 
+@pytest.mark.slow
 def test_the_law_is_fitted_through_its_points_and_read_back_exactly(tmp_path):
     law = fit_law(_points(), DATA, {"precision": "fp32"}, resamples=20)
     assert law.rms_residual < 1e-4  # exact points: the Huber fit finds a law through them
@@ -131,8 +139,7 @@ def test_the_law_is_fitted_through_its_points_and_read_back_exactly(tmp_path):
     (lambda d: {**d, "residuals": []}, "one length"),
 ])
 def test_a_corrupt_or_hand_edited_law_is_one_line_naming_the_file(tmp_path, edit, needle):
-    law = fit_law(_points(), DATA, {}, resamples=2)
-    law.write(tmp_path / "law.json")
+    _exact_law().write(tmp_path / "law.json")
     edited = edit(json.loads((tmp_path / "law.json").read_text()))
     (tmp_path / "law.json").write_text(edited if isinstance(edited, str) else json.dumps(edited))
     with pytest.raises(UserError, match=rf"--law {tmp_path / 'law.json'}: .*{needle}"):
@@ -145,7 +152,8 @@ def test_too_few_points_for_a_law_is_one_line():
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["fit", "--time-budget", "3s", "--memory-budget", "1GiB"], "is spent before a run's first step"),
+    pytest.param(["fit", "--time-budget", "3s", "--memory-budget", "1GiB"], "is spent before a run's first step",
+                 marks=pytest.mark.slow),
     (["fit", "--law", "law.json", "--memory-budget", "1GiB"], "--law is for the rows of --time-budget"),
     (["fit", "--time-budget", "4m", "--unique-tokens", "0", "--memory-budget", "1GiB"], "--unique-tokens must be"),
     (["fit", "--time-budget", "4m", "--largest-model"], "drop one of them"),
@@ -174,5 +182,5 @@ def test_a_ladder_never_writes_over_a_law_or_an_earlier_ladder(data_dir, tmp_pat
 def test_the_law_is_drawn(tmp_path):
     from fitgpt.scaling.picture import draw_law
 
-    png = draw_law(fit_law(_points(), DATA, {}, resamples=2), tmp_path / "law.png")
+    png = draw_law(_exact_law(), tmp_path / "law.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -39,6 +39,8 @@ BRANCHES = (0.25, 0.5)
 """Where along each depth's run a cooldown branches off (fractions of its steps)."""
 FIT_RESERVE = 0.06
 """The budget's share kept for the fit, its bootstrap and the picture."""
+MIN_STEPS = 8
+"""A depth's run at the least: two steps a quarter, so that its branches start past a warmup of one step."""
 OVERHEAD = 1.3
 """Wall seconds per second of a depth's steps (its runs' setup, evaluations and saves), until one depth measures it."""
 
@@ -115,10 +117,13 @@ def _rungs(recipe: TrainConfig, depths: tuple[int, ...], budget: float, started:
         tps = measured_tokens_per_s(cfg, resolve_device(cfg.device))
         share = (budget * (1 - FIT_RESERVE) - (t_depth - started)) / (len(order) - i)
         steps = 4 * int(share / overhead / (1 + branching) * tps / tokens_per_step / 4)  # checkpoints at each quarter
-        if steps < 8:
-            raise UserError(f"--time-budget {budget:.0f}s leaves depth {depth} {share:.1f}s, under 8 steps at the "
-                            f"{tps:,.0f} tokens/s measured: give the ladder more time, or fewer or smaller --depths "
-                            f"(the runs so far are in {work})")
+        if steps < MIN_STEPS and not points:  # nothing trained yet: refused before any run
+            raise UserError(f"--time-budget {budget:.0f}s leaves depth {depth} {share:.1f}s, under {MIN_STEPS} steps at "
+                            f"the {tps:,.0f} tokens/s measured: give the ladder more time, or fewer or smaller --depths")
+        if steps < MIN_STEPS:  # the depths before took longer than measured: this one's points are not thrown away
+            log.warning("depth %d: %.1fs left for it, under %d steps at %.0f tokens/s: trained for %d steps, past "
+                        "--time-budget", depth, share, MIN_STEPS, tps, MIN_STEPS)
+            steps = MIN_STEPS
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, warmup_steps=warmup_for(cfg.optim.warmup_steps, steps)))
         rung = Rung(depth, non_embedding_params(cfg.model), tps, steps)
         rungs.append(rung)
