@@ -85,6 +85,10 @@ def test_a_run_of_a_time_budget_ends_with_its_last_evaluation_and_checkpoint_and
     again = train(make_cfg(run, time_budget="6s", max_steps=10**6, eval_interval=10**6, checkpoint_interval=10**6,
                            optim={"schedule": "wsd"}, resume="latest"))
     assert again["steps"] > summary["steps"] and again["time_spent"] > spent
+    meta_file = sorted((run / "checkpoints").glob("step_*/meta.json"))[-1]
+    meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "time_spent": "soon"}))  # hand-edited
+    with pytest.raises(UserError, match="time_spent is 'soon', not a number of seconds"):
+        train(make_cfg(run, time_budget="9s", resume=str(meta_file.parent)))
 
 
 @pytest.mark.parametrize("args,needle", [(["--time-budget", "4m", "--max-steps", "10"], "drop one of them"),

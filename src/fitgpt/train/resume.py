@@ -54,7 +54,7 @@ def resume_run(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, sc
     set_rng_state(rngs[info.rank] if info.rank < len(rngs) else rngs[0], device)
     step = ck_meta["step"]
     _check_left_to_train(path, step, ck_meta, cfg)
-    state["time_spent"] = float(ck_meta.get("time_spent") or 0.0)  # of a --time-budget (a run of steps: none)
+    state["time_spent"] = _time_spent(path, ck_meta)  # of a --time-budget (a run of steps: none)
     warn_changed_settings(ck_meta["config"], cfg)
     log.info("resumed from %s at step %d", path, step)
     return step, state
@@ -65,12 +65,21 @@ def _check_left_to_train(path: Path, step: int, ck_meta: dict, cfg: TrainConfig)
     if cfg.time_budget is None and step >= cfg.max_steps:
         raise UserError(f"--resume {path}: the checkpoint is at step {step} and --max-steps is {cfg.max_steps}, so "
                         "there is nothing to train; raise --max-steps to continue (nothing was changed)")
-    spent, budget = float(ck_meta.get("time_spent") or 0.0), ck_meta["config"].get("time_budget")
+    spent, budget = _time_spent(path, ck_meta), ck_meta["config"].get("time_budget")
     ended = ck_meta.get("deadline_reached") and budget and cfg.budget_seconds <= parse_duration(budget)
     if cfg.time_budget is not None and (spent >= cfg.budget_seconds or ended):
         raise UserError(f"--resume {path}: the run has spent {format_duration(spent)} of --time-budget "
                         f"{cfg.time_budget}, so there is nothing to train; raise --time-budget to continue (nothing was "
                         "changed)")
+
+
+def _time_spent(path: Path, ck_meta: dict) -> float:
+    """The seconds of its --time-budget a checkpoint's run had spent (0 for a run of steps, or one written before)."""
+    spent = ck_meta.get("time_spent") or 0.0
+    if isinstance(spent, bool) or not isinstance(spent, (int, float)) or not 0 <= spent < float("inf"):
+        raise UserError(f"--resume {path}: its meta.json's time_spent is {spent!r}, not a number of seconds; resume "
+                        "from another checkpoint (--resume DIR)")
+    return float(spent)
 
 
 def load_for_resume(path: Path, cfg: TrainConfig, model: nn.Module, tok_hash: str) -> tuple[dict, dict]:
