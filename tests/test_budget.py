@@ -141,6 +141,7 @@ def test_the_law_is_fitted_through_its_points_and_read_back_exactly(tmp_path):
     (lambda d: {**d, "coefficients": {**d["coefficients"], "E": "__import__('os')"}}, "coefficients.E is not a finite number"),
     (lambda d: {**d, "data": {**d["data"], "tokenizer_sha256": None}}, "tokenizer_sha256"),
     (lambda d: {**d, "residuals": []}, "one length"),
+    (lambda d: {**d, "recipe": {"precision": "fp64"}}, "recipe.precision must be"),
 ])
 def test_a_corrupt_or_hand_edited_law_is_one_line_naming_the_file(tmp_path, edit, needle):
     _exact_law().write(tmp_path / "law.json")

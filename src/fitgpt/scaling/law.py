@@ -197,6 +197,8 @@ def read_law(path: str | Path, flag: str = "--law") -> Law:
         recipe = raw.get("recipe", {})
         if not isinstance(recipe, dict):
             raise ValueError("recipe must be an object")
+        if recipe.get("precision", "fp32") not in ("fp32", "bf16", "fp16"):  # the precision fit's rows train in
+            raise ValueError(f"recipe.precision must be fp32, bf16 or fp16, got {recipe['precision']!r}")
     except OSError as e:
         raise UserError(f"{flag} {p}: cannot read it ({e.strerror or e}); write one with fitgpt ladder") from None
     except (ValueError, TypeError, AttributeError) as e:  # json's errors are ValueErrors too
