@@ -11,6 +11,7 @@ from typing import Optional
 
 import tyro
 
+from fitgpt.cli.workload import unchecked_default
 from fitgpt.config import load_config, load_config_named_in, to_dict
 from fitgpt.data.config import DataConfig
 from fitgpt.errors import UserError, require_not_empty
@@ -58,14 +59,12 @@ class LadderConfig:
             raise UserError(f"--out {self.out}: name a .json file, e.g. law.json")
         if (out.exists() or out.with_suffix(".png").exists()) and not self.overwrite:
             raise UserError(f"--out {self.out} exists: add --overwrite to replace it (and its .png), or name another file")
-        writable_dir(out.parent if str(out.parent) else Path("."), "--out")
+        writable_dir(out.parent, "--out")  # "law.json"'s parent is "."
 
 
 def run(args: list[str]) -> int:
     base = load_config_named_in(args)
-    default = LadderConfig.__new__(LadderConfig)
-    for f in dataclasses.fields(LadderConfig):
-        setattr(default, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+    default = unchecked_default(LadderConfig)
     default.preset, default.config, default.data = base.preset, base.config, base.data
     cfg = tyro.cli(LadderConfig, default=default, args=args, prog="fitgpt ladder")
     train_cfg = load_config(cfg.preset, cfg.config, {"data": dataclasses.asdict(cfg.data) | {"inputs": list(cfg.data.inputs)},

@@ -237,6 +237,7 @@ class BudgetConfig(WorkloadConfig):
 
 
 Flags = TypeVar("Flags", bound=WorkloadConfig)
+T = TypeVar("T")
 
 
 def parse_workload(cls: type[Flags], args: list[str], prog: str) -> Flags:
@@ -245,14 +246,19 @@ def parse_workload(cls: type[Flags], args: list[str], prog: str) -> Flags:
     return tyro.cli(cls, default=workload_default(cls, args), args=args, prog=prog)
 
 
-def workload_default(cls: type[Flags], args: list[str]) -> Flags:
-    """The defaults ``cls`` is parsed over: the preset's or config file's that ``args`` name."""
-    base = load_config_named_in(args)
-    # tyro reads its defaults from an instance; this one is only that (the parsed one runs the checks, such as
-    # that a budget is given), so it is made without them.
+def unchecked_default(cls: type[T]) -> T:
+    """``cls`` with its fields' defaults, its checks not run: tyro reads its defaults from an instance, and this one
+    is only that (the parsed one runs the checks, such as that a budget is given)."""
     default = object.__new__(cls)
     for f in dataclasses.fields(cls):
         setattr(default, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+    return default
+
+
+def workload_default(cls: type[Flags], args: list[str]) -> Flags:
+    """The defaults ``cls`` is parsed over: the preset's or config file's that ``args`` name."""
+    base = load_config_named_in(args)
+    default = unchecked_default(cls)
     default.preset, default.config, default.model, default.optim = base.preset, base.config, base.model, base.optim
     default.precision, default.parallel = base.precision, base.parallel  # a config file's, unless a flag says otherwise
     if hasattr(default, "data"):  # fit --time-budget's data
