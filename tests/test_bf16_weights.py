@@ -11,7 +11,7 @@ from fitgpt.config import OptimConfig
 from fitgpt.errors import UserError
 from fitgpt.estimate.profile import profile_model
 from fitgpt.optim import build_optimizer
-from fitgpt.optim.bf16_weights import COMPENSATION, ROUNDING_RNG, Bf16Weights, round_stochastic
+from fitgpt.optim.bf16_weights import COMPENSATION, ROUNDED, Bf16Weights, round_stochastic
 from fitgpt.plan import Plan, predict
 from fitgpt.train.trainer import train
 
@@ -34,9 +34,9 @@ def test_updates_under_half_a_bf16_step_are_kept_stochastically_and_lost_to_near
     """SGD of 1e-3 a step on weights of 1.0 (bf16's step there: 2^-7, half of it 3.9e-3): to nearest nothing moves;
     stochastically the weights end where fp32 does, on average."""
     ends, opts = {}, {}
-    for name, generator in (("nearest", None), ("stochastic", torch.Generator().manual_seed(0)), ("kahan", None)):
+    for name, seed in (("nearest", None), ("stochastic", 0), ("kahan", None)):
         p = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
-        opts[name] = Bf16Weights([{"params": [p]}], lambda g: torch.optim.SGD(g, lr=1e-3), generator, kahan=name == "kahan")
+        opts[name] = Bf16Weights([{"params": [p]}], lambda g: torch.optim.SGD(g, lr=1e-3), seed, kahan=name == "kahan")
         for _ in range(100):
             p.grad = torch.ones_like(p)
             opts[name].step()
@@ -91,7 +91,8 @@ def test_bf16_weights_hold_about_two_bytes_a_parameter_with_adafactor_in_the_bac
 @pytest.mark.parametrize("optim", [{}, {"name": "adafactor", "in_backward": True, "grad_clip": 0.0},
                                    {"rounding": "kahan", "in_backward": True, "grad_clip": 0.0}])
 def test_a_bf16_weight_run_resumes_bitwise_with_its_rounding_generator(make_cfg, tmp_path, optim):
-    """The generator of stochastic rounding, or Kahan's compensations (bf16 again once loaded), saved and resumed."""
+    """Each parameter's count of stochastic roundings (its bits drawn from the seed, its place and that count), or
+    Kahan's compensations (bf16 again once loaded), saved and resumed."""
     kw = {"max_steps": 4, "checkpoint_interval": 2, "model": TINY, "optim": optim, "batch_size": 2}
     run = tmp_path / "run"
     train(make_cfg(run, **kw))
@@ -99,7 +100,7 @@ def test_a_bf16_weight_run_resumes_bitwise_with_its_rounding_generator(make_cfg,
     if optim.get("rounding") == "kahan":
         assert all(s[COMPENSATION].dtype == torch.bfloat16 for s in state["state"].values())
     else:
-        assert ROUNDING_RNG in state
+        assert all(s[ROUNDED] == 2 for s in state["state"].values())
     first = load_file(str(run / "checkpoints/step_00000004/model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in first.values())
     train(make_cfg(run, resume=str(run / "checkpoints/step_00000002"), **kw))
@@ -114,3 +115,39 @@ def test_what_bf16_weights_cannot_do_is_refused_naming_the_flag(make_cfg, tmp_pa
     with pytest.raises(UserError, match="add --model.weights-dtype bf16, or drop --optim.rounding"):
         make_cfg(tmp_path / "r", optim={"rounding": "kahan"})  # fp32 weights: nothing to round
     assert isinstance(build_optimizer(torch.nn.Linear(2, 2), OptimConfig(), torch.device("cpu")), torch.optim.AdamW)
+
+
+def test_muon_over_bf16_weights_steps_the_hidden_matrices_with_muon():
+    """Muon over pure bf16 weights stepped every parameter with AdamW: the fp32 stand-ins were not the matrices Muon
+    was given, so none was Muon's. Now each stand-in is sorted by the parameter it stands for."""
+    from fitgpt.model import ModelConfig, Transformer
+    from fitgpt.optim.muon import MuonAdamW
+
+    model = Transformer(ModelConfig(**TINY))
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    opt = build_optimizer(model, OptimConfig(name="muon"), torch.device("cpu"))
+    assert isinstance(opt.inner, MuonAdamW)
+    muon = opt.inner.parts[0]
+    assert isinstance(muon, torch.optim.Muon)
+    assert sum(len(g["params"]) for g in muon.param_groups) == 4 * model.config.n_blocks  # qkv, proj, fc, proj
+
+
+def test_stochastic_rounding_draws_alike_for_a_parameter_whoever_steps_it():
+    """A parameter's n-th rounding draws from (seed, its place, n), not from a stream the parameters before it drew
+    from: stepped by an optimizer of its own that numbers it as one over every parameter does, it rounds to the same
+    bits (what lets the rank that owns a parameter round it as one process would)."""
+    torch.manual_seed(0)
+    first, second = (torch.nn.Parameter(torch.randn(64, 64).to(torch.bfloat16)) for _ in range(2))
+    again = torch.nn.Parameter(second.detach().clone())
+
+    def adamw(groups):
+        return torch.optim.AdamW(groups, lr=1e-3)
+
+    every = Bf16Weights([{"params": [first, second]}], adamw, seed=3, numbering={id(first): 0, id(second): 1})
+    alone = Bf16Weights([{"params": [again]}], adamw, seed=3, numbering={id(again): 1})
+    for _ in range(3):
+        for p in (first, second, again):
+            p.grad = torch.full_like(p, 1e-3)
+        every.step()
+        alone.step()
+    assert torch.equal(second, again) and alone.state[again][ROUNDED] == 3

@@ -210,7 +210,6 @@ def test_each_tensor_parallel_rank_is_planned_to_the_byte(world, tp, arch, ranks
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"tie_embeddings": True}, "--model.tie-embeddings False"),
     ({"n_head": 6, "n_kv_head": 3, "n_embed": 48}, "model's n_kv_head (3)"),
     ({"vocab_size": 129}, "model's vocab_size (129)"),
 ])
@@ -257,7 +256,7 @@ def test_plan_takes_the_tensor_parallel_degree_and_prints_the_torchrun_command(c
     (["--tensor-parallel", "2", "--world-size", "4"], "add --parallel fsdp"),
     (["--tensor-parallel", "2", "--world-size", "3"], "use a multiple of 2"),
     (["--tensor-parallel", "2", "--parallel", "fsdp"], "shards nothing"),
-    (["--tensor-parallel", "2", "--model.tie-embeddings", "True"], "--model.tie-embeddings False"),
+    (["--tensor-parallel", "2", "--optim.offload"], "drop --optim.offload"),
     (["--tensor-parallel", "2", "--activation-checkpointing", "offload"], "drop offload"),
 ])
 def test_plan_refuses_what_it_cannot_split_in_one_line(extra, words, capsys):

@@ -9,30 +9,19 @@ import torch.nn as nn
 
 from fitgpt.config import OptimConfig, TrainConfig
 
-IN_BACKWARD_ONE_PROCESS = ("--optim.in-backward steps each parameter during the backward, before DDP or FSDP could "
-                           "reduce its gradient across processes: train in one process (no torchrun, --world-size 1)")
+def in_backward_refusal(parallel: str) -> str:
+    """Why --optim.in-backward cannot train over several processes under ``parallel`` (ddp or fsdp)."""
+    if parallel == "ddp":
+        return ("--optim.in-backward steps each parameter from its gradient's accumulation hook, which fires before "
+                "DDP all-reduces that gradient's bucket: each rank would step on its own gradient, and the replicas "
+                "part. Use --parallel fsdp without it (gradients and state sharded, 1/N a rank), or one process")
+    return ("--optim.in-backward under FSDP is not built in fitgpt: FSDP2 runs the hook on each shard once reduced "
+            "(torchtitan steps there), but the two passes that clip exactly would need the norm reduced over ranks "
+            "first: drop --optim.in-backward (FSDP already holds 1/N of the gradients a rank), or train in one process")
+
 
 OFFLOAD_ONE_PROCESS = ("--optim.offload is one card's optimizer on its host; several processes shard theirs with "
                        "--parallel fsdp --fsdp-offload: drop --optim.offload (or train in one process, --world-size 1)")
-
-
-def fsdp_optimizer_refusal(optim: OptimConfig) -> str:
-    """Why FSDP cannot take an optimizer other than AdamW (low-bit AdamW's quantized moments have no sharded form,
-    Adafactor's factors and Muon's whole-matrix step do not follow FSDP's row shards); the refusal names what to change."""
-    if optim.name == "muon":
-        return ("--optim.name muon under FSDP: Muon orthogonalises each whole matrix, which FSDP holds in row shards, "
-                "and PyTorch's Muon takes no sharded one: use --parallel ddp, or --optim.name adamw under FSDP")
-    if optim.name == "adafactor":
-        return ("--optim.name adafactor under FSDP: its factored moments (a row and a column of a matrix) do not follow "
-                "FSDP's row shards, and fitgpt has not proven its sharded step or checkpoints exact: use --parallel ddp, "
-                "or --optim.name adamw with --optim.state-dtype bf16 under FSDP")
-    if optim.projects:
-        return (f"--optim.name {optim.name} under FSDP: it projects each whole matrix's gradient (GaLore by its SVD, "
-                "APOLLO by a random matrix), which FSDP holds in row shards, and its library takes no sharded one: use "
-                "--parallel ddp, or --optim.name adamw under FSDP")
-    return (f"--optim.name {optim.name} quantizes its moments in a form FSDP cannot shard or gather, so no checkpoint "
-            "could be saved: use --parallel ddp, or --optim.name adamw with --optim.state-dtype bf16 (2-byte moments) "
-            "under FSDP")
 
 
 def galore8bit_refusal(device_type: str | None) -> str | None:
@@ -54,28 +43,19 @@ def offload_refusal(device_type: str) -> str | None:
             "it already: drop --optim.offload (plan for a card with --gpu NAME)")
 
 
-BF16_WEIGHTS_ONE_PROCESS = ("--model.weights-dtype bf16 rounds each update into the weights in one process; under "
-                            "torchrun use fp32 weights (FSDP's pure bf16: --parallel fsdp --precision bf16), or train in "
-                            "one process (--world-size 1)")
-
-
 def launch_refusal(cfg: TrainConfig, world: int, device_type: str, dtype: torch.dtype | None,
                    planned: bool = False) -> str | None:
     """Why ``cfg`` cannot train over ``world`` processes on ``device_type`` computing in ``dtype`` (autocast's, as
     --precision resolves there), or be ``planned`` there on fake tensors; one line naming what to change; None: it can.
     The trainer refuses a launch with it, ``plan`` a plan, ``fit`` a layout it would search."""
     optim = cfg.optim
-    if world > 1 and cfg.parallel == "fsdp" and optim.name != "adamw":
-        return fsdp_optimizer_refusal(optim)
     if optim.in_backward and world > 1:
-        return IN_BACKWARD_ONE_PROCESS
+        return in_backward_refusal("fsdp" if cfg.parallel == "fsdp" or cfg.tensor_parallel > 1 else "ddp")
     if cfg.tensor_parallel > 1:
         from fitgpt.tensor_parallel import launch_refusal as split_refusal
 
         if why := split_refusal(cfg, world):
             return why
-    if cfg.model.weights_dtype == "bf16" and world > 1:
-        return BF16_WEIGHTS_ONE_PROCESS
     if dtype == torch.float16 and (optim.in_backward or optim.offload):
         flag = "--optim.in-backward" if optim.in_backward else "--optim.offload"
         return (f"{flag} steps out of reach of fp16's loss scaler, and --precision {cfg.precision} is fp16 on this "

@@ -11,7 +11,8 @@ Llama and as Korthikanti et al. (2022) describe it:
 - the norms (and the dropout after each residual branch) sequence-parallel: between blocks every activation is
   sharded on the sequence, (B, T / tp, C) a rank; each branch all-gathers its input;
 - the token embedding row-wise (the vocabulary sharded) into sequence shards, and the head column-wise into logits
-  sharded on the vocabulary, which ``loss_parallel`` reduces to the loss without ever gathering them whole. The final
+  sharded on the vocabulary, which ``loss_parallel`` reduces to the loss without ever gathering them whole (both hold
+  the (vocab, C) matrix in rows of the vocabulary: tied, they stay one parameter, as Megatron ties them). The final
   norm's output is gathered for the head on the norm, not in the head, so that the loss heads (chunked-loss,
   fused-loss), which run the head's weight in chunks of their own, take it as the plain head does.
 
@@ -51,9 +52,6 @@ from fitgpt.model.config import ModelConfig
 
 def tensor_parallel_refusal(cfg: ModelConfig, tp: int) -> str | None:
     """Why ``cfg``'s model cannot be split over ``tp`` ranks (one line naming what to change); None: it can."""
-    if cfg.tied:
-        return (f"--tensor-parallel {tp} shards the embedding and the head on different sides of the vocabulary: "
-                "untie them (--model.tie-embeddings False)")
     for name, n in (("n_head", cfg.n_head), ("n_kv_head", cfg.kv_heads), ("vocab_size", cfg.vocab_size),
                     ("ffn_hidden", cfg.mlp_hidden)):
         if n % tp:
@@ -64,8 +62,8 @@ def tensor_parallel_refusal(cfg: ModelConfig, tp: int) -> str | None:
 
 def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
     """Why ``cfg`` cannot train with --tensor-parallel under a launch of ``world`` processes (one line naming what to
-    change); None: it can. The processes are a mesh of world / tp data-parallel shards (FSDP) x tp. What is not built
-    yet is refused rather than left to fail."""
+    change); None: it can. The processes are a mesh of world / tp data-parallel shards (FSDP) x tp. Every optimizer
+    trains there (AdamW on its shards, the others a whole matrix on one rank: `fitgpt.optim.whole`)."""
     tp = cfg.tensor_parallel
     if world % tp:
         return (f"--tensor-parallel {tp} over {world} rank{'s' if world > 1 else ''}: use a multiple of {tp} (torchrun "
@@ -76,9 +74,10 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
     if world == tp and cfg.parallel == "fsdp":
         return (f"--parallel fsdp with --tensor-parallel {tp} over {tp} ranks shards over one data-parallel rank, "
                 f"which shards nothing: drop --parallel fsdp, or use N x {tp} ranks")
-    if cfg.optim.name != "adamw" or cfg.optim.offload or cfg.fsdp_offload:
-        return (f"--tensor-parallel {tp} is tested with AdamW on the card: use --optim.name adamw without "
-                "--optim.offload or --fsdp-offload")
+    if cfg.optim.offload or cfg.fsdp_offload:
+        flag = "--optim.offload" if cfg.optim.offload else "--fsdp-offload"
+        return (f"--tensor-parallel {tp} with {flag} is not built in fitgpt (neither is planned nor tested over a "
+                f"split model): drop {flag}, or use --parallel fsdp --fsdp-offload without --tensor-parallel")
     spec = cfg.activation_checkpointing
     if "offload" in spec:
         return (f"--tensor-parallel {tp} does not offload a split block's saved tensors: drop offload from {spec!r} "
@@ -196,6 +195,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     in place: each rank keeps its shards. Before activation checkpointing, compile and FSDP."""
     if why := tensor_parallel_refusal(model.config, mesh.size()):
         raise ValueError(why)
+    tied = model.lm_head.weight is model.token_embed.weight
     for block in model.attn_blocks:
         parallelize_module(block, mesh, _block_plan(model.config.arch))
     if model.position_embed is not None:
@@ -205,6 +205,10 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         "layer_norm": SequenceParallel(),
         "lm_head": _LossParallelHead(),
     })
+    if tied:
+        # The embedding (row-wise) and the head (column-wise) both shard the (vocab, C) matrix on the vocabulary, as
+        # Megatron ties them: one split parameter, each rank the rows of its tokens, both gradients adding into it.
+        model.lm_head.weight = model.token_embed.weight
     # The final norm's output gathered whole (the head's all-gather), on the norm rather than in the head: the loss
     # heads' chunks (chunked-loss, fused-loss) then take it as the plain head does.
     parallelize_module(model.layer_norm, mesh, PrepareModuleOutput(

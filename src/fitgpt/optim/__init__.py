@@ -14,12 +14,13 @@ import torch.nn as nn
 from fitgpt.config import OptimConfig
 from fitgpt.optim import lowrank
 from fitgpt.optim.adamw_bf16 import AdamWBf16
-from fitgpt.optim.bf16_weights import Bf16Weights, rounding_generator
+from fitgpt.optim.bf16_weights import Bf16Weights, rounding_seed
 from fitgpt.optim.factored import Adafactor
 from fitgpt.optim.in_backward import InBackward
 from fitgpt.optim.lowbit import low_bit_adamw
 from fitgpt.optim.muon import MuonAdamW, hidden_matrices
 from fitgpt.optim.offload import HostOffload
+from fitgpt.optim.whole import WholeMatrices, splits
 
 
 def _groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -71,10 +72,13 @@ def describe_optimizer(cfg: OptimConfig, device: torch.device, model: nn.Module 
     return ", ".join(parts)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer | InBackward | HostOffload:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
+                    seed: int | None = None) -> torch.optim.Optimizer | InBackward | HostOffload | WholeMatrices:
     """AdamW over ``model`` as it steps on ``device`` (its implementation: ``cfg.impl``; its moments' dtype:
     ``cfg.state_dtype``); with ``cfg.in_backward``, one per parameter, stepped by hooks during the backward; with
-    ``cfg.offload``, on the host (``cfg.in_backward`` then frees each gradient on the card once it is copied out)."""
+    ``cfg.offload``, on the host (``cfg.in_backward`` then frees each gradient on the card once it is copied out).
+    Over parameters split across ranks, AdamW steps each rank's shards; any other optimizer, or pure bf16 weights,
+    steps each parameter whole on one rank (``whole``). ``seed``: the run's, from which stochastic rounding draws."""
     decay, no_decay = _groups(model)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
@@ -83,7 +87,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
         own = lowrank.settings(cfg.name, cfg.rank, cfg.update_proj_gap, cfg.proj_scale,
                                lowrank.rank_limit(hidden_matrices(model)))
         groups = lowrank.projected_groups(groups, hidden, own)
-        seeds = {id(p): i + 1 for i, p in enumerate(decay + no_decay)}  # the library's numbering, from 1
+    numbering = {id(p): i for i, p in enumerate(decay + no_decay)}  # the model's order: the state dict's indices
+    seeds = {k: i + 1 for k, i in numbering.items()}  # APOLLO's numbering, from 1
 
     def make(groups: list[dict], on: torch.device = device) -> torch.optim.Optimizer:
         if cfg.name == "adafactor":
@@ -102,20 +107,51 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
 
     if cfg.offload:
         return HostOffload(groups, make, free_grads=cfg.in_backward)
-    if any(p.dtype == torch.bfloat16 for p in decay + no_decay):  # pure bf16 weights: each step in fp32, then rounded
-        generator = rounding_generator(decay + no_decay) if cfg.rounding == "stochastic" else None
+    bf16 = any(p.dtype == torch.bfloat16 for p in decay + no_decay)
+    if bf16:  # pure bf16 weights: each step in fp32, then rounded
+        stochastic = rounding_seed(seed) if cfg.rounding == "stochastic" else None
         inner = make
 
         def make(groups: list[dict], on: torch.device = device) -> Bf16Weights:
-            return Bf16Weights(groups, lambda g: inner(g, on), generator, kahan=cfg.rounding == "kahan")
+            return Bf16Weights(groups, lambda g: inner(g, on), stochastic, numbering, kahan=cfg.rounding == "kahan")
 
-    return InBackward(groups, make) if cfg.in_backward else make(groups)
+    if cfg.in_backward:
+        return InBackward(groups, make)
+    if splits(decay + no_decay) and (bf16 or cfg.name != "adamw"):
+        return WholeMatrices(groups, make, _state_size(cfg, hidden, own["rank"] if cfg.projects else 0))
+    return make(groups)
+
+
+def _state_size(cfg: OptimConfig, hidden: set[int], rank: int):
+    """About how many bytes of state ``cfg``'s optimizer keeps for a parameter: what `WholeMatrices` balances across
+    the ranks (``hidden``: the ids of the matrices Muon steps or a projection projects; ``rank``: its rank)."""
+    factored = cfg.name in ("adafactor", "galore-adafactor")
+
+    def size(p: torch.Tensor) -> int:
+        n, shape = p.numel(), tuple(p.shape)
+        if id(p) in hidden and cfg.name == "muon":
+            state = 4 * n  # one fp32 momentum buffer
+        elif id(p) in hidden and cfg.projects:  # the projector (r x the shorter side), the projected gradient's moments
+            r, long = min(rank, min(shape)), max(shape)
+            state = 4 * r * min(shape) + (4 * (long + r) if factored else 8 * r * long)
+        elif factored:
+            state = 4 * (shape[0] + shape[1]) if len(shape) == 2 else 4 * n  # a row and a column, or every value
+        elif cfg.name in ("adamw8bit", "adamw4bit") and n >= 4096:
+            state = n * (2 if cfg.name == "adamw8bit" else 1) + 8 * (n // 256)  # codes and block scales
+        else:
+            state = n * (4 if cfg.state_dtype == "bf16" else 8)
+        kahan = 2 * n if cfg.rounding == "kahan" and p.dtype == torch.bfloat16 else 0
+        return 4 + state + kahan  # and a step count
+
+    return size
 
 
 def _muon(groups: list[dict], hidden: set[int], cfg: OptimConfig) -> torch.optim.Optimizer | MuonAdamW:
     """Muon over the hidden matrices among ``groups``, AdamW (for-loop) over the rest: one of them, or both as one."""
     def part(inside: bool) -> list[dict]:
-        split = [{**g, "params": [p for p in g["params"] if (id(p) in hidden) == inside]} for g in groups]
+        # by the parameter a stand-in (pure bf16 weights' fp32 one, or a whole one) stands for
+        split = [{**g, "params": [p for p in g["params"] if (id(getattr(p, "stands_for", p)) in hidden) == inside]}
+                 for g in groups]
         return [g for g in split if g["params"]]
 
     matrices, rest = part(True), part(False)

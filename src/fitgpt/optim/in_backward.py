@@ -20,8 +20,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from fitgpt.optim.bf16_weights import ROUNDING_RNG
-
 Factory = Callable[[list[dict]], torch.optim.Optimizer]
 
 
@@ -129,13 +127,10 @@ class InBackward:
             # A group's settings as its optimizers keep them (an empty group: as it was given).
             saved = self.optimizers[params[0]].state_dict()["param_groups"][0] if params else {**self.defaults, **hyper}
             groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
-        # Pure bf16 weights: the rounding's generator, one for all the parameters' optimizers.
-        rng = next(iter(self.optimizers.values())).state_dict().get(ROUNDING_RNG) if self.optimizers else None
-        return {"state": state, "param_groups": groups} | ({ROUNDING_RNG: rng} if rng is not None else {})
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
         params = [p for ps, _ in self._groups for p in ps]
-        rng = {ROUNDING_RNG: state_dict[ROUNDING_RNG]} if ROUNDING_RNG in state_dict else {}
         for group in state_dict["param_groups"]:
             hyper = {k: v for k, v in group.items() if k != "params"}
             for i in group["params"]:
@@ -144,5 +139,4 @@ class InBackward:
                 # share a group, each with its own settings).
                 own = self.optimizers[params[i]].param_groups[0]
                 mine = {k: hyper.get(k, v) for k, v in own.items() if k != "params"}
-                self.optimizers[params[i]].load_state_dict({"state": {0: s} if s else {}, "param_groups": [{**mine, "params": [0]}]}
-                                                          | rng)
+                self.optimizers[params[i]].load_state_dict({"state": {0: s} if s else {}, "param_groups": [{**mine, "params": [0]}]})

@@ -203,7 +203,9 @@ def init_optimizer_state(optimizer) -> None:
     if hasattr(optimizer, "create_state"):
         optimizer.create_state()
         return
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    # The parameters it steps: those of its groups, or what they stand in for (pure bf16 weights' fp32 stand-ins,
+    # the whole stand-ins of split ones), whose gradients its step reads.
+    params = getattr(optimizer, "params", None) or [p for g in optimizer.param_groups for p in g["params"]]
     lrs = [g["lr"] for g in optimizer.param_groups]
     for p in params:
         p.grad = torch.zeros_like(p)

@@ -184,7 +184,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None,
         write_run_files(cfg)
     # Built after sharding: under FSDP the optimizer holds only this rank's shard of every state.
     # Offloaded, the parameters live in host memory and the optimizer steps there.
-    optimizer = build_optimizer(model, cfg.optim, torch.device("cpu") if cfg.fsdp_offload else device)
+    optimizer = build_optimizer(model, cfg.optim, torch.device("cpu") if cfg.fsdp_offload else device, seed=cfg.seed)
     if state is not None:
         load_optimizer(optimizer, state["optimizer"], info)
         log.info("checkpoint read in %.2fs (weights, optimizer state, data positions, RNG)", time.perf_counter() - t_resume)

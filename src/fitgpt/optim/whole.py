@@ -1,0 +1,128 @@
+"""Any optimizer over parameters split across ranks (FSDP's row shards, tensor parallelism's column or row shards, or
+both), stepping each parameter whole: the step one process takes, on every layout.
+
+AdamW is elementwise, so each rank steps its own shard of every parameter (PyTorch's AdamW on DTensors). The other
+optimizers are not: Muon orthogonalises a whole matrix, Adafactor factors its second moment into a row and a column,
+GaLore projects it by its SVD and APOLLO by a random matrix, and torchao's low-bit AdamW quantizes its moments in blocks
+that a shard's boundary would cut differently. Each of those needs the whole matrix, so each parameter is given to one
+rank, its owner, as public Muon implementations for FSDP2 do (matrices assigned to ranks, largest first, to the rank
+holding the least state so far): at each step, parameter by parameter, the ranks all-gather its gradient and its weight, the
+owner steps it with the inner optimizer (one process's, over stand-ins of every parameter, the same indices and
+groups), and broadcasts the result, of which every rank keeps its own shard.
+
+So the arithmetic is one process's, to the bit, and only the gradients' reduction across ranks rounds differently. The
+optimizer's state of a parameter lives on its owner alone, whole (on average 1/N of one process's a rank): in a
+distributed checkpoint each entry is written by its owner, and read by whichever rank owns it on the layout that
+resumes (any number of ranks, or one process, reads it whole). A step holds, for a moment, one parameter's whole
+weight and gradient (and on its owner the inner step's temporaries): the planner measures that as it measures any
+step, on rank 0, which owns the most (``owners``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fitgpt.optim.lowbit import EXACT
+
+Factory = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+def owners(sizes: list[int], world: int) -> list[int]:
+    """The rank that steps each parameter (``sizes``: the bytes of state each keeps): largest first, each to the rank that
+    holds the fewest values so far; the ranks then numbered by what they hold, most first, so that rank 0 (the one the
+    planner profiles) is the heaviest."""
+    load, held = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        held[r].append(i)
+        load[r] += sizes[i]
+    owner = [0] * len(sizes)
+    for rank, r in enumerate(sorted(range(world), key=lambda r: (-load[r], r))):
+        for i in held[r]:
+            owner[i] = rank
+    return owner
+
+
+def placeholder(p: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+    """A stand-in for ``p`` as an optimizer is built over it: its whole shape (Muon checks its matrices are 2-D), one
+    value of memory; `emptied` once built."""
+    return nn.Parameter(torch.empty((), dtype=dtype, device=p.device).expand(p.shape))
+
+
+def emptied(stand_ins) -> None:
+    """Each of ``stand_ins`` holding no memory, as between its steps."""
+    for s in stand_ins:
+        s.data = torch.empty(0, dtype=s.dtype, device=s.device)
+
+
+def splits(params: list[torch.Tensor]) -> bool:
+    """Whether any of ``params`` is split across ranks (a DTensor: FSDP's or tensor parallelism's)."""
+    return any(hasattr(p, "full_tensor") for p in params)
+
+
+class WholeMatrices:
+    """``make``'s optimizer over ``groups``, each parameter stepped whole by its owner (see the module)."""
+
+    steps_in_backward = False
+
+    def __init__(self, groups: list[dict], make: Factory, state_size: Callable[[torch.Tensor], int] = torch.numel) -> None:
+        """``state_size``: about how many bytes of state the optimizer keeps for a parameter, which the ranks share."""
+        self.params = [p for g in groups for p in g["params"]]
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.owner = owners([state_size(p) for p in self.params], world)
+        self.stand_in = {p: placeholder(p, p.dtype) for p in self.params}
+        for p, s in self.stand_in.items():
+            s.stands_for = getattr(p, "stands_for", p)  # what an optimizer that numbers parameters numbers it by
+        self.inner = make([{**g, "params": [self.stand_in[p] for p in g["params"]]} for g in groups])
+        emptied(self.stand_in.values())
+        self.defaults = self.inner.defaults
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        from fitgpt.parallel import assign_whole, gather_whole
+
+        for i, p in enumerate(self.params):
+            if p.grad is None:  # alike on every rank: FSDP gives each shard its gradient, or none
+                continue
+            grad, weight = gather_whole(p.grad), gather_whole(p.detach())  # (whole shape): collectives, every rank
+            if self.owner[i] == self.rank:
+                s = self.stand_in[p]
+                s.data, s.grad = weight, grad
+                self.inner.step()  # steps s alone: no other stand-in has a gradient
+                weight = s.data
+                s.grad = None
+                emptied([s])
+            del grad
+            if not weight.is_contiguous():
+                weight = weight.contiguous()
+            dist.broadcast(weight, src=self.owner[i])
+            assign_whole(p, weight)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> dict:
+        """The state this rank holds: its own parameters'."""
+        return {p: self.inner.state[s] for p, s in self.stand_in.items() if s in self.inner.state}
+
+    def state_dict(self) -> dict:
+        """One process's state dict (indexed over every parameter), holding this rank's parameters' entries."""
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A state dict of this optimizer over any layout (or one process's): this rank keeps its parameters' entries
+        (of its state, and of any other entry indexed by parameter: low-bit AdamW's exact moments)."""
+        def mine(entries: dict) -> dict:
+            return {k: v for k, v in entries.items() if self.owner[int(k)] == self.rank}
+
+        self.inner.load_state_dict({k: mine(v) if k == "state" or k == EXACT else v for k, v in state_dict.items()})
