@@ -153,8 +153,9 @@ def test_under_fsdp_every_optimizer_steps_bitwise_as_one_process(ranks):
 # process's (bitwise: above); the gradients' reduction across ranks and their norm over shards round otherwise, by
 # fp32's rounding (1e-7 of a gradient), which Adam's first steps carry into the weight at lr / |g| where an entry of
 # the gradient nears zero (up to 2e-5 measured in test_distributed.py at lr 1e-2; here up to 1.6e-4 under tensor
-# parallelism, whose split matmuls round too, on GPT-2 tied). Low-bit moments round that difference to their own steps now and then (measured: 2e-4). Muon orthogonalises in bf16: a 1e-7 relative change of
-# every gradient moves one process's weights by 1.5e-3 after 3 steps (measured), and the ranks' by up to 2.9e-3. GaLore's
+# parallelism, whose split matmuls round too, on GPT-2 tied). Low-bit moments round that difference to their own
+# steps now and then (measured: 4e-4). Muon orthogonalises in bf16: a 1e-7 relative change of every gradient moves
+# one process's weights by 1.5e-3 after 3 steps (measured), and the ranks' by up to 2.9e-3. GaLore's
 # SVD turns its singular vectors where two singular values nearly meet (measured: 1.8e-3 under 2 x 2).
 # In bf16 weights the gradients are bf16 too, reduced across ranks in bf16 (and under tensor parallelism, summed in
 # pieces): 2^-8 of a gradient, which turns the sign of Adam's update of an entry near zero (a whole lr) and Muon's bf16

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from fitgpt.config import OptimConfig, TrainConfig
 
+
 def in_backward_refusal(parallel: str) -> str:
     """Why --optim.in-backward cannot train over several processes under ``parallel`` (ddp or fsdp)."""
     if parallel == "ddp":

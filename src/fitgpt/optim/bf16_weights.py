@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
 from fitgpt.optim.whole import emptied, placeholder
