@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from fitgpt.optim.whole import emptied, placeholder
+from fitgpt.optim.whole import emptied, placeholder, shaped
 
 ROUNDED = "rounded"
 COMPENSATION = "kahan_compensation"
@@ -76,11 +76,12 @@ class Bf16Weights:
         self.inner.step()  # steps s alone: the other stand-ins have no gradient
         if self.generator is not None:
             state = self.inner.state[s]
-            n = state.get(ROUNDED, 0)
+            if ROUNDED not in state:  # a host count (a tensor, as checkpoints hold state), read without a sync
+                state[ROUNDED] = torch.zeros((), dtype=torch.int64)
             if s.data.device.type != "meta" and not is_fake(s.data):  # the planner's tensors: no values to draw
-                self.generator.manual_seed(_stream(self.seed, self.index[p], n))
+                self.generator.manual_seed(_stream(self.seed, self.index[p], int(state[ROUNDED])))
             p.copy_(round_stochastic(s.data, self.generator))
-            state[ROUNDED] = n + 1
+            state[ROUNDED] += 1
         else:
             p.copy_(s.data)  # to nearest
         if self.kahan:  # what that rounding lost, exact in fp32, kept to bf16's precision
@@ -108,11 +109,14 @@ class Bf16Weights:
     def load_state_dict(self, state_dict: dict) -> None:
         """This optimizer's state, or a plain one's (an fp32-weight checkpoint: each parameter's rounding counts from
         0)."""
-        self.inner.load_state_dict(state_dict)
+        with shaped(self.stand_in):  # (torchao's low-bit moments are made to the parameter's shape)
+            self.inner.load_state_dict(state_dict)
         for p, s in self.stand_in.items():  # loaded in the stand-in's fp32, as optimizers load state: kept in bf16
             state = self.inner.state.get(s, {})
             if COMPENSATION in state:
                 state[COMPENSATION] = state[COMPENSATION].to(p.dtype)
+            if ROUNDED in state:  # loaded onto the parameter's device: the count stays on the host
+                state[ROUNDED] = torch.as_tensor(state[ROUNDED], dtype=torch.int64).cpu()
 
 
 def rounding_seed(seed: int | None) -> int:

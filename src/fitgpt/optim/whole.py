@@ -20,7 +20,8 @@ step, on rank 0, which owns the most (``owners``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,18 @@ def emptied(stand_ins) -> None:
     """Each of ``stand_ins`` holding no memory, as between its steps."""
     for s in stand_ins:
         s.data = torch.empty(0, dtype=s.dtype, device=s.device)
+
+
+@contextlib.contextmanager
+def shaped(stand_in: dict) -> Iterator[None]:
+    """Each stand-in (``stand_in``: by the parameter it stands for) of its parameter's whole shape while an optimizer
+    loads state into it: torchao's low-bit AdamW makes its quantized moments to the parameter's shape."""
+    for p, s in stand_in.items():
+        s.data = placeholder(p, s.dtype).data
+    try:
+        yield
+    finally:
+        emptied(stand_in.values())
 
 
 def splits(params: list[torch.Tensor]) -> bool:
@@ -125,4 +138,5 @@ class WholeMatrices:
         def mine(entries: dict) -> dict:
             return {k: v for k, v in entries.items() if self.owner[int(k)] == self.rank}
 
-        self.inner.load_state_dict({k: mine(v) if k == "state" or k == EXACT else v for k, v in state_dict.items()})
+        with shaped(self.stand_in):
+            self.inner.load_state_dict({k: mine(v) if k == "state" or k == EXACT else v for k, v in state_dict.items()})
