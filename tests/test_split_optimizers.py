@@ -52,14 +52,14 @@ def _optim(name: str, clip: bool) -> OptimConfig:
     return OptimConfig(**{**BASE, "grad_clip": BASE["grad_clip"] if clip else 0.0}, **SETTINGS[name])
 
 
-def _train(model, step_model, optim: OptimConfig, x, y, reduce=None) -> tuple[list[float], object]:
-    """``STEPS`` steps on (x, y): the losses (the global batch's mean, given ``reduce``) and the optimizer."""
+def _train(model, step_model, optim: OptimConfig, x, y, reduce=None, steps: int = STEPS) -> tuple[list[float], object]:
+    """``steps`` steps on (x, y): the losses (the global batch's mean, given ``reduce``) and the optimizer."""
     from fitgpt.tensor_parallel import step_context
 
     opt = build_optimizer(model, optim, torch.device("cpu"), seed=0)
     losses = []
     with step_context(model):
-        for _ in range(STEPS):
+        for _ in range(steps):
             loss = step_model(x, y)[1]
             loss.backward()
             loss = reduce(loss.detach()) if reduce else loss.detach()
@@ -69,10 +69,10 @@ def _train(model, step_model, optim: OptimConfig, x, y, reduce=None) -> tuple[li
     return losses, opt
 
 
-def one_process(name: str, tied: bool | str = False, clip: bool = True) -> tuple[list[float], dict]:
+def one_process(name: str, tied: bool | str = False, clip: bool = True, steps: int = STEPS) -> tuple[list[float], dict]:
     model = _model(tied, name in BF16)
     x, y = _batch()
-    losses, _ = _train(model, model, _optim(name, clip), x, y)
+    losses, _ = _train(model, model, _optim(name, clip), x, y, steps=steps)
     return losses, {k: v.float() for k, v in model.state_dict().items()}
 
 
@@ -98,8 +98,8 @@ def _split(model, layout: str, world: int):
 
 
 def split_steps(rank: int, world: int, layout: str, names: list[str], tied: bool | str = False, same_rows: bool = False,
-                clip: bool = True) -> dict:
-    """``STEPS`` steps of each optimizer in ``names`` on ``layout``, each data-parallel rank its rows of the batch (or
+                clip: bool = True, steps: int = STEPS) -> dict:
+    """``steps`` steps of each optimizer in ``names`` on ``layout``, each data-parallel rank its rows of the batch (or
     with ``same_rows`` all of them: their mean gradient is then exactly each one's), clipped where ``clip``: the
     losses and the weights gathered whole, and the bytes of optimizer state each rank holds (rank 0's results)."""
     import gathered
@@ -116,7 +116,7 @@ def split_steps(rank: int, world: int, layout: str, names: list[str], tied: bool
                 dist.all_reduce(loss, group=dp.get_group())
             return loss / n
 
-        losses, opt = _train(model, model, _optim(name, clip), x[i::n], y[i::n], mean)
+        losses, opt = _train(model, model, _optim(name, clip), x[i::n], y[i::n], mean, steps)
         held = torch.tensor(optimizer_state_bytes(opt))
         everyone = [torch.zeros_like(held) for _ in range(world)]
         dist.all_gather(everyone, held)
@@ -207,3 +207,44 @@ def test_tied_embeddings_split_as_one_parameter_and_train_as_one_process(world, 
         for name in names:
             assert results[name]["tied"], (tied, name)
             assert_like_one_process(results[name], name, tied)
+
+
+PLANNED = ["muon", "adafactor", "adamw8bit", "bf16-adamw"]
+
+
+def measured_peaks(rank: int, world: int, names: list[str]) -> dict:
+    """Each rank's measured peak (the tracker, at the second step) of each optimizer under FSDP, the whole batch a
+    rank's rows of 4 x 16, as the planner plans it."""
+    from fitgpt.memory.timeline import measure_train_step
+    from fitgpt.parallel import fsdp_shard
+
+    peaks = {}
+    for name in names:
+        model = _model(False, name in BF16)
+        fsdp_shard(model, None)
+        x = torch.randint(0, CFG["vocab_size"], (4, 16), generator=torch.Generator().manual_seed(rank))
+        opt = build_optimizer(model, _optim(name, clip=True), torch.device("cpu"), seed=0)
+        measure_train_step(model, opt, [(x, x)], grad_clip=1.0)  # the state exists from here on
+        peaks[name] = measure_train_step(model, opt, [(x, x)], grad_clip=1.0).peak
+    return peaks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_each_rank_of_a_whole_matrix_optimizer_is_planned_to_the_byte(ranks):
+    """The planner profiles rank 0 of 2 on fake ranks, sharded and stepping as the trainer does (the gathered whole
+    matrix, the owner's step): rank 0, which owns the most state, measures the plan's peak to the byte, and no rank
+    measures more."""
+    from fitgpt.estimate.profile import profile_model
+    from fitgpt.plan import Plan, predict
+
+    measuring = ranks(2).submit(measured_peaks, PLANNED)
+    planned = {}
+    for name in PLANNED:
+        cfg = ModelConfig(**CFG, **({"weights_dtype": "bf16"} if name in BF16 else {}))
+        profile = profile_model(cfg, 4, 16, "cpu", optim_cfg=_optim(name, clip=True), fake=True, fsdp_ranks=2)
+        planned[name] = predict(profile, Plan.uniform(cfg.n_blocks, "none")).peak
+    measured = measuring.result()
+    for name in PLANNED:
+        assert measured[0][name] == planned[name], (name, measured[0][name], planned[name])
+        assert measured[1][name] <= planned[name], name
