@@ -1,9 +1,9 @@
 """Every optimizer on every layout (issue 57): 8 clipped steps of each optimizer (and pure bf16 weights) under FSDP,
-tensor parallelism and FSDP x TP on 2 and 4 gloo CPU ranks, against one process at the same global batch (4 rows of
-16 tokens, each data-parallel rank its share): the largest relative difference of a logged loss, and the optimizer
-state each rank holds (AdamW's shards, or the whole matrices each rank owns).
+tensor parallelism and FSDP x TP on gloo CPU ranks (FSDP 2 and 4, TP 2, 2 x 2), against one process at the same
+global batch (4 rows of 16 tokens, each data-parallel rank its share): the largest relative difference of a logged
+loss, and the optimizer state each rank holds (AdamW's shards, or the whole matrices each rank owns).
 
-    python benchmarks/split_optimizers.py        # about 5 minutes on 2 cores
+    python benchmarks/split_optimizers.py        # about 6 minutes on 2 cores
 
 The steps are the tests' (tests/test_split_optimizers.py, which proves the step bitwise on equal gradients); this
 runs them longer, on more layouts, and prints a Markdown table for benchmarks/RESULTS.md.
@@ -20,7 +20,7 @@ from rank_pool import RankPool  # noqa: E402
 from test_split_optimizers import SETTINGS, one_process, split_steps  # noqa: E402
 
 STEPS = 8
-LAYOUTS = [(2, "fsdp"), (2, "tp"), (4, "fsdp"), (4, "tp"), (4, "fsdp-tp")]
+LAYOUTS = [(2, "fsdp"), (2, "tp"), (4, "fsdp"), (4, "fsdp-tp")]  # (the model's 2 key/value heads split 2 ways at most)
 
 
 def main() -> None:

@@ -258,6 +258,23 @@ def test_fit_largest_model_prints_each_setting_and_the_command(capsys):
     assert all(r["val_loss_vs_adamw"] for r in rows)  # each row's measured cost in loss
     assert "train the largest: fitgpt train --preset tiny" in out and "--model.weights-dtype bf16" in out
     assert main(["fit", "--preset", "tiny", "--largest-model", "--memory-budget", "12MiB", "--world-size", "2"]) == 2
+    assert "add --parallel fsdp" in capsys.readouterr().err  # DDP's ranks each hold what one card does
+
+
+@pytest.mark.slow
+def test_fit_largest_model_over_fsdp_ranks_shows_every_setting_each_rank_trains(capsys):
+    """--largest-model --world-size 2 --parallel fsdp (once refused: "answers for one card"): a row for each setting
+    as the ranks train it, the step after the backward (inside it is one process's), each rank's share of the
+    state; the whole-matrix optimizers and bf16 weights beyond AdamW, as on one card."""
+    assert main(["fit", "--preset", "tiny", "--largest-model", "--gpu", "rtx-4090", "--memory-budget", "40MiB",
+                 "--batch-size", "1", "--context", "16", "--world-size", "2", "--parallel", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    rows = {r["setting"]: r for r in json.loads(out.strip().splitlines()[-1])["rows"]}
+    assert list(rows) == ["AdamW", "AdamW, bf16 moments", "8-bit AdamW", "4-bit AdamW", "Adafactor",
+                          "Adafactor, bf16 weights (stochastic rounding)", "APOLLO-Mini, bf16 weights (stochastic rounding)"]
+    assert all(r["params"] for r in rows.values())
+    assert rows["Adafactor, bf16 weights (stochastic rounding)"]["params"] > 1.5 * rows["AdamW"]["params"]
+    assert "--parallel fsdp" in out.splitlines()[-2]  # the command trains the largest on the ranks
 
 
 def test_a_bad_step_in_the_backward_stops_the_run_and_saves_nothing(make_cfg, tmp_path, nan_model):

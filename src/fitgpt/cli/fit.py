@@ -80,8 +80,9 @@ class FitConfig(BudgetConfig):
         if self.largest_model and self.hf_config:
             raise UserError("--largest-model scales fitgpt's own shapes (a preset or --model.*); a --hf-config model "
                             "is fixed by its config.json: drop one of them")
-        if self.largest_model and (self.world_size or 1) > 1:
-            raise UserError("--largest-model answers for one card: drop --world-size (FSDP shards what one card holds)")
+        if self.largest_model and (self.world_size or 1) > 1 and self.parallel != "fsdp":
+            raise UserError("--largest-model over --world-size N answers for a model FSDP shards: add --parallel fsdp "
+                            "(DDP's ranks each hold what one card does: drop --world-size)")
         if self.largest_model and self.activation_checkpointing != "auto":
             raise UserError("--largest-model plans each size's checkpointing itself: drop --activation-checkpointing")
         if self.largest_model:

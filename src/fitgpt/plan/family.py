@@ -108,7 +108,7 @@ def largest_model(w: Workload, budget: int, ladder: tuple[tuple[str, dict], ...]
     accumulate) fits ``budget``, and what an offloaded optimizer pins ``host_budget`` (None: no bound); with its
     fastest plan. The settings are independent searches, each single-threaded Python on fake tensors: they run in
     ``workers`` processes (default: one per CPU core, at most one per setting)."""
-    rungs = ladder or LADDER + ((ON_THE_HOST,) if w.target.cuda else ())
+    rungs = ladder or (split_ladder() if w.world_size > 1 else LADDER + ((ON_THE_HOST,) if w.target.cuda else ()))
     jobs = [(_with_model(w, changes), budget, name,
              dataclasses.replace(w.train.optim, **{k: v for k, v in changes.items() if k not in MODEL_SETTINGS}), host_budget)
             for name, changes in rungs]
@@ -118,6 +118,15 @@ def largest_model(w: Workload, budget: int, ladder: tuple[tuple[str, dict], ...]
     return [done[i] for i in range(len(jobs))]
 
 
+def split_ladder() -> tuple[tuple[str, dict], ...]:
+    """``LADDER`` for ranks that split the model: each setting stepped after the backward (the step inside it is one
+    process's), each once; every optimizer there steps its shards or whole matrices (`fitgpt.optim.whole`)."""
+    rungs: dict[str, dict] = {}
+    for name, changes in LADDER:
+        rungs.setdefault(name.replace(", step in the backward", ""), {k: v for k, v in changes.items() if k != "in_backward"})
+    return tuple(rungs.items())
+
+
 def _with_model(w: Workload, changes: dict) -> Workload:
     """``w`` with a rung's model settings (pure bf16 weights) applied."""
     model = {k: v for k, v in changes.items() if k in MODEL_SETTINGS}
@@ -125,6 +134,11 @@ def _with_model(w: Workload, changes: dict) -> Workload:
 
 
 def _rung(w: Workload, budget: int, name: str, optim: OptimConfig, host_budget: int | None) -> Largest:
+    from fitgpt.refusals import launch_refusal
+
+    if w.world_size > 1 and (why := launch_refusal(dataclasses.replace(w.train, optim=optim), w.world_size,
+                                                     w.target.device, None, planned=True)):
+        return Largest(name, optim, None, note=why.split(":")[0])  # a setting these ranks cannot train: the row says
     if (optim.in_backward or optim.offload) and w.dtype == torch.float16:
         # A step in the backward or on the host is out of reach of fp16's loss scaler: the trainer runs it in fp32.
         w, name = w.vary(precision="fp32"), f"{name} (fp32: not with fp16's scaler)"
