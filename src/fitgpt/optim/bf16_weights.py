@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from fitgpt.optim.whole import emptied, placeholder, shaped
+from fitgpt.optim.whole import StandIns, emptied, placeholder, shaped
 
 ROUNDED = "rounded"
 COMPENSATION = "kahan_compensation"
@@ -40,7 +40,7 @@ def round_stochastic(x: torch.Tensor, generator: torch.Generator) -> torch.Tenso
     return bits.add(noise).bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)  # the cut is exact
 
 
-class Bf16Weights:
+class Bf16Weights(StandIns):
     """An optimizer over bf16 parameters that steps each in fp32 (``make``: the inner optimizer, for groups of fp32
     parameters) and rounds the result: ``stochastic`` (default) or to nearest."""
 
@@ -90,21 +90,6 @@ class Bf16Weights:
             lost.copy_(s.data.sub_(p))
         s.grad = None
         emptied([s])
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def state(self) -> dict:
-        return {p: self.inner.state[s] for p, s in self.stand_in.items() if s in self.inner.state}
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """This optimizer's state, or a plain one's (an fp32-weight checkpoint: each parameter's rounding counts from

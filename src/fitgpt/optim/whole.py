@@ -77,7 +77,33 @@ def splits(params: list[torch.Tensor]) -> bool:
     return any(hasattr(p, "full_tensor") for p in params)
 
 
-class WholeMatrices:
+class StandIns:
+    """An optimizer whose inner optimizer steps stand-ins of its parameters (``stand_in``: by parameter), filled for
+    each step: answers as one optimizer over the parameters, its state dict the inner one's."""
+
+    params: list[torch.Tensor]
+    stand_in: dict[torch.Tensor, nn.Parameter]
+    inner: torch.optim.Optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> dict:
+        """Each parameter's state (held here: under `WholeMatrices`, this rank's own parameters')."""
+        return {p: self.inner.state[s] for p, s in self.stand_in.items() if s in self.inner.state}
+
+    def state_dict(self) -> dict:
+        """One process's state dict (indexed over every parameter)."""
+        return self.inner.state_dict()
+
+
+class WholeMatrices(StandIns):
     """``make``'s optimizer over ``groups``, each parameter stepped whole by its owner (see the module)."""
 
     steps_in_backward = False
@@ -114,23 +140,6 @@ class WholeMatrices:
                 weight = weight.contiguous()
             dist.broadcast(weight, src=self.owner[i])
             assign_whole(p, weight)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def state(self) -> dict:
-        """The state this rank holds: its own parameters'."""
-        return {p: self.inner.state[s] for p, s in self.stand_in.items() if s in self.inner.state}
-
-    def state_dict(self) -> dict:
-        """One process's state dict (indexed over every parameter), holding this rank's parameters' entries."""
-        return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """A state dict of this optimizer over any layout (or one process's): this rank keeps its parameters' entries
