@@ -122,3 +122,15 @@ def test_the_projection_libraries_are_imported_without_reaching_for_a_model_hub(
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False" and "kernels-community" not in out.stderr
+
+
+def test_fsdp_offload_with_a_whole_matrix_step_is_refused_naming_the_flag():
+    """Every optimizer now trains under FSDP, each matrix gathered whole to its owner; FSDP's host offload keeps the
+    shards where the cards' collectives cannot gather them: one line, before anything runs."""
+    from fitgpt.config import load_config
+    from fitgpt.refusals import launch_refusal
+
+    cfg = load_config("tiny", overrides={"parallel": "fsdp", "fsdp_offload": True, "optim": {"name": "muon"}})
+    why = launch_refusal(cfg, 2, "cuda", None)
+    assert why and "--fsdp-offload" in why and "--optim.name muon" in why and "\n" not in why
+    assert launch_refusal(load_config("tiny", overrides={"parallel": "fsdp", "fsdp_offload": True}), 2, "cuda", None) is None

@@ -50,6 +50,11 @@ def launch_refusal(cfg: TrainConfig, world: int, device_type: str, dtype: torch.
     --precision resolves there), or be ``planned`` there on fake tensors; one line naming what to change; None: it can.
     The trainer refuses a launch with it, ``plan`` a plan, ``fit`` a layout it would search."""
     optim = cfg.optim
+    if cfg.fsdp_offload and world > 1 and (optim.name != "adamw" or cfg.model.weights_dtype == "bf16"):
+        return (f"--fsdp-offload keeps each shard in host memory, where the whole-matrix step of "
+                f"{'pure bf16 weights' if optim.name == 'adamw' else '--optim.name ' + optim.name} (each matrix "
+                "gathered to one rank over the cards' collectives) cannot reach it: use --optim.name adamw with "
+                "--fsdp-offload, or drop --fsdp-offload")
     if optim.in_backward and world > 1:
         return in_backward_refusal("fsdp" if cfg.parallel == "fsdp" or cfg.tensor_parallel > 1 else "ddp")
     if cfg.tensor_parallel > 1:
