@@ -73,11 +73,12 @@ def test_fastest_configuration_weighs_ddp_fsdp_and_offload_for_several_cards(tmp
     cfg.write_text(json.dumps({"model": {"vocab_size": 512, "context_length": 64, "n_embed": 128, "n_head": 4, "n_blocks": 4},
                                "batch_size": 4, "grad_accum": 1}))
     # The budget less two cuBLAS workspaces (16.25 MiB on an A100) leaves 12.75 MiB for the step's tensors: DDP's
-    # 13.9 MB of weights, gradients and AdamW state per rank alone exceed it; FSDP's shards leave room.
+    # 13.9 MB of weights, gradients and AdamW state per rank alone exceed it; FSDP's shards leave room, and so do
+    # tensor parallelism's halves (the tied embedding and head split once, as Megatron does)
     flags = BudgetConfig(config=str(cfg), gpu="a100-80gb", world_size=2, memory_budget="29MiB", precision="bf16")
     w = flags.workload
     layouts = {c.layout.name for c in fastest(w, flags.budget, top=6)["choices"]}
-    assert layouts == {"fsdp"}
+    assert layouts == {"fsdp", "tp2"}
     # 3.75 MiB: nothing fits unless parameters, gradients and optimizer state leave the card
     flags = dataclasses.replace(flags, memory_budget="20MiB")
     layouts = {c.layout.name for c in fastest(w, flags.budget, top=6)["choices"]}
