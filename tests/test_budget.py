@@ -4,6 +4,7 @@ its deadline and resumes counting the time spent, the law fitted and read back, 
 import functools
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -59,6 +60,9 @@ def test_a_deadline_leaves_room_for_the_last_step_evaluation_and_checkpoint():
             break
     # After step k: spent 3 + k; another step (1 s), an evaluation (1 step: 1 s) and the save (2 s) need 4 s.
     assert len(ends) == 14 and ends[-1] and not any(ends[:-1])
+    # The cooldown ends with the last step: its spent 17 s are all of the 20 s less the 3 s kept for the end.
+    wsd = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2, schedule="wsd", cooldown=0.2)
+    assert d.lr(14, SimpleNamespace(optim=wsd)) == pytest.approx(1e-3)
     d.timed("eval", 5.0)  # a measured evaluation replaces the estimate
     assert d.last(15) and d.spent() == 17.0
 

@@ -1,6 +1,7 @@
 """How long a run is: --max-steps, or --time-budget. A run of a time budget does not know its number of steps: after
 each step it asks whether another still fits before the deadline with the run's last evaluation and checkpoint after
-it, each timed as the run goes; its learning-rate schedule runs over the share of the time spent."""
+it, each timed as the run goes; its learning-rate schedule runs over the share spent of the time its steps get (the
+budget less that reserve for the end), so that its cooldown ends with its last step."""
 
 from __future__ import annotations
 
@@ -60,10 +61,12 @@ class Deadline:
     step_seconds: float = 0.0
     clock: Callable[[], float] = time.perf_counter
     _agreed: float = field(default=0.0, init=False)
+    _reserve: float = field(default=0.0, init=False)
+    """The last evaluation's and checkpoint's seconds, as the ranks last agreed."""
     _last_step_end: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:  # made on every rank at one point of `train`: the ranks agree from the first step
-        self._agreed = dist_utils.all_max(self.info, [self.spent_now()], self.device)[0]
+        self._agreed, self._reserve = dist_utils.all_max(self.info, [self.spent_now(), self.save_seconds], self.device)
 
     def spent_now(self) -> float:
         """Seconds of the budget spent by now, on this rank's clock (what a checkpoint records)."""
@@ -74,7 +77,8 @@ class Deadline:
         return self._agreed
 
     def lr(self, step: int, cfg: TrainConfig) -> float:
-        return lr_at(step, cfg.optim, fraction=self._agreed / self.budget)
+        # Over the steps' time, not the budget: a reserve of a fifth of it would otherwise end the run uncooled.
+        return lr_at(step, cfg.optim, fraction=self._agreed / max(1e-9, self.budget - self._reserve))
 
     def last(self, step: int) -> bool:
         """Whether the run ends after this step: another one, then the last evaluation and checkpoint, would not fit."""
@@ -84,10 +88,10 @@ class Deadline:
             self.step_seconds = seconds if not self.step_seconds else 0.7 * self.step_seconds + 0.3 * seconds
         self._last_step_end = now
         evaluation = self.eval_steps * self.step_seconds if self.eval_seconds is None else self.eval_seconds
-        spent, need = dist_utils.all_max(self.info, [self.spent_now(), self.step_seconds + evaluation + self.save_seconds],
-                                         self.device)
-        self._agreed = spent
-        return spent + need > self.budget
+        spent, step, reserve = dist_utils.all_max(self.info, [self.spent_now(), self.step_seconds,
+                                                              evaluation + self.save_seconds], self.device)
+        self._agreed, self._reserve = spent, reserve
+        return spent + step + reserve > self.budget  # agreed: the ranks end at one step
 
     def timed(self, what: str, seconds: float) -> None:
         """An evaluation's or a save's measured time (``what``: eval or save), for the reserve at the end. The step
