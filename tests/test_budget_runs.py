@@ -13,9 +13,9 @@ from fitgpt.cli import main
 from fitgpt.cli.train import parse
 from fitgpt.data.loader import TokenData
 from fitgpt.errors import UserError
-from fitgpt.plan.budget import STARTUP_SECONDS
+from fitgpt.plan.budget import DEPTHS, STARTUP_SECONDS
 from fitgpt.scaling.family import non_embedding_params, shape
-from fitgpt.scaling.ladder import run_ladder
+from fitgpt.scaling.ladder import branch_steps, run_ladder
 from fitgpt.scaling.law import fit_law, read_law
 
 pytestmark = pytest.mark.slow
@@ -34,12 +34,17 @@ def test_a_ladder_gives_three_points_a_depth_each_its_runs_loss_and_fits_a_law_t
         assert last["val_loss"] == p["val_loss"] and last["step"] * tokens_per_step == p["tokens"]
         if p["how"] != "end":  # a cooldown over a fifth of the branch: from step s to s / 0.8
             start = int(p["how"].rsplit(" ", 1)[1])
-            assert last["step"] == round(start / 0.8)
+            assert last["step"] == branch_steps(start, 0.2)
     assert law.data["tokenizer_sha256"] == TokenData(base.data.path).tokenizer_sha256
     law.write(tmp_path / "law.json")
     assert read_law(tmp_path / "law.json").points == law.points
     with pytest.raises(UserError, match="--work-dir .* holds an earlier ladder's runs: add --overwrite"):
         run_ladder(base, 30.0, (1, 2), work, overwrite=False)
+
+
+def test_a_cooldown_branch_trains_past_its_checkpoint_however_short_the_ladders_run():
+    """A depth given MIN_STEPS (8) branches from step 2: round(2 / 0.8) is 2, a branch with nothing to train."""
+    assert [branch_steps(s, 0.2) for s in (2, 4, 6, 8, 100)] == [3, 5, 8, 10, 125]
 
 
 @pytest.fixture
@@ -68,7 +73,7 @@ def test_fit_time_budget_prints_a_row_per_depth_the_pick_the_least_loss_and_comm
     rows, pick = result["rows"], result["pick"]
     losses = [r["predicted_loss"] for r in rows]
     assert pick == losses.index(min(losses)) and result["law"] == law
-    assert [r["depth"] for r in rows] == list(range(1, len(rows) + 1))
+    assert [r["depth"] for r in rows] == list(DEPTHS[:len(rows)])  # every depth to 8, then 10 (as fast as it measures)
     assert rows[-1]["params"] >= 8 * rows[pick]["params"] and rows[0]["depth"] == 1
     for r in rows:
         assert r["loss_low"] <= r["predicted_loss"] <= r["loss_high"]

@@ -77,8 +77,14 @@ def _branch(main: Path, step: int, out: Path, cfg: TrainConfig, overwrite: bool)
     shutil.copytree(main / "checkpoints" / name, out / "checkpoints" / name)
     for f in ("config.json", "tokenizer.json"):
         shutil.copyfile(main / f, out / f)
-    steps = round(step / (1 - cfg.optim.cooldown))
-    return train(dataclasses.replace(cfg, out_dir=str(out), max_steps=steps, resume="latest", overwrite=False))
+    return train(dataclasses.replace(cfg, out_dir=str(out), max_steps=branch_steps(step, cfg.optim.cooldown),
+                                     resume="latest", overwrite=False))
+
+
+def branch_steps(step: int, cooldown: float) -> int:
+    """A branch's --max-steps from checkpoint ``step``: the run whose last ``cooldown`` share starts there, and at least
+    one step past it (round(2 / 0.8) is 2: a branch from step 2 would train nothing)."""
+    return max(step + 1, round(step / (1 - cooldown)))
 
 
 def run_ladder(base: TrainConfig, budget: float, depths: tuple[int, ...], work: Path, overwrite: bool) -> Law:
