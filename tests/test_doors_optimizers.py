@@ -14,7 +14,7 @@ from fitgpt.errors import UserError
 from fitgpt.estimate.timing import _median_run
 from fitgpt.model import ModelConfig, Transformer
 from fitgpt.optim import build_optimizer, describe_optimizer
-from fitgpt.refusals import in_backward_refusal
+from fitgpt.refusals import IN_BACKWARD_DDP
 from fitgpt.train.dist_checkpoint import load_optimizer
 from fitgpt.train.distributed import DistInfo
 from fitgpt.train.trainer import train
@@ -110,7 +110,7 @@ def test_apollo_mini_is_planned_for_this_cpu(capsys):
 def test_plan_and_fit_refuse_what_every_rank_would_refuse_in_the_trainers_words(command, capsys):
     """plan --world-size 2 printed a torchrun command that every rank refused; fit printed its tables, then a traceback."""
     code, err = run_cli([*command, "--world-size", "2", "--optim.in-backward", "--optim.grad-clip", "0"], capsys)
-    assert code == 2 and one_line(err) and in_backward_refusal("ddp") in err, err
+    assert code == 2 and one_line(err) and IN_BACKWARD_DDP in err, err
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Every optimizer through the trainer on gloo ranks (issue 57): `fitgpt train --parallel fsdp` with Muon, 8-bit AdamW
-and pure bf16 weights (once refused) checkpoints each rank's state with DCP, resumes it bitwise on the same layout,
-and its checkpoint resumes in one process (each matrix's state read whole by whichever rank steps it) and is read by
-`generate`. (Step by step against one process: test_split_optimizers.py.)"""
+and pure bf16 weights, and the step in the backward with AdamW and Muon (once refused), checkpoints each rank's state
+with DCP, resumes it bitwise on the same layout, and its checkpoint resumes in one process (each matrix's state read
+whole by whichever rank steps it) and is read by `generate`. (Step by step against one process: test_split_optimizers.py.)"""
 
 import json
 
@@ -23,7 +23,8 @@ def _losses(run):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("extra", [["--optim.name", "muon"], ["--optim.name", "adamw8bit"],
-                                   ["--model.weights-dtype", "bf16", "--optim.name", "adafactor"]])
+                                   ["--model.weights-dtype", "bf16", "--optim.name", "adafactor"],
+                                   ["--optim.in-backward"], ["--optim.in-backward", "--optim.name", "muon"]])
 def test_fsdp_trains_checkpoints_and_resumes_every_optimizer(data_dir, corpus_dir, tmp_path, ranks, capsys, extra):
     from fitgpt.cli import main
 
@@ -48,3 +49,20 @@ def test_fsdp_trains_checkpoints_and_resumes_every_optimizer(data_dir, corpus_di
     capsys.readouterr()
     assert main(["generate", "--run", str(run), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
     assert "def " in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_whole_matrix_checkpoint_resumes_on_another_layout(data_dir, corpus_dir, tmp_path, ranks):
+    """Muon's state written under FSDP x 2 (each matrix's by its owner, whole) resumes under FSDP 2 x TP 2 (the same
+    data-parallel ranks, so the same batches), where other ranks own the matrices and AdamW's shards are cut by
+    columns too: the two steps after the resume are the straight run's, to the rounding of the other layout (the
+    second's loss is after a step of the resumed state)."""
+    run, other = tmp_path / "fsdp", tmp_path / "fsdp-tp"
+    flags = ["--optim.name", "muon", "--parallel", "fsdp"]
+    ranks(2).cli(_flags(data_dir, corpus_dir, run, *flags, "--max-steps", "5"))
+    straight = _losses(run)
+    ranks(4).cli(_flags(data_dir, corpus_dir, other, *flags, "--max-steps", "5", "--tensor-parallel", "2",
+                        "--resume", str(run / "checkpoints" / "step_00000003")))
+    resumed = _losses(other)
+    assert resumed == pytest.approx(straight[-2:], rel=1e-4), (resumed, straight)

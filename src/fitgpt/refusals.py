@@ -9,16 +9,10 @@ import torch.nn as nn
 
 from fitgpt.config import OptimConfig, TrainConfig
 
-
-def in_backward_refusal(parallel: str) -> str:
-    """Why --optim.in-backward cannot train over several processes under ``parallel`` (ddp or fsdp)."""
-    if parallel == "ddp":
-        return ("--optim.in-backward steps each parameter from its gradient's accumulation hook, which fires before "
-                "DDP all-reduces that gradient's bucket: each rank would step on its own gradient, and the replicas "
-                "part. Use --parallel fsdp without it (gradients and state sharded, 1/N a rank), or one process")
-    return ("--optim.in-backward under FSDP is not built in fitgpt: FSDP2 runs the hook on each shard once reduced "
-            "(torchtitan steps there), but the two passes that clip exactly would need the norm reduced over ranks "
-            "first: drop --optim.in-backward (FSDP already holds 1/N of the gradients a rank), or train in one process")
+IN_BACKWARD_DDP = ("--optim.in-backward steps each parameter from its gradient's accumulation hook, which under DDP fires "
+                   "before that gradient's bucket is all-reduced: each rank would step on its own gradient, and the "
+                   "replicas part. Add --parallel fsdp (FSDP runs the hook once the shard is reduced), or train in one "
+                   "process")
 
 
 OFFLOAD_ONE_PROCESS = ("--optim.offload is one card's optimizer on its host; several processes shard theirs with "
@@ -55,8 +49,8 @@ def launch_refusal(cfg: TrainConfig, world: int, device_type: str, dtype: torch.
                 f"{'pure bf16 weights' if optim.name == 'adamw' else '--optim.name ' + optim.name} (each matrix "
                 "gathered to one rank over the cards' collectives) cannot reach it: use --optim.name adamw with "
                 "--fsdp-offload, or drop --fsdp-offload")
-    if optim.in_backward and world > 1:
-        return in_backward_refusal("fsdp" if cfg.parallel == "fsdp" or cfg.tensor_parallel > 1 else "ddp")
+    if optim.in_backward and world > 1 and cfg.parallel != "fsdp" and cfg.tensor_parallel == 1:
+        return IN_BACKWARD_DDP
     if cfg.tensor_parallel > 1:
         from fitgpt.tensor_parallel import launch_refusal as split_refusal
 

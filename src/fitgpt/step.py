@@ -109,7 +109,7 @@ def _clip_first(model: nn.Module, optimizer, batch: Batch, amp: AmpFactory, max_
         with amp():
             loss = model(x, y)[1]
         (loss / 1).backward()
-    total = torch.linalg.vector_norm(norms)
+    total = optimizer.total_norm(norms)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if check:
         optimizer.clip_by(float(coefficient), float(total))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fitgpt.config import OptimConfig
@@ -20,7 +21,7 @@ from fitgpt.optim.in_backward import InBackward
 from fitgpt.optim.lowbit import low_bit_adamw
 from fitgpt.optim.muon import MuonAdamW, hidden_matrices
 from fitgpt.optim.offload import HostOffload
-from fitgpt.optim.whole import WholeMatrices, splits
+from fitgpt.optim.whole import WholeMatrices, owners, splits
 
 
 def _groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -115,10 +116,15 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
         def make(groups: list[dict], on: torch.device = device) -> Bf16Weights:
             return Bf16Weights(groups, lambda g: inner(g, on), stochastic, numbering, kahan=cfg.rounding == "kahan")
 
+    whole = splits(decay + no_decay) and (bf16 or cfg.name != "adamw")
+    size = _state_size(cfg, hidden, own["rank"] if cfg.projects else 0)
+    if cfg.in_backward and whole:  # a whole-matrix step per parameter, each by the owner chosen among them all
+        owner = dict(zip(map(id, decay + no_decay), owners([size(p) for p in decay + no_decay], dist.get_world_size())))
+        return InBackward(groups, lambda g: WholeMatrices(g, make, owner=[owner[id(g[0]["params"][0])]]))
     if cfg.in_backward:
         return InBackward(groups, make)
-    if splits(decay + no_decay) and (bf16 or cfg.name != "adamw"):
-        return WholeMatrices(groups, make, _state_size(cfg, hidden, own["rank"] if cfg.projects else 0))
+    if whole:
+        return WholeMatrices(groups, make, size)
     return make(groups)
 
 

@@ -11,6 +11,12 @@ The step is taken before any global quantity is known. Clipping by the global no
 (``collecting_norms``), a second, with the RNG as the first found it, scales each gradient by the clipping
 coefficient of their total and steps (``clip_by``): the weights of clip_grad_norm_ and a step after it, bit for bit,
 for twice the forward and backward. Accumulation and skipping a bad step are refused by the config.
+
+Over parameters split across ranks (FSDP2 runs each sharded parameter's hook once its gradient is reduce-scattered, as
+torchtitan's step in the backward relies on; tensor parallelism's DTensor parameters accumulate as any leaf) each hook
+steps what `fitgpt.optim.build_optimizer` made for that parameter: AdamW its shard, any other optimizer the whole
+matrix on its owner (`fitgpt.optim.whole`). Each rank then sees only its pieces of the gradients, so their norms are
+summed over ranks, a replicated piece counted once (``local_norm``).
 """
 
 from __future__ import annotations
@@ -19,8 +25,23 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
+
+from fitgpt.optim.lowbit import EXACT
 
 Factory = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+def local_norm(grad: torch.Tensor) -> torch.Tensor:
+    """The norm of this rank's piece of ``grad`` (0-d fp32), scaled so that the squares summed over every rank are the
+    whole gradient's squared norm: a piece replicated over r ranks (a DTensor's ``Replicate`` placements, tensor
+    parallelism's norms and biases) weighs 1/r. A plain tensor: its own norm."""
+    if not hasattr(grad, "to_local"):
+        return torch.linalg.vector_norm(grad, dtype=torch.float32)
+    replicas = 1
+    for dim, placement in enumerate(grad.placements):
+        replicas *= grad.device_mesh.size(dim) if placement.is_replicate() else 1
+    return torch.linalg.vector_norm(grad.to_local(), dtype=torch.float32) / replicas ** 0.5
 
 
 class InBackward:
@@ -38,29 +59,41 @@ class InBackward:
         self._norm_buffer: torch.Tensor | None = None
         self._clip: tuple[float, float] | None = None  # (coefficient, total norm) of the pass that steps
         self._handles = [p.register_post_accumulate_grad_hook(self._step_param) for p in self.optimizers]
+        self.split = any(hasattr(p, "to_local") for p in self.optimizers)  # pieces on each rank: norms summed over them
 
     def _step_param(self, p: torch.Tensor) -> None:
         if self._slots is not None:  # the first of two passes: the norm only
-            torch.linalg.vector_norm(p.grad, dtype=torch.float32, out=self._norm_buffer[self._slots[p]])
+            if self.split:
+                self._norm_buffer[self._slots[p]] = local_norm(p.grad)
+            else:
+                torch.linalg.vector_norm(p.grad, dtype=torch.float32, out=self._norm_buffer[self._slots[p]])
             p.grad = None
             return
         if self._clip is not None:
             p.grad.mul_(self._clip[0])  # a host float: no tensor outlives the hook (the plan counts none)
         else:
-            sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()
+            sq = local_norm(p.grad).square()
             self._norm_sq = sq if self._norm_sq is None else self._norm_sq + sq
         self.optimizers[p].step()
         p.grad = None
 
+    @torch.no_grad()
     def create_state(self) -> None:
         """Every parameter's optimizer state, as the first step makes it: by the optimizers themselves where they can
-        (torchao's), else by a step on zero gradients (the weights move by weight decay only: the planner's use)."""
+        (torchao's), else by a step on zero gradients at learning rate 0, which leaves every weight bitwise as it was
+        (a checkpoint is read into the state after the weights: a resume stays exact)."""
         for p, opt in self.optimizers.items():
             if hasattr(opt, "create_state"):
                 opt.create_state()
-            else:
-                p.grad = torch.zeros_like(p)
-                self._step_param(p)
+                continue
+            lrs = [g["lr"] for g in opt.param_groups]
+            for g in opt.param_groups:
+                g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+            p.grad = torch.zeros_like(p)
+            self._step_param(p)
+            for g, lr in zip(opt.param_groups, lrs):
+                g["lr"] = lr
+        self._norm_sq = None  # no gradient was applied
 
     def norm_buffer(self, order: list[torch.Tensor]) -> torch.Tensor:
         """The buffer of the parameters' gradient norms, one fp32 slot each in ``order`` (made on first use, then
@@ -80,6 +113,14 @@ class InBackward:
         finally:
             self._slots = None
 
+    def total_norm(self, norms: torch.Tensor) -> torch.Tensor:
+        """The gradients' total norm from the buffer ``norms`` filled by `collecting_norms` (every rank alike)."""
+        if not self.split:
+            return torch.linalg.vector_norm(norms)  # as clip_grad_norm_ takes it over the parameters' norms
+        sq = norms.square().sum()
+        dist.all_reduce(sq)
+        return sq.sqrt()
+
     def clip_by(self, coefficient: float, total_norm: float) -> None:
         """The next backward scales each gradient by ``coefficient`` before its step (``total_norm``: for the log)."""
         self._clip = (coefficient, total_norm)
@@ -91,7 +132,11 @@ class InBackward:
             (_, total), self._clip = self._clip, None
             return torch.tensor(total, dtype=torch.float32, device=device)
         norm_sq, self._norm_sq = self._norm_sq, None
-        return norm_sq.sqrt() if norm_sq is not None else torch.zeros(())
+        if norm_sq is None:
+            return torch.zeros(())
+        if self.split:
+            dist.all_reduce(norm_sq)
+        return norm_sq.sqrt()
 
     def step(self) -> None:
         """Step every parameter that holds a gradient (none after a backward: the hooks took them)."""
@@ -114,23 +159,27 @@ class InBackward:
         return state | ({"grad norms": {"buffer": self._norm_buffer}} if self._norm_buffer is not None else {})
 
     def state_dict(self) -> dict:
-        """One optimizer's state dict over all the parameters, indexed in the groups' order."""
-        state, groups, i = {}, [], 0
+        """One optimizer's state dict over all the parameters, indexed in the groups' order (with low-bit AdamW's
+        exact moments, as its own state dict holds them)."""
+        state, exact, groups, i = {}, {}, [], 0
         for params, hyper in self._groups:
             ids = []
             for p in params:
                 sd = self.optimizers[p].state_dict()
                 if sd["state"]:
                     state[i] = sd["state"][0]
+                if 0 in sd.get(EXACT, {}):
+                    exact[i] = sd[EXACT][0]
                 ids.append(i)
                 i += 1
             # A group's settings as its optimizers keep them (an empty group: as it was given).
             saved = self.optimizers[params[0]].state_dict()["param_groups"][0] if params else {**self.defaults, **hyper}
             groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": groups} | ({EXACT: exact} if exact else {})
 
     def load_state_dict(self, state_dict: dict) -> None:
         params = [p for ps, _ in self._groups for p in ps]
+        exact = state_dict.get(EXACT) or {}
         for group in state_dict["param_groups"]:
             hyper = {k: v for k, v in group.items() if k != "params"}
             for i in group["params"]:
@@ -139,4 +188,6 @@ class InBackward:
                 # share a group, each with its own settings).
                 own = self.optimizers[params[i]].param_groups[0]
                 mine = {k: hyper.get(k, v) for k, v in own.items() if k != "params"}
-                self.optimizers[params[i]].load_state_dict({"state": {0: s} if s else {}, "param_groups": [{**mine, "params": [0]}]})
+                own_exact = exact.get(i, exact.get(str(i)))
+                self.optimizers[params[i]].load_state_dict({"state": {0: s} if s else {}, "param_groups": [{**mine, "params": [0]}]}
+                                                           | ({EXACT: {0: own_exact}} if own_exact is not None else {}))

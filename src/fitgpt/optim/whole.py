@@ -108,11 +108,14 @@ class WholeMatrices(StandIns):
 
     steps_in_backward = False
 
-    def __init__(self, groups: list[dict], make: Factory, state_size: Callable[[torch.Tensor], int] = torch.numel) -> None:
-        """``state_size``: about how many bytes of state the optimizer keeps for a parameter, which the ranks share."""
+    def __init__(self, groups: list[dict], make: Factory, state_size: Callable[[torch.Tensor], int] = torch.numel,
+                 owner: list[int] | None = None) -> None:
+        """``state_size``: about how many bytes of state the optimizer keeps for a parameter, which the ranks share;
+        ``owner``: each parameter's owner, where they are chosen among more parameters than these (the step in the
+        backward makes one of these a parameter)."""
         self.params = [p for g in groups for p in g["params"]]
         self.rank, world = dist.get_rank(), dist.get_world_size()
-        self.owner = owners([state_size(p) for p in self.params], world)
+        self.owner = owner or owners([state_size(p) for p in self.params], world)
         self.stand_in = {p: placeholder(p, p.dtype) for p in self.params}
         for p, s in self.stand_in.items():
             s.stands_for = getattr(p, "stands_for", p)  # what an optimizer that numbers parameters numbers it by
