@@ -108,7 +108,8 @@ def largest_model(w: Workload, budget: int, ladder: tuple[tuple[str, dict], ...]
     accumulate) fits ``budget``, and what an offloaded optimizer pins ``host_budget`` (None: no bound); with its
     fastest plan. The settings are independent searches, each single-threaded Python on fake tensors: they run in
     ``workers`` processes (default: one per CPU core, at most one per setting)."""
-    rungs = ladder or (split_ladder() if w.world_size > 1 else LADDER + ((ON_THE_HOST,) if w.target.cuda else ()))
+    # Several ranks offload with --fsdp-offload, not the one card's host optimizer.
+    rungs = ladder or LADDER + ((ON_THE_HOST,) if w.target.cuda and w.world_size == 1 else ())
     jobs = [(_with_model(w, changes), budget, name,
              dataclasses.replace(w.train.optim, **{k: v for k, v in changes.items() if k not in MODEL_SETTINGS}), host_budget)
             for name, changes in rungs]
@@ -116,15 +117,6 @@ def largest_model(w: Workload, budget: int, ladder: tuple[tuple[str, dict], ...]
     order = sorted(range(len(jobs)), key=lambda i: (jobs[i][3].name != "adamw", jobs[i][3].in_backward), reverse=True)
     done = dict(zip(order, in_processes(_rung, [jobs[i] for i in order], workers)))
     return [done[i] for i in range(len(jobs))]
-
-
-def split_ladder() -> tuple[tuple[str, dict], ...]:
-    """``LADDER`` for ranks that split the model: each setting stepped after the backward (the step inside it is one
-    process's), each once; every optimizer there steps its shards or whole matrices (`fitgpt.optim.whole`)."""
-    rungs: dict[str, dict] = {}
-    for name, changes in LADDER:
-        rungs.setdefault(name.replace(", step in the backward", ""), {k: v for k, v in changes.items() if k != "in_backward"})
-    return tuple(rungs.items())
 
 
 def _with_model(w: Workload, changes: dict) -> Workload:
