@@ -63,8 +63,9 @@ class OptimConfig:
     """Step each parameter inside the backward, as soon as its gradient is complete, and free that gradient at once:
     gradients never all exist together (saves 4 bytes a parameter at the peak). Clipping (--optim.grad-clip > 0)
     stays exact by running forward and backward twice a step (the first for the global norm); --optim.grad-clip 0
-    runs once. Needs --grad-accum 1, one process, no fp16. With --optim.offload: each gradient is freed on the card once
-    copied to the host, which steps after the backward (clipping exact in one pass)."""
+    runs once. Needs --grad-accum 1 and no fp16; over ranks, FSDP or tensor parallelism (not DDP). With
+    --optim.offload: each gradient is freed on the card once copied to the host, which steps after the backward
+    (clipping exact in one pass)."""
     rounding: Literal["stochastic", "nearest", "kahan"] = "stochastic"
     """With bf16 weights (--model.weights-dtype bf16): how each parameter's fp32 update is rounded into its bf16
     weight. stochastic: up or down at random, unbiased, so updates under half a bf16 step are kept on average

@@ -128,7 +128,8 @@ def _with_model(w: Workload, changes: dict) -> Workload:
 def _rung(w: Workload, budget: int, name: str, optim: OptimConfig, host_budget: int | None) -> Largest:
     from fitgpt.refusals import launch_refusal
 
-    if w.world_size > 1 and (why := launch_refusal(dataclasses.replace(w.train, optim=optim), w.world_size,
+    # Without accumulation, as the rung is searched: a step in the backward refuses it.
+    if w.world_size > 1 and (why := launch_refusal(dataclasses.replace(w.train, optim=optim, grad_accum=1), w.world_size,
                                                      w.target.device, None, planned=True)):
         return Largest(name, optim, None, note=why.split(":")[0])  # a setting these ranks cannot train: the row says
     if (optim.in_backward or optim.offload) and w.dtype == torch.float16:
