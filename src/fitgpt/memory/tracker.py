@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 _DEVICE = torch.ops.prim.device.default
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 _LIFT = torch.ops.aten.lift_fresh.default  # a view by its schema, but a fake mode makes a new fake tensor of a constant
 
 
@@ -131,6 +132,10 @@ class LiveMemory(TorchDispatchMode):
             return args[0].fake_device
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func is _WAIT:
+            # Waiting on a functional collective (DTensor's: tensor parallelism's gathers) hands back its input, as the
+            # real kernel does; a fake mode's kernel makes a new tensor, a second copy of the buffer for a moment.
+            return args[0]
         if func is _DEVICE or (getattr(func, "is_view", False) and func is not _LIFT):
             return out  # a tensor's device (asked for on most fake ops), or a view: nothing allocated, skipped for speed
         # Views and in-place results share an input's storage: nothing new was allocated
