@@ -5,8 +5,9 @@ A tensor's category is read from when it was made and when it was freed (the pha
 what is made before the step (DDP's buckets, cuBLAS workspaces); the optimizer state (made by the first optimizer
 step and kept); gradients (made in a backward, kept past it); activations kept (made in a forward, freed in the
 backward); the logits and loss (made by the head); recompute and backward temporaries (made and freed in a
-backward); forward temporaries (made and freed in the forward); and, from an allocator model, reserved but not
-allocated (the cache and its fragmentation).
+backward); forward temporaries (made and freed in the forward); the whole matrices an optimizer step gathers from
+the ranks' shards (made in the step by a collective: a whole-matrix optimizer's, `fitgpt.optim.whole`), the step's
+other temporaries; and, from an allocator model, reserved but not allocated (the cache and its fragmentation).
 """
 
 from __future__ import annotations
@@ -15,11 +16,16 @@ import logging
 import textwrap
 from pathlib import Path
 
+from fitgpt.units import format_bytes
+
 log = logging.getLogger(__name__)
 
+GATHERED = "whole matrices gathered for the step"
 CATEGORIES = ("weights", "made before the step", "optimizer state", "gradients", "activations kept", "logits and loss",
-              "recompute and backward temporaries", "forward temporaries", "optimizer step temporaries")
+              "recompute and backward temporaries", "forward temporaries", GATHERED, "optimizer step temporaries")
 RESERVED = "reserved, not allocated"
+COLORS = dict(zip((*CATEGORIES, RESERVED), [f"C{i}" for i in range(len(CATEGORIES))] + ["lightgrey"]))
+"""Matplotlib's ten cycle colours, one a category, and grey for the cache (an eleventh would repeat the weights')."""
 
 
 def _kind(phase: str) -> str:
@@ -33,7 +39,8 @@ def _kind(phase: str) -> str:
     return phase
 
 
-def _category(made: str, freed: str | None) -> str:
+def _category(made: str, freed: str | None, op: str = "") -> str:
+    """``made``, ``freed``: the phases of a tensor's birth and death; ``op``: what made it."""
     kind, gone = _kind(made), _kind(freed) if freed else None
     if made in ("weights", "gradients held"):
         return "weights" if made == "weights" else "gradients"
@@ -46,28 +53,31 @@ def _category(made: str, freed: str | None) -> str:
     if kind == "backward":
         return "recompute and backward temporaries" if gone == "backward" else "gradients"
     if kind == "optimizer":
-        return "optimizer state" if gone is None else "optimizer step temporaries"
+        if gone is None:
+            return "optimizer state"
+        return GATHERED if "c10d" in op else "optimizer step temporaries"
     return "made before the step"
 
 
 def timeline(snapshot: dict) -> dict[str, list[int]]:
     """Bytes alive after each event of the snapshot's trace, by category (``CATEGORIES``, then ``RESERVED``)."""
     events = snapshot["device_traces"][0]
-    made: dict[int, tuple[int, str]] = {}  # address -> (index of its alloc, phase)
-    life: list[tuple[int, int | None, int, str, str | None]] = []  # (alloc index, free index, bytes, made, freed)
+    made: dict[int, tuple[int, str, str]] = {}  # address -> (index of its alloc, phase, op)
+    life: list[tuple[int, int | None, int, str, str | None, str]] = []  # (alloc, free index, bytes, made, freed, op)
     for i, e in enumerate(events):
-        phase = (e.get("frames") or [{"filename": ""}])[0]["filename"]
+        frame = (e.get("frames") or [{"filename": ""}])[0]
+        phase = frame["filename"]
         if e["action"] == "alloc":
-            made[e["addr"]] = (i, phase)
+            made[e["addr"]] = (i, phase, frame.get("name", ""))
         elif e["action"] == "free_completed" and e["addr"] in made:
-            j, born = made.pop(e["addr"])
-            life.append((j, i, e["size"], born, phase))
+            j, born, op = made.pop(e["addr"])
+            life.append((j, i, e["size"], born, phase, op))
     sizes = {e["addr"]: e["size"] for e in events if e["action"] == "alloc"}
-    life += [(j, None, sizes[a], born, None) for a, (j, born) in made.items()]
+    life += [(j, None, sizes[a], born, None, op) for a, (j, born, op) in made.items()]
     n = len(events)
     series = {c: [0] * (n + 1) for c in (*CATEGORIES, RESERVED)}
-    for j, i, nbytes, born, freed in life:  # a difference array per category, summed below
-        s = series[_category(born, freed)]
+    for j, i, nbytes, born, freed, op in life:  # a difference array per category, summed below
+        s = series[_category(born, freed, op)]
         s[j] += nbytes
         if i is not None:
             s[i] -= nbytes
@@ -105,33 +115,41 @@ def draw(panels: list[tuple[str, dict]], path: str | Path, budget: int | None = 
     except ImportError:
         log.warning("matplotlib is not installed: no %s", path)
         return None
-    gib = 2**30
     cols = -(-len(panels) // rows)
     fig, grid = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows + 0.6), sharey=True, squeeze=False)
     axes = [[grid[i % rows][i // rows] for i in range(len(panels))]]  # column by column: measured above predicted
     every = [timeline(snap) for _, snap in panels]
-    high = max([max(sum(s[c][i] for c in s) for i in range(len(s[RESERVED]))) for s in every] + [budget or 0]) * 1.25
+    high = max(max(sum(s[c][i] for c in s) for i in range(len(s[RESERVED]))) for s in every) * 1.25
+    if budget and budget <= 4 * high:  # a budget far above the step is named, not drawn: the step keeps the scale
+        high = max(high, budget * 1.05)
+    unit, scale = ("GiB", 2**30) if high >= 2**30 else ("MiB", 2**20)  # a small step's figures not all 0.00 GiB
     for ax, (label, _), series in zip(axes[0], panels, every):
         names = [c for c in (*CATEGORIES, RESERVED) if any(series[c])]
         x = range(len(series[CATEGORIES[0]]))
-        ax.stackplot(x, [[v / gib for v in series[c]] for c in names], labels=names, linewidth=0)
+        ax.stackplot(x, [[v / scale for v in series[c]] for c in names], labels=names, linewidth=0,
+                     colors=[COLORS[c] for c in names])
         at, held = peak_of(series)
         top = sum(v for c, v in held.items() if c != RESERVED)
-        ax.plot([at], [top / gib], "kv")
+        ax.plot([at], [top / scale], "kv")
         big = sorted(((v, c) for c, v in held.items() if c != RESERVED), reverse=True)[:3]
-        ax.annotate(f"peak {top / gib:.2f} GiB\n" + "\n".join(f"{c} {v / gib:.2f}" for v, c in big), (at, top / gib),
+        if GATHERED in held and all(c != GATHERED for _, c in big):  # named wherever it is part of the peak
+            big.append((held[GATHERED], GATHERED))
+        ax.annotate(f"peak {top / scale:.2f} {unit}\n" + "\n".join(f"{c} {v / scale:.2f}" for v, c in big), (at, top / scale),
                     textcoords="offset points", xytext=(-10, 8), ha="right", fontsize=7)
+        above = []
         for value, name, style in ((budget, "budget", "--"), (card, "card", ":")):
             if value and value <= high:
-                ax.axhline(value / gib, color="k", linestyle=style, linewidth=1)
-                ax.text(0, value / gib, f" {name} {value / gib:.1f} GiB", va="bottom", fontsize=7)
+                ax.axhline(value / scale, color="k", linestyle=style, linewidth=1)
+                ax.text(0, value / scale, f" {name} {format_bytes(value)}", va="bottom", fontsize=7)
             elif value:  # far above the step: named, not drawn, so that the step keeps the scale
-                ax.text(0, high / gib, f" {name} {value / gib:.1f} GiB (above)", va="top", fontsize=7)
-        ax.set_ylim(0, high / gib)
+                above.append(f"{name} {format_bytes(value)}")
+        if above:
+            ax.text(0, high / scale, f" {', '.join(above)} (above)", va="top", fontsize=7)
+        ax.set_ylim(0, high / scale)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("allocations and frees, in order", fontsize=7)
     for row in grid:
-        row[0].set_ylabel("GiB")
+        row[0].set_ylabel(unit)
     grid[0][-1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.suptitle(textwrap.fill(title, 160), fontsize=8)
     fig.tight_layout()
