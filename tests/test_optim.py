@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_doors import one_line, run_cli
 from test_plan import Measured
 
 from fitgpt.cli import main
@@ -276,6 +277,25 @@ def test_fit_largest_model_over_fsdp_ranks_shows_every_setting_each_rank_trains(
     assert all(r["params"] for r in rows.values())
     assert rows["Adafactor, bf16 weights (stochastic rounding), step in the backward"]["params"] > 1.5 * rows["AdamW"]["params"]
     assert "--parallel fsdp" in out.splitlines()[-2]  # the command trains the largest on the ranks
+    assert out.splitlines()[-2].startswith("train the largest: torchrun --nproc-per-node 2 -m fitgpt train")
+
+
+@pytest.mark.slow
+def test_the_largest_model_over_fsdp_and_tensor_parallel_ranks_splits_its_heads_evenly():
+    """FSDP 2 x TP 2: each size searched has whole heads for each tensor-parallel rank (tiny's width per block would
+    give 7 heads at 7 blocks, which TP 2 refuses), and the largest is planned within the budget."""
+    from fitgpt.cli.workload import BudgetConfig
+    from fitgpt.plan.family import largest_model
+
+    flags = BudgetConfig(preset="tiny", batch_size=1, context=16, grad_accum=1, memory_budget="24MiB", gpu="rtx-4090",
+                         world_size=4, parallel="fsdp", tensor_parallel=2)
+    (row,) = largest_model(flags.workload, flags.budget, ladder=(("Muon", {"name": "muon"}),))
+    assert row.model.n_head % 2 == 0 and row.model.n_blocks > 2 and row.prediction.peak <= flags.budget
+
+
+def test_fit_takes_tensor_parallel_for_the_largest_model_only(capsys):
+    code, err = run_cli(["fit", "--preset", "tiny", "--memory-budget", "1GiB", "--tensor-parallel", "2"], capsys)
+    assert code == 2 and one_line(err) and "fit searches the tensor-parallel degree itself" in err
 
 
 def test_a_bad_step_in_the_backward_stops_the_run_and_saves_nothing(make_cfg, tmp_path, nan_model):

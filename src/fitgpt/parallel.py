@@ -152,8 +152,11 @@ def gather_whole(t: torch.Tensor) -> torch.Tensor:
 
     if not split_twice(t):
         return t.full_tensor() if hasattr(t, "full_tensor") else t
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     mesh, local = t.device_mesh, t.to_local()
-    at = mesh.mesh.flatten().tolist()  # the mesh's ranks in (dp, tp) order; it spans the process group
+    with unset_fake_temporarily():  # the mesh's ranks are a real tensor, also where the planner steps fake ones
+        at = mesh.mesh.flatten().tolist()  # the mesh's ranks in (dp, tp) order; it spans the process group
     most = len(rows_held(t, 0, 0))  # the first chunk is the longest
     pieces = [local.new_empty((most, *local.shape[1:])) for _ in at]  # by global rank
     dist.all_gather(pieces, torch.cat([local, local.new_zeros((most - len(local), *local.shape[1:]))]))

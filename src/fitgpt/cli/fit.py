@@ -53,8 +53,9 @@ class FitConfig(BudgetConfig):
     data's train tokens); e.g. 1e12 to plan for a corpus larger than the data at hand."""
     largest_model: bool = False
     """Instead: the largest model of the preset's shape (its width per block, head size, MLP ratio, key/value heads)
-    that trains at --batch-size x --context on one card, under each optimizer memory setting (AdamW; bf16 moments;
-    the step in the backward; 8-bit AdamW), each with its fastest checkpointing plan and its train command."""
+    that trains at --batch-size x --context on one card (or each rank of --world-size N --parallel fsdp, with
+    --tensor-parallel T within them), under each optimizer memory setting (AdamW; bf16 moments; the step in the
+    backward; 8-bit AdamW; ...), each with its fastest checkpointing plan and its train command."""
 
     def __post_init__(self) -> None:
         require_not_empty(self, ("time_budget", "law"))
@@ -80,7 +81,10 @@ class FitConfig(BudgetConfig):
         if self.largest_model and self.hf_config:
             raise UserError("--largest-model scales fitgpt's own shapes (a preset or --model.*); a --hf-config model "
                             "is fixed by its config.json: drop one of them")
-        if self.largest_model and (self.world_size or 1) > 1 and self.parallel != "fsdp":
+        if self.tensor_parallel > 1 and not self.largest_model:
+            raise UserError(f"--tensor-parallel {self.tensor_parallel} is for --largest-model's rows; fit searches the "
+                            "tensor-parallel degree itself among the fastest configurations: drop --tensor-parallel")
+        if self.largest_model and (self.world_size or 1) > self.tensor_parallel and self.parallel != "fsdp":
             raise UserError("--largest-model over --world-size N answers for a model FSDP shards: add --parallel fsdp "
                             "(DDP's ranks each hold what one card does: drop --world-size)")
         if self.largest_model and self.activation_checkpointing != "auto":
@@ -222,7 +226,7 @@ def _largest_model(cfg: FitConfig) -> int:
     if best is not None:
         train = dataclasses.replace(w.train, model=best.model, optim=best.optim, grad_accum=1,
                                     activation_checkpointing=best.plan.spec(), precision=best.precision)
-        print(f"train the largest: {train_command(train)}")
+        print(f"train the largest: {train_command(train, w.world_size)}")
     print(json.dumps({"budget": cfg.budget, "rows": [
         {"setting": r.setting, "n_blocks": r.model and r.model.n_blocks, "n_embed": r.model and r.model.n_embed,
          "params": r.params, "policy": r.plan and r.plan.spec(), "predicted_peak": r.prediction and r.prediction.peak,

@@ -19,7 +19,6 @@ from fitgpt.estimate.profile import BLOCK_OPTIONS, named_options
 from fitgpt.estimate.timing import host_seconds_per_byte
 from fitgpt.memory.picture import draw, peak_of, timeline
 from fitgpt.memory.snapshot import first_difference, read_snapshot, write_snapshot
-from fitgpt.model.config import require_positive_ints
 from fitgpt.optim import describe_optimizer
 from fitgpt.plan.solver import Plan, PlanError, predict, solve
 from fitgpt.units import format_bytes
@@ -42,10 +41,6 @@ class PlanConfig(BudgetConfig):
     compare: Optional[str] = None
     """A measured snapshot (fitgpt train --memory-snapshot N, or torch.cuda.memory._dump_snapshot) to compare the
     plan's step with: the first point where they part is named, and --report draws both."""
-    tensor_parallel: int = 1
-    """As for fitgpt train: one rank of a group of this many, each block split over them (tensor and sequence
-    parallelism), profiled on fake ranks; --world-size (default: this many) is N of them, FSDP over N with
-    --parallel fsdp."""
 
     def __post_init__(self) -> None:
         require_not_empty(self, ("report", "memory_snapshot", "compare"))
@@ -53,7 +48,6 @@ class PlanConfig(BudgetConfig):
         outputs_apart({"--compare": self.compare, "--config": self.config, "--hf-config": self.hf_config},
                       [("--memory-snapshot", self.memory_snapshot), ("--report", report and report / "plan.json"),
                        ("--report", report and report / "plan.png")])
-        self._check_tensor_parallel()
         super().__post_init__()  # the trainer's refusals, the split's among them, over --world-size ranks
         if self.activation_checkpointing != "auto":
             self.check_policy(self.activation_checkpointing)
@@ -69,25 +63,10 @@ class PlanConfig(BudgetConfig):
             writable_dir(Path(self.memory_snapshot).parent, "--memory-snapshot")
 
 
-    def _check_tensor_parallel(self) -> None:
-        """What planning per tensor-parallel rank takes: fitgpt's model on fake ranks, --world-size of them (default:
-        one group); the trainer's refusals of the split come with the others (`launch_config`)."""
-        tp = self.tensor_parallel
-        require_positive_ints(self, ("tensor_parallel",))
-        if tp == 1:
-            return
-        if self.hf_config or self.device:
-            raise UserError(f"--tensor-parallel {tp} splits fitgpt's own model, planned on fake ranks: drop "
-                            f"{'--hf-config' if self.hf_config else '--device'}")
-        self.world_size = tp if self.world_size == 1 else self.world_size  # --world-size: all the ranks, FSDP's x TP's
-
     def launch_config(self) -> TrainConfig:
         # As the trainer refuses it, but for auto: the trainer cannot plan it per rank, this command does.
         spec = "none" if self.activation_checkpointing == "auto" else self.activation_checkpointing
         return dataclasses.replace(self.train_config(), activation_checkpointing=spec)
-
-    def train_config(self) -> TrainConfig:
-        return dataclasses.replace(super().train_config(), tensor_parallel=self.tensor_parallel)
 
 
 def _pictures(cfg: PlanConfig, spec: str, budget: int) -> None:

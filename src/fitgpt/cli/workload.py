@@ -177,9 +177,14 @@ class BudgetConfig(WorkloadConfig):
     host_memory: Optional[str] = None
     """Host memory the optimizer may pin with --optim.offload (and fit --largest-model's rung on the host), e.g. 128GiB
     (default: this machine's, as its OS reports it: plan on the machine the card is in)."""
+    tensor_parallel: int = 1
+    """As for fitgpt train: one rank of a group of this many, each block split over them (tensor and sequence
+    parallelism), profiled on fake ranks; --world-size (default: this many) is N of them, FSDP over N with
+    --parallel fsdp."""
 
     def __post_init__(self) -> None:
         require_not_empty(self, ("memory_budget", "host_memory"))
+        self._check_tensor_parallel()
         super().__post_init__()
         if not self.memory_budget and not self.gpu:
             raise UserError("--memory-budget is required, e.g. --memory-budget 6GiB (or name the card: --gpu h100-80gb)")
@@ -188,6 +193,21 @@ class BudgetConfig(WorkloadConfig):
         if self.host_memory:
             parse_bytes(self.host_memory, flag="--host-memory")
         self._check_weights()
+
+    def _check_tensor_parallel(self) -> None:
+        """What planning per tensor-parallel rank takes: fitgpt's model on fake ranks, --world-size of them (default:
+        one group); the trainer's refusals of the split come with the others (`launch_config`)."""
+        tp = self.tensor_parallel
+        require_positive_ints(self, ("tensor_parallel",))
+        if tp == 1:
+            return
+        if self.hf_config or self.device:
+            raise UserError(f"--tensor-parallel {tp} splits fitgpt's own model, planned on fake ranks: drop "
+                            f"{'--hf-config' if self.hf_config else '--device'}")
+        self.world_size = tp if (self.world_size or 1) == 1 else self.world_size  # all the ranks, FSDP's x TP's
+
+    def train_config(self) -> TrainConfig:
+        return dataclasses.replace(super().train_config(), tensor_parallel=self.tensor_parallel)
 
     def _check_weights(self) -> None:
         """Refused before anything is profiled or timed: the weights alone over the budget (a model 100,000 blocks

@@ -67,10 +67,11 @@ ON_THE_HOST = ("AdamW on the host, each gradient freed once copied", {"offload":
 MAX_BLOCKS = 256
 
 
-def scaled(base: ModelConfig, n_blocks: int) -> ModelConfig:
-    """``base``'s shape at ``n_blocks`` blocks: as wide as its width per block says, in whole heads of its size."""
+def scaled(base: ModelConfig, n_blocks: int, split: int = 1) -> ModelConfig:
+    """``base``'s shape at ``n_blocks`` blocks: as wide as its width per block says, in whole heads of its size, a
+    multiple of ``split`` of them (tensor parallelism's degree: each rank its share of the heads)."""
     head = base.head_dim
-    n_head = max(1, round(base.n_embed / base.n_blocks * n_blocks / head))
+    n_head = split * max(1, round(base.n_embed / base.n_blocks * n_blocks / head / split))
     width = n_head * head
     kv = math.gcd(n_head, base.kv_heads) if base.n_kv_head else None
     ffn = -(-base.mlp_hidden * width // base.n_embed // 64) * 64 if base.ffn_hidden else None
@@ -142,13 +143,13 @@ def _rung(w: Workload, budget: int, name: str, optim: OptimConfig, host_budget: 
 
 
 def _largest_for(w: Workload, budget: int, name: str, optim: OptimConfig, host_budget: int | None) -> Largest:
-    base = w.train.model
+    base, split = w.train.model, w.train.tensor_parallel
     solved: dict[int, tuple[Plan, Prediction] | None] = {}
     lowest: dict[int, int] = {}  # depth -> the lowest peak any plan reaches (what the search steers by)
     host: dict[int, int] = {}
 
     def probe(n: int) -> bool:
-        profile = w.vary(model=scaled(base, n), optim=optim, grad_accum=1).profile()
+        profile = w.vary(model=scaled(base, n, split), optim=optim, grad_accum=1).profile()
         lowest[n], host[n] = min_peak(profile)[1].peak, profile.host
         if host_budget is not None and profile.host > host_budget:
             # Too large for the host: steer by that excess, scaled to the card's budget (both grow with the depth).
@@ -162,7 +163,7 @@ def _largest_for(w: Workload, budget: int, name: str, optim: OptimConfig, host_b
         return solved[n] is not None
 
     lo, hi = 0, MAX_BLOCKS + 1  # lo fits (0: nothing yet), hi does not
-    n = _first_guess(base, budget, optim, host_budget)
+    n = _first_guess(base, budget, optim, host_budget, split)
     while hi - lo > 1:
         n = min(max(n, lo + 1), hi - 1)
         if n in solved:
@@ -174,13 +175,13 @@ def _largest_for(w: Workload, budget: int, name: str, optim: OptimConfig, host_b
         n = _secant(lowest, budget)
     if lo == 0:
         return Largest(name, optim, None, profiles=len(solved))
-    model = scaled(base, lo)
+    model = scaled(base, lo, split)
     plan, pred = solved[lo]
     return Largest(name, optim, model, param_count(OwnModel(model)), plan, pred, len(solved), tokens=w.train.batch_size * w.context,
                    host=host[lo], precision=w.train.precision)
 
 
-def _first_guess(base: ModelConfig, budget: int, optim: OptimConfig, host_budget: int | None) -> int:
+def _first_guess(base: ModelConfig, budget: int, optim: OptimConfig, host_budget: int | None, split: int) -> int:
     """The depth whose parameters, gradients and moments alone would fill the budget, or offloaded, the host's (an
     upper bound)."""
     if optim.offload:  # on the card: the weights, and their gradients unless each is freed once copied out
@@ -193,7 +194,7 @@ def _first_guess(base: ModelConfig, budget: int, optim: OptimConfig, host_budget
     lo, hi = 1, MAX_BLOCKS
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        n = param_count(OwnModel(scaled(base, mid)))
+        n = param_count(OwnModel(scaled(base, mid, split)))
         if n * per_param <= budget and (not optim.offload or host_budget is None or 16 * n <= host_budget):
             lo = mid
         else:
