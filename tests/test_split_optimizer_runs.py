@@ -53,6 +53,21 @@ def test_fsdp_trains_checkpoints_and_resumes_every_optimizer(data_dir, corpus_di
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_ddp_trains_and_resumes_pure_bf16_weights_with_a_whole_matrix_optimizer(data_dir, corpus_dir, tmp_path, ranks):
+    """DDP's replicas each step the whole model (Muon's whole matrices, bf16 weights rounded stochastically, each
+    parameter's bits drawn alike on every rank): the run resumed at step 3 ends on the straight run's losses, to the
+    bit, the generator's state in its checkpoint."""
+    run = tmp_path / "ddp"
+    flags = ["--optim.name", "muon", "--model.weights-dtype", "bf16", "--parallel", "ddp"]
+    ranks(2).cli(_flags(data_dir, corpus_dir, run, *flags))
+    straight = _losses(run)
+    assert len(straight) == 6 and all(torch.isfinite(torch.tensor(straight)))
+    ranks(2).cli(_flags(data_dir, corpus_dir, run, *flags, "--resume", str(run / "checkpoints" / "step_00000003")))
+    assert _losses(run)[-3:] == straight[-3:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_whole_matrix_checkpoint_resumes_on_another_layout(data_dir, corpus_dir, tmp_path, ranks):
     """Muon's state written under FSDP x 2 (each matrix's by its owner, whole) resumes under FSDP 2 x TP 2 (the same
     data-parallel ranks, so the same batches), where other ranks own the matrices and AdamW's shards are cut by

@@ -77,13 +77,15 @@ def one_process(name: str, tied: bool | str = False, clip: bool = True, steps: i
 
 
 def _split(model, layout: str, world: int):
-    """``model`` split as the trainer splits it on ``layout`` (fsdp, tp, or fsdp-tp: world / 2 x 2); returns the
-    data-parallel mesh (None: one data-parallel rank)."""
+    """``model`` split as the trainer splits it on ``layout`` (fsdp, tp, or fsdp-tp: world / 2 x 2; ddp: whole on
+    each rank, `_step_model` wraps it); returns the data-parallel mesh (None: one data-parallel rank)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fitgpt.parallel import fsdp_shard
     from fitgpt.tensor_parallel import apply_tensor_parallel, training_mesh
 
+    if layout == "ddp":
+        return init_device_mesh("cpu", (world,))
     if layout == "fsdp":
         mesh = init_device_mesh("cpu", (world,))
         fsdp_shard(model, None, mesh=mesh)
@@ -116,7 +118,12 @@ def split_steps(rank: int, world: int, layout: str, names: list[str], tied: bool
                 dist.all_reduce(loss, group=dp.get_group())
             return loss / n
 
-        losses, opt = _train(model, model, _optim(name, clip), x[i::n], y[i::n], mean, steps)
+        step_model = model
+        if layout == "ddp":  # its gradient hooks all-reduce, in buckets, as the trainer's DDP does
+            from fitgpt.parallel import ddp_wrap
+
+            step_model = ddp_wrap(model)
+        losses, opt = _train(model, step_model, _optim(name, clip), x[i::n], y[i::n], mean, steps)
         held = torch.tensor(optimizer_state_bytes(opt))
         everyone = [torch.zeros_like(held) for _ in range(world)]
         dist.all_gather(everyone, held)
@@ -179,15 +186,16 @@ def assert_like_one_process(got: dict, name: str, tied: bool | str = False) -> N
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world, layout", [(2, "fsdp"), (2, "tp"), (4, "fsdp-tp")])
+@pytest.mark.parametrize("world, layout", [(2, "ddp"), (2, "fsdp"), (2, "tp"), (4, "fsdp-tp")])
 def test_every_optimizer_trains_on_every_layout_as_one_process(world, layout, ranks):
-    """Every optimizer, once refused under FSDP and tensor parallelism, on 2 ranks (FSDP, TP) and 2 x 2: three steps
-    (clipped) give one process's losses and weights; AdamW steps its shards, every other optimizer each whole matrix
-    on one rank, whose state it alone holds (the ranks' state bytes add up to one process's; rank 0 the most)."""
+    """Every optimizer, once refused under FSDP and tensor parallelism, on 2 ranks (DDP, FSDP, TP) and 2 x 2: three
+    steps (clipped) give one process's losses and weights; AdamW steps its shards, every other optimizer each whole
+    matrix on one rank, whose state it alone holds (the ranks' state bytes add up to one process's; rank 0 the most).
+    Under DDP each rank steps its whole replica on the all-reduced gradients, as one process."""
     results = ranks(world).run(split_steps, layout, list(SETTINGS))[0]
     for name in SETTINGS:
         got = results[name]
-        assert got["whole"] == (name not in ("adamw", "adamw-bf16-moments")), name
+        assert got["whole"] == (layout != "ddp" and name not in ("adamw", "adamw-bf16-moments")), name
         assert_like_one_process(got, name)
         held = [int(b) for b in got["state_bytes"]]
         if got["whole"]:
