@@ -24,7 +24,7 @@ from fitgpt.estimate.profile import profile_model
 from fitgpt.memory.timeline import measure_train_step
 from fitgpt.model import ModelConfig, Transformer
 from fitgpt.optim import build_optimizer
-from fitgpt.parallel import precision_roles
+from fitgpt.parallel.fsdp import precision_roles
 from fitgpt.plan import Plan, predict
 from fitgpt.train import distributed as du
 

@@ -34,7 +34,8 @@ from fitgpt.estimate.profile import profile_model
 from fitgpt.estimate.source import as_source
 from fitgpt.memory.timeline import measure_train_step
 from fitgpt.optim import build_optimizer
-from fitgpt.parallel import ddp_wrap, fsdp_shard, precision_roles, sync_context
+from fitgpt.parallel.data import ddp_wrap, sync_context
+from fitgpt.parallel.fsdp import fsdp_shard, precision_roles
 from fitgpt.plan.largest import largest
 from fitgpt.plan.solver import min_peak, solve
 from fitgpt.step import grad_scaler, train_step

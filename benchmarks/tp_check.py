@@ -28,8 +28,8 @@ from fitgpt.estimate.profile import profile_model
 from fitgpt.memory.timeline import measure_train_step
 from fitgpt.model import ModelConfig, Transformer
 from fitgpt.optim import build_optimizer
+from fitgpt.parallel.tensor import apply_tensor_parallel, step_context
 from fitgpt.plan import Plan, predict
-from fitgpt.tensor_parallel import apply_tensor_parallel, step_context
 
 # Llama, 8 heads sharing 4 key/value heads, 256 wide, 4 blocks, untied; batch 4 x 256.
 CFG = ModelConfig(arch="llama", vocab_size=2048, context_length=256, n_embed=256, n_head=8, n_kv_head=4, n_blocks=4,
@@ -51,8 +51,8 @@ def _batch(rows: int = B):
 
 def _worker(rank: int, world: int, port: int, out: str, tp: int) -> None:
     """world / tp data-parallel ranks (FSDP's, where more than one; each its share of the batch) x tp."""
-    from fitgpt.parallel import fsdp_shard
-    from fitgpt.tensor_parallel import training_mesh
+    from fitgpt.parallel.fsdp import fsdp_shard
+    from fitgpt.parallel.tensor import training_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo")

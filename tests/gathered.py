@@ -11,7 +11,7 @@ import torch.nn as nn
 def _gathered(t, keep: bool):
     """One tensor gathered whole (a collective: every rank calls it), kept in host memory only where ``keep``: the
     other ranks hold one gathered tensor at a time, never the whole state."""
-    from fitgpt.parallel import gather_whole
+    from fitgpt.parallel.placement import gather_whole
 
     full = gather_whole(t)
     return full.detach().cpu() if keep else None

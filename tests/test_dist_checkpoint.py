@@ -185,7 +185,7 @@ def _read_by_ranks(rank: int, world: int, path: str) -> dict | None:
     from gathered import full_model_state, full_optimizer_state
 
     from fitgpt.activation_checkpoint import parse_policy
-    from fitgpt.parallel import materialise
+    from fitgpt.parallel.fsdp import materialise
     from fitgpt.train.setup import build_model, prepare_model
 
     info, path = du.init_distributed("cpu", 120), Path(path)  # the pool's group, already joined

@@ -24,7 +24,7 @@ from fitgpt.estimate.replay import simulate_step
 from fitgpt.memory.timeline import measure_train_step
 from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer
-from fitgpt.parallel import sync_context
+from fitgpt.parallel.data import sync_context
 from fitgpt.plan import Plan, predict
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as du
@@ -127,7 +127,7 @@ def _memory_model(tiny_model_config, arch: str):
 def _measured_peaks(rank: int, world: int, cfgs: dict) -> list:
     """Each rank's measured peak (the tracker, at the second step) for every case."""
     from fitgpt.device import autocast
-    from fitgpt.parallel import precision_roles
+    from fitgpt.parallel.fsdp import precision_roles
 
     info = du.init_distributed("cpu", timeout_s=120)  # the pool's group, already joined
     B, T = 4, 64
@@ -310,7 +310,7 @@ def _compiled_and_eager_grads(rank: int, world: int, policy: str) -> dict | None
     """One FSDP step's gradients, eager and with --compile (each block compiled before sharding), gathered whole
     (rank 0's; None elsewhere)."""
     from fitgpt.config import load_config
-    from fitgpt.parallel import materialise
+    from fitgpt.parallel.fsdp import materialise
     from fitgpt.train.setup import build_model, prepare_model
 
     torch._dynamo.reset()  # the pool's ranks outlive a test: no compiled code, or cache limit, from an earlier one

@@ -238,7 +238,7 @@ RANK_OPTIONS = ("none", "block", "selective")
 
 def _measured_peaks(rank: int, world: int) -> dict:
     """Each rank's measured peak (the tracker, at its second step) of the hand-written NanoGPT, FSDP and DDP."""
-    from fitgpt.parallel import sync_context
+    from fitgpt.parallel.data import sync_context
     from fitgpt.train import distributed as du
 
     info = du.init_distributed("cpu", timeout_s=120)  # the pool's group, already joined

@@ -7,7 +7,7 @@ import torch
 from fitgpt.config import load_config
 from fitgpt.hf import import_config, import_weights
 from fitgpt.model import ModelConfig, Transformer
-from fitgpt.parallel import materialise
+from fitgpt.parallel.fsdp import materialise
 from fitgpt.train.setup import build_model
 
 

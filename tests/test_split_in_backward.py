@@ -21,7 +21,7 @@ def in_backward_steps(rank: int, world: int, layout: str, names: list[str], step
     rank its rows: the losses, the weights gathered whole, and whether every gradient was gone after the backward."""
     import gathered
 
-    from fitgpt.tensor_parallel import step_context
+    from fitgpt.parallel.tensor import step_context
 
     results = {}
     for name in names:
@@ -66,7 +66,7 @@ def measured_peaks(rank: int, world: int, names: list[str]) -> dict:
     """Each rank's measured peak (the tracker, at the second step) of each optimizer stepped in the backward under
     FSDP, clipped in two passes, as the planner plans it."""
     from fitgpt.memory.timeline import measure_train_step
-    from fitgpt.parallel import fsdp_shard
+    from fitgpt.parallel.fsdp import fsdp_shard
 
     peaks = {}
     for name in names:

@@ -54,7 +54,7 @@ def _optim(name: str, clip: bool) -> OptimConfig:
 
 def _train(model, step_model, optim: OptimConfig, x, y, reduce=None, steps: int = STEPS) -> tuple[list[float], object]:
     """``steps`` steps on (x, y): the losses (the global batch's mean, given ``reduce``) and the optimizer."""
-    from fitgpt.tensor_parallel import step_context
+    from fitgpt.parallel.tensor import step_context
 
     opt = build_optimizer(model, optim, torch.device("cpu"), seed=0)
     losses = []
@@ -81,8 +81,8 @@ def _split(model, layout: str, world: int):
     each rank, `_step_model` wraps it); returns the data-parallel mesh (None: one data-parallel rank)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fitgpt.parallel import fsdp_shard
-    from fitgpt.tensor_parallel import apply_tensor_parallel, training_mesh
+    from fitgpt.parallel.fsdp import fsdp_shard
+    from fitgpt.parallel.tensor import apply_tensor_parallel, training_mesh
 
     if layout == "ddp":
         return init_device_mesh("cpu", (world,))
@@ -120,7 +120,7 @@ def split_steps(rank: int, world: int, layout: str, names: list[str], tied: bool
 
         step_model = model
         if layout == "ddp":  # its gradient hooks all-reduce, in buckets, as the trainer's DDP does
-            from fitgpt.parallel import ddp_wrap
+            from fitgpt.parallel.data import ddp_wrap
 
             step_model = ddp_wrap(model)
         losses, opt = _train(model, step_model, _optim(name, clip), x[i::n], y[i::n], mean, steps)
@@ -224,7 +224,7 @@ def measured_peaks(rank: int, world: int, names: list[str], layout: str = "fsdp"
     """Each rank's measured peak (the tracker, at the second step) of each optimizer on ``layout``, a rank's batch
     4 x 16, as the planner plans it."""
     from fitgpt.memory.timeline import measure_train_step
-    from fitgpt.tensor_parallel import step_context
+    from fitgpt.parallel.tensor import step_context
 
     peaks = {}
     for name in names:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.model import ModelConfig, Transformer
-from fitgpt.tensor_parallel import apply_tensor_parallel, launch_refusal, step_context, tensor_parallel_refusal
+from fitgpt.parallel.tensor import apply_tensor_parallel, launch_refusal, step_context, tensor_parallel_refusal
 
 # Llama with grouped-query attention (8 query heads sharing 4 key/value heads), untied, no dropout.
 CFG = ModelConfig(arch="llama", vocab_size=128, context_length=16, n_embed=64, n_head=8, n_kv_head=4, n_blocks=2,
@@ -32,7 +32,7 @@ def _batch():
 
 def _grads(model):
     """Each parameter's gradient, gathered whole (a collective under tensor parallelism)."""
-    from fitgpt.parallel import gather_whole
+    from fitgpt.parallel.placement import gather_whole
 
     return {n: gather_whole(p.grad) for n, p in model.named_parameters()}
 
@@ -52,8 +52,8 @@ def _one_process(arch: str, spec: str, bf16: bool) -> tuple[torch.Tensor, dict]:
 def _equal_steps(rank: int, world: int, tp: int, arch: str) -> dict | None:
     """One step of every policy on the (world / tp) x tp mesh: the loss and every gradient, gathered whole (rank 0's;
     None elsewhere), and the rows of the first query projection a rank holds (GPT-2's: of its query, key and value)."""
-    from fitgpt.parallel import fsdp_shard
-    from fitgpt.tensor_parallel import training_mesh
+    from fitgpt.parallel.fsdp import fsdp_shard
+    from fitgpt.parallel.tensor import training_mesh
 
     mesh = training_mesh("cpu", world, tp)
     dp, dp_rank = world // tp, mesh["dp"].get_local_rank()
@@ -159,8 +159,8 @@ def _measured_peaks(rank: int, world: int, tp: int, arch: str) -> dict:
     from fitgpt.config import OptimConfig
     from fitgpt.memory.timeline import measure_train_step
     from fitgpt.optim import build_optimizer
-    from fitgpt.parallel import fsdp_shard
-    from fitgpt.tensor_parallel import training_mesh
+    from fitgpt.parallel.fsdp import fsdp_shard
+    from fitgpt.parallel.tensor import training_mesh
 
     mesh = training_mesh("cpu", world, tp)
     peaks = {}
@@ -304,7 +304,7 @@ def test_a_tensor_parallel_rank_is_counted_its_share_of_the_flops():
 def test_the_ranks_of_a_group_draw_their_own_dropout_masks_on_the_cpu():
     """Seeded alike for the initial weights, the two ranks of a group drew the same mask for each sequence shard;
     seeded apart, each draws its own (the same one on a restart: a seed, not the clock)."""
-    from fitgpt.tensor_parallel import seed_dropout_apart
+    from fitgpt.parallel.tensor import seed_dropout_apart
 
     def mask(tp_rank):
         seed_dropout_apart(torch.device("cpu"), 1337, tp_rank)

@@ -52,7 +52,7 @@ def launch_refusal(cfg: TrainConfig, world: int, device_type: str, dtype: torch.
     if optim.in_backward and world > 1 and cfg.parallel != "fsdp" and cfg.tensor_parallel == 1:
         return IN_BACKWARD_DDP
     if cfg.tensor_parallel > 1:
-        from fitgpt.tensor_parallel import launch_refusal as split_refusal
+        from fitgpt.parallel.tensor import launch_refusal as split_refusal
 
         if why := split_refusal(cfg, world):
             return why

@@ -42,8 +42,8 @@ from fitgpt.memory.timeline import (
 )
 from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
-from fitgpt.parallel import fsdp_shard, precision_roles
-from fitgpt.tensor_parallel import step_context
+from fitgpt.parallel.fsdp import fsdp_shard, precision_roles
+from fitgpt.parallel.tensor import step_context
 from fitgpt.utils import Forked
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def profile_model(model: ModelConfig | ModelSource, batch_size: int, context: in
     is the real one's, in its dtype (tested equal to each rank's measured peak under torchrun).
     ``extra_options``: options of EXTRA_OPTIONS to profile besides BLOCK_OPTIONS (one more step each).
     ``tp_ranks``: above 1, the step of one rank of that many under tensor and sequence parallelism, split as the
-    trainer splits (``fitgpt.tensor_parallel``) on a fake process group; with ``fsdp_ranks`` too, one rank of the
+    trainer splits (``fitgpt.parallel.tensor``) on a fake process group; with ``fsdp_ranks`` too, one rank of the
     trainer's 2-D mesh (fsdp_ranks x tp_ranks), each split sharded by FSDP over the data-parallel ranks.
     """
     with fake_meshes(fsdp_ranks * tp_ranks, tp_ranks) as (dp_mesh, tp_mesh):
@@ -223,7 +223,7 @@ def fake_model(source: ModelSource, device: torch.device) -> tuple[torch.nn.Modu
 def _sharded(model: torch.nn.Module, run: _Subject) -> torch.nn.Module:
     """The model as one rank of ``run``'s FSDP, or of its tensor parallelism, holds it (unchanged without either)."""
     if run.tp_mesh is not None:
-        from fitgpt.tensor_parallel import apply_tensor_parallel
+        from fitgpt.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, run.tp_mesh)
     if run.mesh is not None:

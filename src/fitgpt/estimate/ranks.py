@@ -27,7 +27,7 @@ def fake_ranks(world: int, tp: int = 1) -> Iterator[object]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    from fitgpt.tensor_parallel import training_mesh  # the trainer's own 2-D mesh
+    from fitgpt.parallel.tensor import training_mesh  # the trainer's own 2-D mesh
 
     if dist.is_initialized():
         raise RanksBusy(f"a process group is already initialised; {world} fake ranks need a process of their own")

@@ -37,9 +37,10 @@ from fitgpt.memory.timeline import block_marks, model_tensors, optimizer_state_t
 from fitgpt.memory.tracker import LiveMemory, storages
 from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
-from fitgpt.parallel import ddp_wrap, fsdp_shard, precision_roles, sync_context
+from fitgpt.parallel.data import ddp_wrap, sync_context
+from fitgpt.parallel.fsdp import fsdp_shard, precision_roles
+from fitgpt.parallel.tensor import apply_tensor_parallel, step_context
 from fitgpt.step import optimizer_update, train_step
-from fitgpt.tensor_parallel import apply_tensor_parallel, step_context
 from fitgpt.utils import Forked
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def simulate_step(model: ModelConfig | ModelSource, policy: str, batch: int, con
                   repeat: bool = True, deep: bool | None = None, tp: int = 1) -> dict[str, int]:
     """Peak allocated and reserved bytes of a steady-state step of ``policy`` on ``target``: one process, or one rank
     of ``ranks`` under ``parallel`` (fsdp or ddp), wrapped as the trainer wraps it (``fitgpt.parallel``), on fake ranks;
-    ``tp`` above 1: each group of ``tp`` ranks splits the model (``fitgpt.tensor_parallel``), FSDP over the groups.
+    ``tp`` above 1: each group of ``tp`` ranks splits the model (``fitgpt.parallel.tensor``), FSDP over the groups.
 
     The weights are allocated first, then DDP's gradient buckets, then the cuBLAS workspaces; a first step creates
     the optimizer state; the second is measured, its token batches included. Each step runs up to two micro-batches

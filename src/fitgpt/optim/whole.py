@@ -125,7 +125,7 @@ class WholeMatrices(StandIns):
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
-        from fitgpt.parallel import assign_whole, gather_whole
+        from fitgpt.parallel.placement import assign_whole, gather_whole
 
         for i, p in enumerate(self.params):
             if p.grad is None:  # alike on every rank: FSDP gives each shard its gradient, or none

@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file, save_model
 
 from fitgpt.errors import CheckpointError
-from fitgpt.parallel import assign_whole
+from fitgpt.parallel.placement import assign_whole
 from fitgpt.utils import pid_alive, sha256_file, write_error
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from fitgpt import safe_pickle
 from fitgpt.errors import CheckpointError
-from fitgpt.parallel import assign_whole, gather_whole, split_twice
+from fitgpt.parallel.placement import assign_whole, gather_whole, split_twice
 
 
 class SafeReader(dcp.FileSystemReader):

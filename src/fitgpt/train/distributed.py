@@ -21,7 +21,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fitgpt.errors import UserError
-from fitgpt.parallel import ddp_wrap, fsdp_shard, shard_like
+from fitgpt.parallel.data import ddp_wrap
+from fitgpt.parallel.fsdp import fsdp_shard
+from fitgpt.parallel.placement import shard_like
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +271,7 @@ def broadcast_weights(info: DistInfo, model: nn.Module, weights: dict[str, torch
     """Rank 0's whole ``weights`` into every rank's ``model``, a tensor at a time (a collective): under FSDP each rank
     keeps its shard of each, so no rank ever holds the whole model but rank 0. ``skip``: tied names, filled through
     the name each shares."""
-    from fitgpt.parallel import assign_whole
+    from fitgpt.parallel.placement import assign_whole
 
     own = model.state_dict(keep_vars=True)
     for name in sorted(set(own) - skip):  # one order on every rank

@@ -23,7 +23,7 @@ from fitgpt.device import is_host_oom, peak_memory
 from fitgpt.memory.snapshot import MeasuredSnapshot, write_snapshot
 from fitgpt.memory.timeline import PeakProbe
 from fitgpt.optim import set_lr
-from fitgpt.parallel import sync_context
+from fitgpt.parallel.data import sync_context
 from fitgpt.step import StepResult, train_step
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train import distributed as dist_utils

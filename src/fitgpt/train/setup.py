@@ -23,7 +23,7 @@ from fitgpt.hf import check_tokenizer, hf_weights, import_weights
 from fitgpt.memory import measure_step_memory
 from fitgpt.memory.tracker import round_up
 from fitgpt.model import Transformer
-from fitgpt.parallel import compile_blocks, fsdp_shard, precision_roles
+from fitgpt.parallel.fsdp import compile_blocks, fsdp_shard, precision_roles
 from fitgpt.train import distributed as dist_utils
 from fitgpt.train.checkpoint import tied_parameter_names
 from fitgpt.train.resume import rng_state, set_rng_state
@@ -153,7 +153,7 @@ def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist
     trainer measures its activations there)."""
     mesh = None
     if cfg.tensor_parallel > 1:  # split first, as torchtitan orders them; FSDP then shards the splits over "dp"
-        from fitgpt.tensor_parallel import apply_tensor_parallel, training_mesh
+        from fitgpt.parallel.tensor import apply_tensor_parallel, training_mesh
 
         mesh = training_mesh(device.type, info.world, cfg.tensor_parallel)
         apply_tensor_parallel(model, mesh["tp"])

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from fitgpt import tensor_parallel
 from fitgpt.activation_checkpoint import Policy, remove_activation_checkpointing
 from fitgpt.config import TrainConfig
 from fitgpt.data.loader import BatchSampler, TokenData
@@ -26,7 +25,8 @@ from fitgpt.errors import UserError
 from fitgpt.hf import import_config
 from fitgpt.memory.allocator import expandable_from
 from fitgpt.optim import build_optimizer, describe_optimizer
-from fitgpt.parallel import materialise, precision_roles
+from fitgpt.parallel import tensor as tensor_parallel
+from fitgpt.parallel.fsdp import materialise, precision_roles
 from fitgpt.refusals import launch_refusal, meta_model_refusal
 from fitgpt.step import grad_scaler
 from fitgpt.train import distributed as dist_utils

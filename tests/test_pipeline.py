@@ -1,0 +1,79 @@
+"""Pipeline parallelism (issue 58): fitgpt's Transformer cut into stages and run by PyTorch's schedules on gloo CPU
+ranks, against one process on the same batch: the loss and every gradient equal."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fitgpt.model import ModelConfig, Transformer
+from fitgpt.parallel.pipeline import Stage, pipeline_refusal, stage_blocks
+
+CFG = dict(vocab_size=128, context_length=16, n_embed=32, n_head=4, n_blocks=4, dropout=0.0, tie_embeddings=False)
+LLAMA = {**CFG, "arch": "llama", "n_kv_head": 2}
+GPT2 = {**CFG, "arch": "gpt2"}
+
+
+def _batch():
+    idx = torch.randint(0, CFG["vocab_size"], (8, CFG["context_length"] + 1), generator=torch.Generator().manual_seed(1))
+    return idx[:, :-1], idx[:, 1:]
+
+
+def one_process(cfg: dict) -> tuple[float, dict]:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**cfg))
+    x, y = _batch()
+    loss = model(x, y)[1]
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def pipelined(rank: int, world: int, cfg: dict, schedule: str, microbatches: int) -> dict:
+    """One forward and backward of the batch through ``schedule`` over the ranks: the loss (the last stage's rank)
+    and each rank's gradients by their names in the whole model."""
+    from fitgpt.parallel.pipeline import build_pipeline
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**cfg))
+    pipe = build_pipeline(model, schedule, microbatches, dist.group.WORLD, torch.device("cpu"))
+    x, y = _batch()
+    loss = pipe.step(x, y)
+    grads = {n: p.grad for s in pipe.stages for n, p in s.named_parameters()}
+    return {"loss": None if loss is None else loss.item(), "grads": grads}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_pipelined_step_gives_one_processs_loss_and_gradients(schedule, arch, ranks):
+    cfg = LLAMA if arch == "llama" else GPT2
+    got = ranks(2).run(pipelined, cfg, schedule, 4)
+    loss, grads = one_process(cfg)
+    assert got[0]["loss"] is None and got[1]["loss"] == pytest.approx(loss, rel=1e-6)
+    held = {**got[0]["grads"], **got[1]["grads"]}
+    assert set(got[0]["grads"]).isdisjoint(got[1]["grads"]) and set(held) == set(grads)  # each on one rank
+    for name, g in grads.items():
+        torch.testing.assert_close(held[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_stages_take_even_shares_of_the_blocks_the_first_one_more():
+    assert stage_blocks(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_blocks(5, 2) == [range(0, 3), range(3, 5)]
+    assert stage_blocks(7, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]
+
+
+def test_a_stage_keeps_the_whole_models_names_for_its_own_parameters():
+    model = Transformer(ModelConfig(**LLAMA))
+    names = [n for n, _ in model.named_parameters()]
+    first, last = Stage(model, 0, 2), Stage(model, 1, 2)
+    mine = [n for n, _ in first.named_parameters()] + [n for n, _ in last.named_parameters()]
+    assert sorted(mine) == sorted(names)
+    assert all(n.startswith(("token_embed", "attn_blocks.0.", "attn_blocks.1.")) for n, _ in first.named_parameters())
+
+
+@pytest.mark.parametrize("args, needle", [((4, False, 4, "interleaved-1f1b", 4, 8), "more than its 4 blocks"),
+                                          ((4, True, 2, "1f1b", 4, 8), "--model.tie-embeddings False"),
+                                          ((4, False, 2, "1f1b", 3, 8), "--pipeline-microbatches 3 does not divide")])
+def test_what_cannot_be_cut_is_refused_naming_the_flag(args, needle):
+    assert needle in pipeline_refusal(*args)
+    assert pipeline_refusal(4, False, 2, "interleaved-1f1b", 4, 8) is None
