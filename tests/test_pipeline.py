@@ -10,7 +10,7 @@ from fitgpt.parallel.pipeline import Stage, pipeline_refusal, stage_blocks
 
 CFG = dict(vocab_size=128, context_length=16, n_embed=32, n_head=4, n_blocks=4, dropout=0.0, tie_embeddings=False)
 LLAMA = {**CFG, "arch": "llama", "n_kv_head": 2}
-GPT2 = {**CFG, "arch": "gpt2"}
+GPT2 = {**CFG, "arch": "gpt2", "tie_embeddings": True}
 
 
 def _batch():
@@ -27,18 +27,46 @@ def one_process(cfg: dict) -> tuple[float, dict]:
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def pipelined(rank: int, world: int, cfg: dict, schedule: str, microbatches: int) -> dict:
-    """One forward and backward of the batch through ``schedule`` over the ranks: the loss (the last stage's rank)
-    and each rank's gradients by their names in the whole model."""
+def pipelined(rank: int, world: int, cfg: dict, schedule: str, dp: int = 1) -> dict:
+    """One forward and backward of the batch through ``schedule`` over ``world // dp`` stages' ranks (with ``dp``,
+    each stage sharded by FSDP over that many, each its rows of the batch): the batch's loss (on the last stage's
+    ranks) and each rank's gradients, whole, by their names in the whole model."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fitgpt.parallel.fsdp import fsdp_shard
     from fitgpt.parallel.pipeline import build_pipeline
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**cfg))
-    pipe = build_pipeline(model, schedule, microbatches, dist.group.WORLD, torch.device("cpu"))
+    if dp > 1:
+        mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
+        shard = lambda stage, dp_mesh: fsdp_shard(stage, None, mesh=dp_mesh)  # noqa: E731
+    else:
+        mesh, shard = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",)), None
+    pipe = build_pipeline(model, schedule, 2, mesh, torch.device("cpu"), shard)
     x, y = _batch()
-    loss = pipe.step(x, y)
-    grads = {n: p.grad for s in pipe.stages for n, p in s.named_parameters()}
+    i = rank % dp
+    loss = pipe.step(x[i::dp], y[i::dp])
+    if loss is not None and dp > 1:
+        dist.all_reduce(loss, group=mesh["dp"].get_group())
+        loss = loss / dp
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+             for s in pipe.stages for n, p in s.named_parameters()}
     return {"loss": None if loss is None else loss.item(), "grads": grads}
+
+
+def _check(got: list[dict], cfg: dict) -> None:
+    loss, grads = one_process(cfg)
+    losses = [g["loss"] for g in got if g["loss"] is not None]
+    assert losses and all(v == pytest.approx(loss, rel=1e-6) for v in losses)
+    held = {}
+    for g in got:
+        held.update(g["grads"])
+    if cfg["tie_embeddings"]:  # the tied weight's second copy, the head's, holds the one weight's whole gradient too
+        torch.testing.assert_close(held.pop("lm_head.weight"), grads["token_embed.weight"], rtol=1e-5, atol=1e-6)
+    assert set(held) == set(grads)  # every parameter on some rank, under its own name
+    for name, g in grads.items():
+        torch.testing.assert_close(held[name], g, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.slow
@@ -46,14 +74,21 @@ def pipelined(rank: int, world: int, cfg: dict, schedule: str, microbatches: int
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_a_pipelined_step_gives_one_processs_loss_and_gradients(schedule, arch, ranks):
+    """2 stages' ranks (4 stages interleaved), 2 micro-batches; GPT-2 with its head tied to the embedding (the tied
+    weight's two copies' gradients summed), Llama untied."""
     cfg = LLAMA if arch == "llama" else GPT2
-    got = ranks(2).run(pipelined, cfg, schedule, 4)
-    loss, grads = one_process(cfg)
-    assert got[0]["loss"] is None and got[1]["loss"] == pytest.approx(loss, rel=1e-6)
-    held = {**got[0]["grads"], **got[1]["grads"]}
-    assert set(got[0]["grads"]).isdisjoint(got[1]["grads"]) and set(held) == set(grads)  # each on one rank
-    for name, g in grads.items():
-        torch.testing.assert_close(held[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    got = ranks(2).run(pipelined, cfg, schedule)
+    assert got[0]["loss"] is None and got[1]["loss"] is not None
+    _check(got, cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_pipeline_stages_sharded_by_fsdp_give_one_processs_loss_and_gradients(schedule, ranks):
+    """PP 2 x FSDP 2 on 4 ranks, GPT-2 tied: each stage sharded over its 2 data-parallel ranks, each of which trains
+    its half of the batch's rows; their mean loss and gradients are one process's on the whole batch."""
+    _check(ranks(4).run(pipelined, GPT2, schedule, 2), GPT2)
 
 
 def test_stages_take_even_shares_of_the_blocks_the_first_one_more():
@@ -71,9 +106,8 @@ def test_a_stage_keeps_the_whole_models_names_for_its_own_parameters():
     assert all(n.startswith(("token_embed", "attn_blocks.0.", "attn_blocks.1.")) for n, _ in first.named_parameters())
 
 
-@pytest.mark.parametrize("args, needle", [((4, False, 4, "interleaved-1f1b", 4, 8), "more than its 4 blocks"),
-                                          ((4, True, 2, "1f1b", 4, 8), "--model.tie-embeddings False"),
-                                          ((4, False, 2, "1f1b", 3, 8), "--pipeline-microbatches 3 does not divide")])
+@pytest.mark.parametrize("args, needle", [((4, 4, "interleaved-1f1b", 4, 8), "more than its 4 blocks"),
+                                          ((4, 2, "1f1b", 3, 8), "--pipeline-microbatches 3 does not divide")])
 def test_what_cannot_be_cut_is_refused_naming_the_flag(args, needle):
     assert needle in pipeline_refusal(*args)
-    assert pipeline_refusal(4, False, 2, "interleaved-1f1b", 4, 8) is None
+    assert pipeline_refusal(4, 2, "interleaved-1f1b", 4, 8) is None

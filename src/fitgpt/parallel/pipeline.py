@@ -10,10 +10,16 @@ that the head and loss stay one call, as a chunked or fused loss needs them.
 Each rank holds one stage (GPipe, 1F1B) or, interleaved, ``STAGES_PER_RANK`` of them, looped: rank r holds stages
 r, r + P, ... A batch is cut into ``microbatches`` equal micro-batches; each one's loss is its mean and the gradients
 are divided by their count (``scale_grads``), so that the step's gradient is the whole batch's mean, as one process's.
+
+With data-parallel ranks besides (a mesh of ("pp", "dp")), FSDP shards each stage over its "dp" ranks, each of which
+draws its own rows, as the trainer's FSDP does. A head tied to the token embedding (GPT-2's) lives twice, on the first
+stage and on the last: the two start equal and, their gradients summed after each step (as Megatron ties them), step
+alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,15 +40,12 @@ def stage_blocks(n_blocks: int, n_stages: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def pipeline_refusal(n_blocks: int, tied: bool, pp: int, schedule: str, microbatches: int, batch_size: int) -> str | None:
+def pipeline_refusal(n_blocks: int, pp: int, schedule: str, microbatches: int, batch_size: int) -> str | None:
     """Why the model cannot be cut so (one line naming the flag to change); None: it can."""
     stages = pp * STAGES_PER_RANK[schedule]
     if stages > n_blocks:
         return (f"--pipeline-parallel {pp} with --pipeline-schedule {schedule} cuts the model into {stages} stages, "
                 f"more than its {n_blocks} blocks: use fewer stages or more blocks (--model.n-blocks)")
-    if tied:
-        return (f"--pipeline-parallel {pp} puts the token embedding on the first stage and the head on the last, so "
-                "a head tied to the embedding would be two copies: add --model.tie-embeddings False")
     if batch_size % microbatches:
         return (f"--pipeline-microbatches {microbatches} does not divide --batch-size {batch_size}: use a divisor "
                 "of it, or another --batch-size")
@@ -78,10 +81,12 @@ class Stage(nn.Module):
 
 @dataclass
 class Pipeline:
-    """This rank's stages and the schedule that runs them (``step``), over the ``group`` of pipeline ranks."""
+    """This rank's stages and the schedule that runs them (``step``), over the ``group`` of pipeline ranks; ``tie``:
+    the group of the first and last stages' ranks, where the head is tied to the embedding."""
 
     stages: list[Stage]
     schedule: object
+    tie: dist.ProcessGroup | None = None
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of the batch (x, y: (B, T)) through every micro-batch; the batch's mean loss on the
@@ -89,18 +94,34 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         last = any(s.last for s in self.stages)
         self.schedule.step(x if any(s.first for s in self.stages) else None, target=y if last else None, losses=losses)
+        if self.tie is not None:
+            self._sum_tied()
         return torch.stack(losses).mean() if last else None
 
+    def _sum_tied(self) -> None:
+        """The embedding's gradient (first stage) and the head's (last stage), each the tied weight's share, summed
+        on both: the whole model's gradient of the one weight."""
+        for s in self.stages:
+            weight = s.token_embed.weight if s.first else s.lm_head.weight if s.last else None
+            if weight is not None:
+                grad = weight.grad.to_local() if hasattr(weight.grad, "to_local") else weight.grad
+                dist.all_reduce(grad, group=self.tie)
 
-def build_pipeline(model: nn.Module, schedule: str, microbatches: int, group: dist.ProcessGroup,
-                   device: torch.device) -> Pipeline:
-    """``model`` cut into this rank's stages of ``schedule`` over the pipeline ranks of ``group``."""
+
+def build_pipeline(model: nn.Module, schedule: str, microbatches: int, mesh, device: torch.device,
+                   shard: Callable[[nn.Module, object], None] | None = None) -> Pipeline:
+    """``model`` cut into this rank's stages of ``schedule`` over the "pp" ranks of ``mesh`` (a DeviceMesh of ("pp",)
+    or ("pp", "dp")); with "dp" ranks, each stage given to ``shard(stage, dp_mesh)`` (FSDP's) before it runs."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+    group = mesh["pp"].get_group() if mesh.mesh_dim_names and "dp" in mesh.mesh_dim_names else mesh.get_group()
     pp, rank = dist.get_world_size(group), dist.get_rank(group)
     per_rank = STAGES_PER_RANK[schedule]
     n_stages = pp * per_rank
     stages = [Stage(model, rank + k * pp, n_stages) for k in range(per_rank)]
+    if shard is not None:
+        for s in stages:
+            shard(s, mesh["dp"])
     wrapped = [PipelineStage(s, rank + k * pp, n_stages, device, group=group) for k, s in enumerate(stages)]
     head = next((s for s in stages if s.last), None)
 
@@ -112,4 +133,16 @@ def build_pipeline(model: nn.Module, schedule: str, microbatches: int, group: di
     else:
         cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         runner = cls(wrapped[0], n_microbatches=microbatches, loss_fn=loss_fn)
-    return Pipeline(stages, runner)
+    return Pipeline(stages, runner, _tie_group(mesh) if model.config.tied else None)
+
+
+def _tie_group(mesh) -> dist.ProcessGroup | None:
+    """The group of this rank's first-stage and last-stage ranks (the same data-parallel index): made by every rank
+    for every pair, as ``new_group`` asks."""
+    ranks = mesh.mesh.reshape(mesh.mesh.shape[0], -1)  # (pp, dp) global ranks
+    mine = None
+    for d in range(ranks.shape[1]):
+        group = dist.new_group([int(ranks[0, d]), int(ranks[-1, d])])
+        if dist.get_rank() in (int(ranks[0, d]), int(ranks[-1, d])):
+            mine = group
+    return mine
