@@ -74,6 +74,16 @@ class TrainConfig:
     """Under torchrun: ddp (a full replica per process) or fsdp (weights, gradients and optimizer state sharded)."""
     tensor_parallel: int = 1
     """Under torchrun, split each block over this many processes, all of them (tensor and sequence parallelism)."""
+    pipeline_parallel: int = 1
+    """Under torchrun, cut the blocks into stages over this many processes (the embedding on the first, the head and
+    loss on the last), each micro-batch's activations passed from stage to stage; with more processes, each stage
+    sharded by --parallel fsdp over the rest."""
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
+    """With --pipeline-parallel: gpipe (every micro-batch's forward, then every backward), 1f1b (a backward as soon as
+    it can: at most a stage's count of micro-batches in flight) or interleaved-1f1b (two stages a process, looped)."""
+    pipeline_microbatches: int = 0
+    """With --pipeline-parallel: the micro-batches each step's batch is cut into (0: one a stage); must divide
+    --batch-size."""
     fsdp_offload: bool = False
     """With --parallel fsdp: keep parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy);
     the optimizer steps on the CPU. For weights and optimizer state larger than the card."""
@@ -114,7 +124,9 @@ class TrainConfig:
         if self.time_budget is not None:
             parse_duration(self.time_budget)
         require_positive_ints(self, ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval",
-                                     "checkpoint_interval", "keep_last", "tensor_parallel"))
+                                     "checkpoint_interval", "keep_last", "tensor_parallel", "pipeline_parallel"))
+        if self.pipeline_microbatches < 0:
+            raise UserError("pipeline_microbatches must not be negative (set --pipeline-microbatches; 0: one a stage)")
         if self.resume and self.overwrite:
             raise UserError("--resume continues the run in --out-dir and --overwrite removes it; drop one of them")
         if not self.dist_timeout > 0:
@@ -200,8 +212,20 @@ class TrainConfig:
     def run_dir(self) -> Path:
         return Path(self.out_dir or f"runs/{self.preset}")
 
+    @property
+    def microbatches(self) -> int:
+        """The pipeline's micro-batches a step: --pipeline-microbatches, or one a stage."""
+        return self.pipeline_microbatches or self.pipeline_parallel * STAGES_PER_RANK[self.pipeline_schedule]
+
+    def model_splits(self) -> int:
+        """The processes one data-parallel rank's model is split over: tensor parallelism's times the pipeline's."""
+        return self.tensor_parallel * self.pipeline_parallel
+
 
 # ---- loading from dicts and files ----------------------------------------------------------------
+
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}
+"""The pipeline stages each process holds under each --pipeline-schedule."""
 
 PRESETS = ("tiny", "small", "medium", "3b", "llama-tiny", "llama-1b")
 

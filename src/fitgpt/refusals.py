@@ -44,6 +44,11 @@ def launch_refusal(cfg: TrainConfig, world: int, device_type: str, dtype: torch.
     --precision resolves there), or be ``planned`` there on fake tensors; one line naming what to change; None: it can.
     The trainer refuses a launch with it, ``plan`` a plan, ``fit`` a layout it would search."""
     optim = cfg.optim
+    if cfg.pipeline_parallel > 1:
+        from fitgpt.parallel.pipeline import launch_refusal as pipeline_launch_refusal
+
+        if why := pipeline_launch_refusal(cfg, world):
+            return why
     if cfg.fsdp_offload and world > 1 and (optim.name != "adamw" or cfg.model.weights_dtype == "bf16"):
         return (f"--fsdp-offload keeps each shard in host memory, where the whole-matrix step of "
                 f"{'pure bf16 weights' if optim.name == 'adamw' else '--optim.name ' + optim.name} (each matrix "

@@ -70,7 +70,10 @@ def optimizer_update(model: nn.Module, optimizer: torch.optim.Optimizer, loss: t
     # choice for DTensors (FSDP) and for a planned host's meta tensors (which have no foreach kernels; the per-tensor
     # path holds the same 0-d norms).
     foreach = None if any(hasattr(p, "full_tensor") or p.device.type == "meta" for p in params) else True
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf, foreach=foreach)
+    if hasattr(model, "clip_grad_norm_"):  # a pipeline: the norm over every stage's ranks (`fitgpt.parallel.pipeline`)
+        norm = model.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf, foreach)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf, foreach=foreach)
     if hasattr(norm, "full_tensor"):  # FSDP: a DTensor, the same total norm on every rank
         norm = norm.full_tensor()
     fp16 = scaler is not None and scaler.is_enabled()
@@ -138,6 +141,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequ
     total = None
     if getattr(optimizer, "steps_in_backward", False) and grad_clip > 0:
         _clip_first(model, optimizer, batches[0], amp, grad_clip, check)
+    if hasattr(model, "train_batch"):  # a pipeline: its schedule runs every micro-batch's forward and backward
+        ((x, y),) = batches
+        with amp():
+            total = model.train_batch(x, y)  # the batch's mean loss, on every rank of the pipeline
+        batches = ()
     for i, (x, y) in enumerate(batches):
         with sync(i == n - 1) if sync else contextlib.nullcontext():
             with amp():

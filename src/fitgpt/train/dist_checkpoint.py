@@ -52,7 +52,10 @@ class DistributedSaver:
             raise ckpt.CheckpointSaveError(outcome[1], outcome[2])
         tmp, final = Path(outcome[1]), Path(outcome[2])
         # GPT-2's query/key/value matrix split by heads is written in row shards (dcp_read.contiguous)
-        state = dcp_read.contiguous({"model": ckpt.model_state(model), "optimizer": optimizer.state_dict()})
+        optim_state = optimizer.state_dict()
+        if hasattr(model, "numbering"):  # a pipeline's stages: numbered as the whole model's
+            optim_state = model.numbering.to_whole(optim_state)
+        state = dcp_read.contiguous({"model": ckpt.model_state(model), "optimizer": optim_state})
         if self.pool is None:
             return self._write(state, tmp, final, step, meta)
         t0 = time.perf_counter()
@@ -156,21 +159,26 @@ def _stage(state: dict) -> dict:
         stager.close()
 
 
-def load_optimizer(optimizer, saved, info: dist_utils.DistInfo) -> None:
+def load_optimizer(optimizer, saved, info: dist_utils.DistInfo, numbering=None) -> None:
     """The checkpoint's optimizer state into ``optimizer``: a whole state dict (one process's checkpoint), or a
     distributed checkpoint's, of which each rank reads the pieces of its own shards (any world size wrote it). The
     groups' settings are this run's, as it was built and logs them (a changed --optim.weight-decay or beta steps as
-    asked), not the saved ones that loading a state dict would restore."""
+    asked), not the saved ones that loading a state dict would restore. ``numbering``: a pipeline rank's
+    (`fitgpt.parallel.pipeline.Numbering`), whose parameters the checkpoint numbers as the whole model's."""
     settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
     if isinstance(saved, dict):
+        if numbering is not None:
+            saved = numbering.to_own(saved, optimizer.state_dict())
         dist_utils.load_full_optimizer_state(optimizer, _with_settings(saved, settings))
         return
     where = str(saved.path / ckpt.DCP_DIR)
     try:
         if info.enabled:
             init_optimizer_state(optimizer)
-            template = optimizer.state_dict()  # this rank's tensors, read into in place
+            own = optimizer.state_dict()
+            template = numbering.to_whole(own) if numbering is not None else own  # read into in place
             dcp_read.load({"optimizer": template}, where)
+            template = numbering.to_own(template, own) if numbering is not None else template
         else:  # one process holds the whole state: read it as saved, whatever wraps the optimizer
             template = _read_whole(where, "optimizer")
         optimizer.load_state_dict(_with_settings(template, settings))

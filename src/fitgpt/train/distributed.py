@@ -43,6 +43,15 @@ class DistInfo:
         return self.rank == 0
 
 
+def data_rank(cfg, info: DistInfo) -> int:
+    """This process's data-parallel rank under ``cfg`` (a TrainConfig): the ranks that split one model (a
+    tensor-parallel group, a pipeline's stages) draw the same batches. Tensor-parallel groups are consecutive ranks;
+    a stage's data-parallel ranks are."""
+    if cfg.pipeline_parallel > 1:
+        return info.rank % (info.world // cfg.pipeline_parallel)
+    return info.rank // cfg.tensor_parallel
+
+
 def init_distributed(device_name: str, timeout_s: float) -> DistInfo:
     """Join the process group torchrun describes (gloo on CPU, NCCL on CUDA); one process: nothing to do."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -97,7 +97,7 @@ class Progress:
 
 
 def tokens_per_step(cfg: TrainConfig, info: dist_utils.DistInfo) -> int:
-    return cfg.batch_size * cfg.grad_accum * cfg.model.context_length * info.world // cfg.tensor_parallel
+    return cfg.batch_size * cfg.grad_accum * cfg.model.context_length * info.world // cfg.model_splits()
 
 
 def run_loop(run: LoopState, start_step: int) -> Progress:

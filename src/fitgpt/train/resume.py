@@ -43,14 +43,16 @@ def resume_run(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, sc
     scaler.load_state_dict(state["scaler"])
     # The data is drawn per data-parallel rank (a tensor-parallel group's ranks draw alike): a 2 x 2 run resumes on
     # FSDP 2 with the same data order, data-parallel rank d taking the first sampler of group d.
-    ranks, ck_tp = ck_meta.get("world_size", 1), ck_meta["config"].get("tensor_parallel", 1)
-    dp_ranks, dp_rank = info.world // cfg.tensor_parallel, info.rank // cfg.tensor_parallel
-    if ranks // ck_tp != dp_ranks:
+    ranks, was = ck_meta.get("world_size", 1), ck_meta["config"]
+    ck_tp, ck_pp = was.get("tensor_parallel", 1), was.get("pipeline_parallel", 1)
+    dp_ranks, dp_rank = info.world // cfg.model_splits(), dist_utils.data_rank(cfg, info)
+    if ranks // (ck_tp * ck_pp) != dp_ranks:
         log.warning("resuming a %d-process run on %d processes: the data order differs from the original run (%d "
-                    "data-parallel ranks then, %d now)", ranks, info.world, ranks // ck_tp, dp_ranks)
+                    "data-parallel ranks then, %d now)", ranks, info.world, ranks // (ck_tp * ck_pp), dp_ranks)
     samplers, rngs = ck_meta.get("sampler_ranks", [ck_meta["sampler"]]), state.get("rng_ranks", [state["rng"]])
-    if dp_rank * ck_tp < len(samplers):
-        sampler.load_state_dict(samplers[dp_rank * ck_tp])
+    first = dp_rank if ck_pp > 1 else dp_rank * ck_tp  # the checkpoint's first rank of that data-parallel rank
+    if first < len(samplers):
+        sampler.load_state_dict(samplers[first])
     set_rng_state(rngs[info.rank] if info.rank < len(rngs) else rngs[0], device)
     step = ck_meta["step"]
     _check_left_to_train(path, step, ck_meta, cfg)

@@ -23,6 +23,7 @@ from fitgpt.hf import check_tokenizer, hf_weights, import_weights
 from fitgpt.memory import measure_step_memory
 from fitgpt.memory.tracker import round_up
 from fitgpt.model import Transformer
+from fitgpt.optim import optimizer_params
 from fitgpt.parallel.fsdp import compile_blocks, fsdp_shard, precision_roles
 from fitgpt.train import distributed as dist_utils
 from fitgpt.train.checkpoint import tied_parameter_names
@@ -151,6 +152,8 @@ def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist
     parallelism).
     Returns the module the steps call. ``inspect`` sees the checkpointed model before it is compiled or sharded (the
     trainer measures its activations there)."""
+    if cfg.pipeline_parallel > 1:
+        return _pipelined(model, policy, cfg, info, device, dtype)
     mesh = None
     if cfg.tensor_parallel > 1:  # split first, as torchtitan orders them; FSDP then shards the splits over "dp"
         from fitgpt.parallel.tensor import apply_tensor_parallel, training_mesh
@@ -173,3 +176,25 @@ def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist
     if mesh is not None:  # FSDP over the data-parallel groups, or (one group) no data-parallel wrapper
         return fsdp_shard(step_model, param_dtype, mesh=mesh["dp"]) if sharded else step_model
     return dist_utils.wrap(step_model, info, cfg.parallel, device, param_dtype, cfg.fsdp_offload)
+
+
+def _pipelined(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist_utils.DistInfo, device: torch.device,
+               dtype: torch.dtype | None):
+    """``prepare_model`` for --pipeline-parallel: the model (on the meta device) cut into this rank's stages, each
+    checkpointed, then sharded by FSDP over its data-parallel ranks, then run by the schedule; its ``held`` parts are
+    what the trainer fills, steps and saves (numbered for the optimizer's checkpoint as the whole model's)."""
+    from fitgpt.parallel import pipeline
+
+    mesh = pipeline.training_mesh(device.type, info.world, cfg.pipeline_parallel)
+    stages = pipeline.rank_stages(model, cfg.pipeline_schedule, mesh)
+    held = pipeline.held_by(stages, model)
+    held.numbering = pipeline.Numbering(model, held, optimizer_params)
+    for stage in stages:
+        apply_activation_checkpointing(stage, policy)
+    log.info("checkpointing %s; pipeline stage%s of blocks %s on this rank", policy.describe(cfg.model.n_blocks),
+             "s" if len(stages) > 1 else "", ", ".join(f"{s.blocks[0]}-{s.blocks[-1]}" for s in stages))
+    if info.world > cfg.pipeline_parallel:
+        _, param_dtype = precision_roles(dtype, True)
+        for stage in stages:
+            fsdp_shard(stage, param_dtype, mesh=mesh["dp"])
+    return pipeline.schedule_stages(stages, held, cfg.pipeline_schedule, cfg.microbatches, mesh, device)

@@ -27,6 +27,7 @@ from fitgpt.memory.allocator import expandable_from
 from fitgpt.optim import build_optimizer, describe_optimizer
 from fitgpt.parallel import tensor as tensor_parallel
 from fitgpt.parallel.fsdp import materialise, precision_roles
+from fitgpt.parallel.pipeline import materialise as materialise_stages
 from fitgpt.refusals import launch_refusal, meta_model_refusal
 from fitgpt.step import grad_scaler
 from fitgpt.train import distributed as dist_utils
@@ -151,7 +152,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None,
     data, cfg = load_data(cfg, info)
     # Under FSDP or tensor parallelism the model is built on the meta device; once sharded, each rank fills only its
     # shards: with the initial weights, a resumed run's, or a Hugging Face model's (--init-from).
-    shards = info.world if info.enabled and (cfg.parallel == "fsdp" or cfg.tensor_parallel > 1) else 1
+    shards = info.world if info.enabled and (cfg.parallel == "fsdp" or cfg.model_splits() > 1) else 1
     model = build_model(cfg, cfg.model.vocab_size, device, shards)
     if cfg.init_from and not cfg.resume and shards == 1:
         init_from_hf(cfg, model, info, device, sharded=False)
@@ -159,7 +160,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None,
     # Each data-parallel rank samples its own windows (the ranks of one tensor-parallel group, the same ones); rank 0
     # draws exactly what a single process would.
     sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length,
-                           seed=cfg.seed + info.rank // cfg.tensor_parallel,
+                           seed=cfg.seed + dist_utils.data_rank(cfg, info),
                            vocab_size=data.vocab_size)
     if info.is_main and not cfg.resume:  # a fresh run's, before planning (its retry after a failed plan is not blocked)
         write_run_files(cfg)
@@ -171,7 +172,10 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None,
                  "metrics.jsonl records each logged step's peak, and with --activation-checkpointing auto every rank's "
                  "measured peak is logged beside the plan's")
     step_model = prepare_model(model, policy, cfg, info, device, dtype, inspect=act and act.inspect)
-    if shards > 1:
+    if cfg.pipeline_parallel > 1:  # this rank's stages: what it fills, steps and saves
+        materialise_stages(model, step_model.stages, device, cfg.seed)
+        model = step_model.held
+    elif shards > 1:
         materialise(model, torch.device("cpu") if cfg.fsdp_offload else device, cfg.seed)
         if cfg.init_from and not cfg.resume:
             init_from_hf(cfg, model, info, device, sharded=True)
@@ -186,7 +190,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None,
     # Offloaded, the parameters live in host memory and the optimizer steps there.
     optimizer = build_optimizer(model, cfg.optim, torch.device("cpu") if cfg.fsdp_offload else device, seed=cfg.seed)
     if state is not None:
-        load_optimizer(optimizer, state["optimizer"], info)
+        load_optimizer(optimizer, state["optimizer"], info, getattr(model, "numbering", None))
         log.info("checkpoint read in %.2fs (weights, optimizer state, data positions, RNG)", time.perf_counter() - t_resume)
     _log_start(cfg, info, model, device, dtype, start_step)
     metrics = MetricsWriter(cfg.run_dir, cfg.tensorboard, resume_step=start_step) if info.is_main else None
@@ -225,10 +229,16 @@ def _log_start(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, de
     layout = f", {cfg.parallel}" if info.enabled else ""
     if tp > 1:
         layout = f", tensor parallel over {tp}" + (f", FSDP over {info.world // tp} x {tp}" if info.world > tp else "")
+    if cfg.pipeline_parallel > 1:  # the parameters are this rank's stages'
+        pp = cfg.pipeline_parallel
+        layout = (f", pipeline of {pp} ranks ({cfg.pipeline_schedule}, {cfg.microbatches} micro-batches)"
+                  + (f", FSDP over {info.world // pp}" if info.world > pp else ""))
+        tp = pp  # the data-parallel ranks below
     log.info(
         "training %s (%.2fM params) on %s, %s, %d tokens/step (global batch %d = %d per micro-batch x %d accumulation x %d "
         "process%s%s), %s, %s, run dir %s",
-        cfg.preset, model.num_params() / 1e6, device, dtype or "fp32", tokens_per_step(cfg, info),
+        cfg.preset, (model.num_params() if hasattr(model, "num_params") else sum(p.numel() for p in set(model.parameters())))
+        / 1e6, device, dtype or "fp32", tokens_per_step(cfg, info),
         cfg.batch_size * cfg.grad_accum * info.world // tp, cfg.batch_size, cfg.grad_accum, info.world // tp,
         "es" if info.world // tp > 1 else "", layout, describe_optimizer(cfg.optim, device, model),
         f"steps {start_step} -> {cfg.max_steps}" if cfg.time_budget is None else

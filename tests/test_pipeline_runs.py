@@ -1,0 +1,94 @@
+"""`fitgpt train --pipeline-parallel P` under torchrun (gloo CPU ranks): trains as one process does, checkpoints with
+DCP (the optimizer's state numbered as the whole model's), resumes on the same layout and in one process, and its
+checkpoint is read by `generate`. (A step's loss and gradients against one process: test_pipeline.py.)"""
+
+import pytest
+import torch
+from test_doors import one_line, run_cli
+from test_tensor_parallel_runs import _flags, _losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_a_pipeline_trains_as_one_process_checkpoints_and_resumes(schedule, data_dir, corpus_dir, tmp_path, capsys,
+                                                                  ranks):
+    """Llama-tiny (4 blocks) over 2 ranks, 2 micro-batches of the batch of 4 (4 stages interleaved, 4 micro-batches):
+    every logged loss within fp32 rounding of one process's; resumed at step 3, the straight run's last losses; the
+    checkpoint trains on in one process and `generate` samples from it."""
+    from fitgpt.cli import main
+
+    assert main(_flags(data_dir, corpus_dir, tmp_path / "one")) == 0
+    run = tmp_path / "pp"
+    flags = ["--pipeline-parallel", "2", "--pipeline-schedule", schedule]
+    ranks(2).cli(_flags(data_dir, corpus_dir, run, *flags))
+    (one, one_val), (pp, pp_val) = _losses(tmp_path / "one"), _losses(run)
+    assert len(pp) == 6 and len(pp_val) == 2
+    torch.testing.assert_close(torch.tensor(pp + pp_val), torch.tensor(one + one_val), rtol=1e-5, atol=0)
+    ranks(2).cli(_flags(data_dir, corpus_dir, run, *flags, "--resume", str(run / "checkpoints" / "step_00000003")))
+    again, again_val = _losses(run)
+    assert again[-3:] == pp[-3:] and again_val[-1:] == pp_val[-1:]  # bitwise: the optimizer's state came back
+    assert main(_flags(data_dir, corpus_dir, run, "--max-steps", "7", "--resume",
+                       str(run / "checkpoints" / "step_00000006"))) == 0
+    assert len(_losses(run)[0]) == 7 and abs(_losses(run)[0][-1] - one[-1]) < 0.5
+    capsys.readouterr()
+    assert main(["generate", "--run", str(run), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+    assert "def " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--pipeline-parallel", "2"], "launch a multiple of 2 with torchrun"),
+    (["--pipeline-microbatches", "-1"], "--pipeline-microbatches"),
+    (["--pipeline-parallel", "0"], "--pipeline-parallel"),
+])
+def test_what_a_pipeline_cannot_take_is_refused_in_one_line(extra, needle, data_dir, corpus_dir, tmp_path, capsys):
+    code, err = run_cli(_flags(data_dir, corpus_dir, tmp_path / "run", *extra), capsys)
+    assert code == 2 and one_line(err) and needle in err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("extra, world, needle", [
+    (["--pipeline-parallel", "2"], 3, "launch a multiple of 2"),
+    (["--pipeline-parallel", "2"], 4, "add --parallel fsdp"),
+    (["--pipeline-parallel", "2", "--parallel", "fsdp"], 2, "drop --parallel fsdp"),
+    (["--pipeline-parallel", "2", "--grad-accum", "2"], 2, "--pipeline-microbatches 4"),
+    (["--pipeline-parallel", "2", "--optim.in-backward"], 2, "drop --optim.in-backward"),
+    (["--pipeline-parallel", "4", "--pipeline-schedule", "interleaved-1f1b"], 4, "more than its 4 blocks"),
+    (["--pipeline-parallel", "2", "--pipeline-microbatches", "3"], 2, "does not divide --batch-size 4"),
+    (["--pipeline-parallel", "2", "--optim.name", "muon"], 2, "use --optim.name adamw"),
+])
+def test_a_launch_a_pipeline_cannot_take_is_refused_before_any_rank_works(extra, world, needle, data_dir, corpus_dir,
+                                                                          tmp_path):
+    """Asked as the trainer asks every rank before it starts (`fitgpt.refusals.launch_refusal`)."""
+    from fitgpt.cli.train import parse
+    from fitgpt.refusals import launch_refusal
+
+    cfg = parse(_flags(data_dir, corpus_dir, tmp_path / "run", *extra)[1:])
+    why = launch_refusal(cfg, world, "cpu", None)
+    assert why is not None and needle in why and "\n" not in why
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_pipeline_stages_sharded_by_fsdp_train_as_fsdp_does(data_dir, corpus_dir, tmp_path, ranks):
+    """PP 2 x FSDP 2 on 4 ranks, GPT-2 with its head tied to the embedding (the tiny preset's), each block
+    checkpointed: every logged loss within fp32 rounding of FSDP over 2 ranks (the same 2 data-parallel ranks, so the
+    same batches), and a resume from step 3 ends on the straight run's losses."""
+    def flags(out, *extra):
+        return [*_flags(data_dir, corpus_dir, out, "--activation-checkpointing", "block", "--parallel", "fsdp",
+                        preset="tiny"), "--model.tie-embeddings", "True", "--model.dropout", "0", *extra]
+
+    from test_distributed import finish, torchrun
+
+    ranks(2).cli(flags(tmp_path / "fsdp"))
+    run = tmp_path / "pp-fsdp"
+    # Fresh processes: in the session's 4 ranks, after other bodies' meshes of this shape and groups of their own, a
+    # step here once named a process group that was gone (PyTorch 2.13); torchrun's fresh ranks, as a user's, never do.
+    finish(torchrun(flags(run, "--pipeline-parallel", "2"), tmp_path, nproc=4))
+    (fsdp, fsdp_val), (pp, pp_val) = _losses(tmp_path / "fsdp"), _losses(run)
+    assert len(pp) == 6 and len(pp_val) == 2
+    torch.testing.assert_close(torch.tensor(pp + pp_val), torch.tensor(fsdp + fsdp_val), rtol=1e-5, atol=0)
+    finish(torchrun(flags(run, "--pipeline-parallel", "2", "--resume", str(run / "checkpoints" / "step_00000003")),
+                    tmp_path, nproc=4))
+    again, _ = _losses(run)
+    torch.testing.assert_close(torch.tensor(again[-3:]), torch.tensor(pp[-3:]), rtol=1e-6, atol=0)
