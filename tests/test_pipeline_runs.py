@@ -10,17 +10,18 @@ from test_tensor_parallel_runs import _flags, _losses
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
-def test_a_pipeline_trains_as_one_process_checkpoints_and_resumes(schedule, data_dir, corpus_dir, tmp_path, capsys,
-                                                                  ranks):
-    """Llama-tiny (4 blocks) over 2 ranks, 2 micro-batches of the batch of 4 (4 stages interleaved, 4 micro-batches):
-    every logged loss within fp32 rounding of one process's; resumed at step 3, the straight run's last losses; the
-    checkpoint trains on in one process and `generate` samples from it."""
+@pytest.mark.parametrize("schedule, policy", [("gpipe", "block"), ("1f1b", "selective"), ("interleaved-1f1b", "none")])
+def test_a_pipeline_trains_as_one_process_checkpoints_and_resumes(schedule, policy, data_dir, corpus_dir, tmp_path,
+                                                                  capsys, ranks):
+    """Llama-tiny (4 blocks) over 2 ranks, 2 micro-batches of the batch of 4 (4 stages interleaved, 4 micro-batches),
+    each stage's blocks checkpointed by ``policy``: every logged loss within fp32 rounding of one process's (which
+    checkpoints nothing); resumed at step 3, the straight run's last losses; the checkpoint trains on in one process
+    and `generate` samples from it."""
     from fitgpt.cli import main
 
     assert main(_flags(data_dir, corpus_dir, tmp_path / "one")) == 0
     run = tmp_path / "pp"
-    flags = ["--pipeline-parallel", "2", "--pipeline-schedule", schedule]
+    flags = ["--pipeline-parallel", "2", "--pipeline-schedule", schedule, "--activation-checkpointing", policy]
     ranks(2).cli(_flags(data_dir, corpus_dir, run, *flags))
     (one, one_val), (pp, pp_val) = _losses(tmp_path / "one"), _losses(run)
     assert len(pp) == 6 and len(pp_val) == 2
@@ -73,7 +74,8 @@ def test_a_launch_a_pipeline_cannot_take_is_refused_before_any_rank_works(extra,
 def test_pipeline_stages_sharded_by_fsdp_train_as_fsdp_does(data_dir, corpus_dir, tmp_path, ranks):
     """PP 2 x FSDP 2 on 4 ranks, GPT-2 with its head tied to the embedding (the tiny preset's), each block
     checkpointed: every logged loss within fp32 rounding of FSDP over 2 ranks (the same 2 data-parallel ranks, so the
-    same batches), and a resume from step 3 ends on the straight run's losses."""
+    same batches), a resume from step 3 ends on the straight run's losses, and one process resumes the checkpoint
+    and samples from it."""
     def flags(out, *extra):
         return [*_flags(data_dir, corpus_dir, out, "--activation-checkpointing", "block", "--parallel", "fsdp",
                         preset="tiny"), "--model.tie-embeddings", "True", "--model.dropout", "0", *extra]
@@ -92,3 +94,10 @@ def test_pipeline_stages_sharded_by_fsdp_train_as_fsdp_does(data_dir, corpus_dir
                     tmp_path, nproc=4))
     again, _ = _losses(run)
     torch.testing.assert_close(torch.tensor(again[-3:]), torch.tensor(pp[-3:]), rtol=1e-6, atol=0)
+    # Its checkpoint in one process: the stages' shards read whole, the tied head's two copies one weight again.
+    from fitgpt.cli import main
+
+    assert main([*flags(run, "--parallel", "ddp", "--max-steps", "7"), "--resume",
+                 str(run / "checkpoints" / "step_00000006")]) == 0
+    assert len(_losses(run)[0]) == 7 and abs(_losses(run)[0][-1] - pp[-1]) < 0.5
+    assert main(["generate", "--run", str(run), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
