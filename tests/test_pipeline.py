@@ -145,3 +145,40 @@ def test_stages_built_on_the_meta_device_start_from_one_processs_weights(ranks):
     for held in got:
         for name, t in held.items():
             assert torch.equal(t, whole["token_embed.weight" if name == "lm_head.weight" else name].detach()), name
+
+
+def chunked_step(rank: int, world: int) -> dict:
+    """One step of Llama over 2 stages' ranks, the last stage's loss computed in chunks of 32 rows: the loss, and how
+    often the chunked head ran."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fitgpt.activation_checkpoint import apply_activation_checkpointing, parse_policy
+    from fitgpt.activation_checkpoint.apply import ChunkedLossHead
+    from fitgpt.parallel.pipeline import held_by, rank_stages, schedule_stages, stage_policy
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**LLAMA))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    stages = rank_stages(model, "1f1b", mesh)
+    for s in stages:
+        apply_activation_checkpointing(s, stage_policy(parse_policy("chunked-loss:32"), s))
+    pipe = schedule_stages(stages, held_by(stages, model), "1f1b", 2, mesh, torch.device("cpu"))
+    calls = []
+    forward = ChunkedLossHead.forward
+    ChunkedLossHead.forward = lambda self, *a: calls.append(1) or forward(self, *a)
+    try:
+        loss = pipe.train_batch(*_batch())
+    finally:
+        ChunkedLossHead.forward = forward
+    return {"loss": loss.item(), "chunked": len(calls)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_last_stage_computes_its_loss_as_the_policy_says(ranks):
+    """A loss policy replaces the head of the stage that runs it (the last; the others have none to replace): the
+    schedule's loss goes through the chunked head (at least once a micro-batch), and
+    gives one process's loss. It once went through the bare head, the policy's memory saving lost."""
+    got = ranks(2).run(chunked_step)
+    assert got[0]["chunked"] == 0 and got[1]["chunked"] >= 2
+    assert all(g["loss"] == pytest.approx(one_process(LLAMA)[0], rel=1e-6) for g in got)

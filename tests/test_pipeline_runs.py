@@ -10,13 +10,14 @@ from test_tensor_parallel_runs import _flags, _losses
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("schedule, policy", [("gpipe", "block"), ("1f1b", "selective"), ("interleaved-1f1b", "none")])
+@pytest.mark.parametrize("schedule, policy", [("gpipe", "block"), ("1f1b", "selective"),
+                                              ("interleaved-1f1b", "chunked-loss:32")])
 def test_a_pipeline_trains_as_one_process_checkpoints_and_resumes(schedule, policy, data_dir, corpus_dir, tmp_path,
                                                                   capsys, ranks):
     """Llama-tiny (4 blocks) over 2 ranks, 2 micro-batches of the batch of 4 (4 stages interleaved, 4 micro-batches),
-    each stage's blocks checkpointed by ``policy``: every logged loss within fp32 rounding of one process's (which
-    checkpoints nothing); resumed at step 3, the straight run's last losses; the checkpoint trains on in one process
-    and `generate` samples from it."""
+    each stage's blocks checkpointed by ``policy`` (the last stage's loss in chunks, where it says so): every logged
+    loss within fp32 rounding of one process's (which checkpoints nothing); resumed at step 3, the straight run's last
+    losses; the checkpoint trains on in one process and `generate` samples from it."""
     from fitgpt.cli import main
 
     assert main(_flags(data_dir, corpus_dir, tmp_path / "one")) == 0

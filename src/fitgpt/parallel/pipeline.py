@@ -127,6 +127,14 @@ def rank_stages(model: nn.Module, schedule: str, mesh) -> list[Stage]:
     return [Stage.of(model, rank + k * pp, pp * per_rank) for k in range(per_rank)]
 
 
+def stage_policy(policy, stage: Stage):
+    """``policy`` (an activation-checkpointing Policy) as ``stage`` takes it: a loss term (chunked, fused) only on the
+    last stage, which holds the head."""
+    import dataclasses
+
+    return policy if stage.last else dataclasses.replace(policy, loss_chunk_rows=None, loss_fused_rows=None)
+
+
 def pp_group(mesh) -> dist.ProcessGroup:
     return mesh["pp"].get_group() if mesh.mesh_dim_names and "dp" in mesh.mesh_dim_names else mesh.get_group()
 
@@ -242,8 +250,11 @@ def schedule_stages(stages: list[Stage], held: Stage, schedule: str, microbatche
     n_stages = pp * len(stages)
     wrapped = [PipelineStage(s, rank + k * pp, n_stages, device, group=group) for k, s in enumerate(stages)]
 
+    last = next((s for s in stages if s.last), None)
+
     def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return held.lm_head(hidden, targets)[1]  # the micro-batch's mean cross-entropy
+        # The running stage's head: a loss policy (chunked, fused) replaces it there, the parameters the same.
+        return last.lm_head(hidden, targets)[1]  # the micro-batch's mean cross-entropy
 
     if len(stages) > 1:
         runner = ScheduleInterleaved1F1B(wrapped, n_microbatches=microbatches, loss_fn=loss_fn)

@@ -190,7 +190,7 @@ def _pipelined(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist_ut
     held = pipeline.held_by(stages, model)
     held.numbering = pipeline.Numbering(model, held, optimizer_params)
     for stage in stages:
-        apply_activation_checkpointing(stage, policy)
+        apply_activation_checkpointing(stage, pipeline.stage_policy(policy, stage))
     log.info("checkpointing %s; pipeline stage%s of blocks %s on this rank", policy.describe(cfg.model.n_blocks),
              "s" if len(stages) > 1 else "", ", ".join(f"{s.blocks[0]}-{s.blocks[-1]}" for s in stages))
     if info.world > cfg.pipeline_parallel:
