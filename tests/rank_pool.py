@@ -41,20 +41,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _forget_old_groups() -> None:
-    """DTensor's caches, emptied as a process meets the others in a new process group: they hold device meshes, which
-    compare equal across groups, so a cached result would name a group gone with the old one ("could not resolve the
-    process group", PyTorch 2.13; seen as a body followed a command in the session's ranks). Under torchrun a process
-    has one group and never meets it."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._collective_utils import MeshTopoInfo
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
-
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    _gen_transform_infos.cache_clear()
-    MeshTopoInfo.build_from_mesh.cache_clear()
-
-
 def _serve(rank: int, world: int, inbox, outbox) -> None:
     import torch.distributed as dist
 
@@ -65,7 +51,6 @@ def _serve(rank: int, world: int, inbox, outbox) -> None:
         try:
             # The session's first body, or the first after a command that met in a group of its own
             if not dist.is_initialized() and fn is not _cli:
-                _forget_old_groups()
                 dist.init_process_group("gloo")
             buf = io.BytesIO()
             torch.save(fn(rank, world, *args), buf)
@@ -84,7 +69,6 @@ def _cli(rank: int, world: int, argv: list[str]) -> tuple[int, str, str]:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    _forget_old_groups()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1
     out, err = io.StringIO(), io.StringIO()

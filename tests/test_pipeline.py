@@ -8,6 +8,19 @@ import torch.distributed as dist
 from fitgpt.model import ModelConfig, Transformer
 from fitgpt.parallel.pipeline import Stage, pipeline_refusal, stage_blocks
 
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Gloo ranks of this module's own (tests/rank_pool.py), closed after it: the pipeline's groups and meshes never
+    meet the session's ranks, whose later bodies then once named a process group gone with them ("could not resolve
+    the process group", CI, PyTorch 2.13; not reproduced in any smaller order)."""
+    from rank_pool import RankPools
+
+    pools = RankPools()
+    yield pools
+    pools.close()
+
+
 CFG = dict(vocab_size=128, context_length=16, n_embed=32, n_head=4, n_blocks=4, dropout=0.0, tie_embeddings=False)
 LLAMA = {**CFG, "arch": "llama", "n_kv_head": 2}
 GPT2 = {**CFG, "arch": "gpt2", "tie_embeddings": True}
