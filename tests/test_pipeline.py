@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from fitgpt.model import ModelConfig, Transformer
-from fitgpt.parallel.pipeline import Stage, pipeline_refusal, stage_blocks
+from fitgpt.parallel.pipeline import pipeline_refusal
+from fitgpt.parallel.stages import Stage, stage_blocks
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def pipelined(rank: int, world: int, cfg: dict, schedule: str, dp: int = 1) -> d
         shard = lambda stage, dp_mesh: fsdp_shard(stage, None, mesh=dp_mesh)  # noqa: E731
     else:
         mesh, shard = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",)), None
-    pipe = build_pipeline(model, schedule, 2, mesh, torch.device("cpu"), shard)
+    pipe = build_pipeline(model, schedule, 2, mesh, torch.device("cpu"), (8 // dp, 16), shard)
     x, y = _batch()
     i = rank % dp
     loss = pipe.train_batch(x[i::dp], y[i::dp])
@@ -130,7 +131,7 @@ def materialised(rank: int, world: int, preset: str) -> dict:
     sharded, then filled; each parameter gathered whole."""
     from fitgpt.activation_checkpoint import parse_policy
     from fitgpt.config import load_config
-    from fitgpt.parallel.pipeline import materialise
+    from fitgpt.parallel.stages import materialise
     from fitgpt.train.distributed import DistInfo
     from fitgpt.train.setup import build_model, prepare_model
 
@@ -167,7 +168,8 @@ def chunked_step(rank: int, world: int) -> dict:
 
     from fitgpt.activation_checkpoint import apply_activation_checkpointing, parse_policy
     from fitgpt.activation_checkpoint.apply import ChunkedLossHead
-    from fitgpt.parallel.pipeline import held_by, rank_stages, schedule_stages, stage_policy
+    from fitgpt.parallel.pipeline import schedule_stages
+    from fitgpt.parallel.stages import held_by, rank_stages, stage_policy
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**LLAMA))
@@ -175,7 +177,7 @@ def chunked_step(rank: int, world: int) -> dict:
     stages = rank_stages(model, "1f1b", mesh)
     for s in stages:
         apply_activation_checkpointing(s, stage_policy(parse_policy("chunked-loss:32"), s))
-    pipe = schedule_stages(stages, held_by(stages, model), "1f1b", 2, mesh, torch.device("cpu"))
+    pipe = schedule_stages(stages, held_by(stages, model), "1f1b", 2, mesh, torch.device("cpu"), (8, 16))
     calls = []
     forward = ChunkedLossHead.forward
     ChunkedLossHead.forward = lambda self, *a: calls.append(1) or forward(self, *a)
@@ -195,3 +197,58 @@ def test_the_last_stage_computes_its_loss_as_the_policy_says(ranks):
     got = ranks(2).run(chunked_step)
     assert got[0]["chunked"] == 0 and got[1]["chunked"] >= 2
     assert all(g["loss"] == pytest.approx(one_process(LLAMA)[0], rel=1e-6) for g in got)
+
+
+PLANNED = {"model": {"vocab_size": 256, "context_length": 32}, "batch_size": 4, "pipeline_parallel": 2}
+
+
+def measured_stage_peak(rank: int, world: int, overrides: dict) -> int:
+    """This rank's peak at its second step (the tracker, as the trainer's probe reads it: its weights, gradients,
+    optimizer state and the schedule's receive buffers held), the pipeline made as the trainer makes it."""
+    from fitgpt.activation_checkpoint import parse_policy
+    from fitgpt.config import load_config
+    from fitgpt.memory.timeline import PeakProbe
+    from fitgpt.optim import build_optimizer
+    from fitgpt.parallel.stages import materialise
+    from fitgpt.step import train_step
+    from fitgpt.train.distributed import DistInfo
+    from fitgpt.train.setup import build_model, prepare_model
+
+    cfg = load_config("llama-tiny", overrides=overrides)
+    model = build_model(cfg, cfg.model.vocab_size, torch.device("cpu"), world)
+    pipe = prepare_model(model, parse_policy(cfg.activation_checkpointing), cfg, DistInfo(rank, world, rank),
+                         torch.device("cpu"), None)
+    materialise(model, pipe.stages, torch.device("cpu"), cfg.seed)
+    optimizer = build_optimizer(pipe.held, cfg.optim, torch.device("cpu"), seed=cfg.seed)
+    g = torch.Generator().manual_seed(rank)
+    batch = [(torch.randint(0, cfg.model.vocab_size, (cfg.batch_size, cfg.model.context_length), generator=g),) * 2]
+    train_step(pipe, optimizer, batch, grad_clip=cfg.optim.grad_clip)
+    with PeakProbe(pipe.held, optimizer, pipe.comm_buffers()) as probe:
+        train_step(pipe, optimizer, batch, grad_clip=cfg.optim.grad_clip)
+    return probe.result.peak
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world, extra", [
+    (2, {"pipeline_schedule": "gpipe", "activation_checkpointing": "none"}),
+    (2, {"pipeline_schedule": "1f1b", "activation_checkpointing": "selective", "pipeline_microbatches": 4}),
+    (2, {"pipeline_schedule": "interleaved-1f1b", "activation_checkpointing": "block"}),
+    (4, {"pipeline_schedule": "1f1b", "parallel": "fsdp", "activation_checkpointing": "none"}),
+])
+def test_each_pipeline_rank_is_planned_to_the_byte(world, extra, ranks):
+    """The planner runs each stage's rank of the trainer's pipeline step on fake ranks (`fitgpt.estimate.pipeline`):
+    every rank's measured peak on gloo ranks equals its plan, to the byte, under each schedule (GPipe holds every
+    micro-batch's activations on every stage; 1F1B at most P - s on stage s), each checkpointing policy, and with
+    each stage sharded by FSDP; the schedule's receive buffers counted."""
+    from fitgpt.config import load_config
+    from fitgpt.estimate.pipeline import plan_pipeline
+
+    overrides = {**PLANNED, **extra}
+    measuring = ranks(world).submit(measured_stage_peak, overrides)
+    planned = plan_pipeline(load_config("llama-tiny", overrides=overrides), world)
+    measured = measuring.result()
+    dp = world // 2
+    assert [m for m in measured[::dp]] == [p.peak for p in planned]
+    assert all(measured[r] == planned[r // dp].peak for r in range(world))  # a stage's FSDP ranks hold alike
+    assert all(p.buffers > 0 for p in planned)

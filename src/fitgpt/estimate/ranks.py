@@ -21,21 +21,25 @@ class RanksBusy(RuntimeError):
 
 
 @contextlib.contextmanager
-def fake_ranks(world: int, tp: int = 1) -> Iterator[object]:
-    """A DeviceMesh of ``world`` fake ranks (this process as rank 0), for as long as the context lasts; with ``tp``
-    above 1 and below ``world``, the trainer's 2-D mesh of them, ("dp", "tp")."""
+def fake_ranks(world: int, tp: int = 1, pp: int = 1, rank: int = 0) -> Iterator[object]:
+    """A DeviceMesh of ``world`` fake ranks (this process as ``rank``), for as long as the context lasts; with ``tp``
+    above 1 and below ``world``, the trainer's 2-D mesh of them, ("dp", "tp"); with ``pp`` above 1, the pipeline's,
+    ("pp",) or ("pp", "dp")."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    from fitgpt.parallel.tensor import training_mesh  # the trainer's own 2-D mesh
+    from fitgpt.parallel import pipeline, tensor  # the trainer's own meshes
 
     if dist.is_initialized():
         raise RanksBusy(f"a process group is already initialised; {world} fake ranks need a process of their own")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        with _pieces_when_indexed(), _meshes_joined_on_real_tensors():
+        with _pieces_when_indexed(), _meshes_joined_on_real_tensors(), _static_pipeline():
             # Made outside any fake tensor mode: the mesh's setup reads values.
-            yield training_mesh("cpu", world, tp) if 1 < tp < world else init_device_mesh("cpu", (world,))
+            if pp > 1:
+                yield pipeline.training_mesh("cpu", world, pp)
+            else:
+                yield tensor.training_mesh("cpu", world, tp) if 1 < tp < world else init_device_mesh("cpu", (world,))
     finally:
         dist.destroy_process_group()
 
@@ -95,6 +99,72 @@ def _meshes_joined_on_real_tensors() -> Iterator[None]:
         yield
     finally:
         DeviceMesh._concatenate = original
+
+
+@contextlib.contextmanager
+def _static_pipeline() -> Iterator[None]:
+    """A pipeline's stages, each given its shapes (`fitgpt.parallel.pipeline`), vote at their first step that every
+    stage has them (PyTorch's static mode): the product of the votes passed from rank to rank. A fake receive leaves
+    its buffer as it was (zeros, a vote against): here each stage is told the outcome real ranks reach, with nothing
+    sent."""
+    try:
+        from torch.distributed.pipelining.schedules import _PipelineSchedule
+        from torch.distributed.pipelining.stage import InferenceMode
+    except ImportError:
+        _PipelineSchedule = None
+    original = _PipelineSchedule and _PipelineSchedule.__dict__.get("_warmup_p2p")
+    if original is None:  # another layout of PyTorch's internals: nothing to vote
+        yield
+        return
+
+    def static(self, stages, has_backward, p2p_done) -> None:
+        for stage in stages if isinstance(stages, list) else [stages]:
+            stage._inference_mode = InferenceMode.STATIC
+
+    _PipelineSchedule._warmup_p2p = static
+    try:
+        with _sends_held_by_their_work():
+            yield
+    finally:
+        _PipelineSchedule._warmup_p2p = original
+
+
+class _HeldWork:
+    """A fake send's or receive's work, holding its tensor as long as it lives, as a real one does (gloo's work keeps
+    the tensor it sends until the work is let go, which a schedule does at the end of its step)."""
+
+    def __init__(self, work, tensors: list[torch.Tensor]) -> None:
+        self.work, self.tensors = work, tensors
+
+    def wait(self, *args, **kwargs):
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+@contextlib.contextmanager
+def _sends_held_by_their_work() -> Iterator[None]:
+    """The schedule's sends and receives on fake ranks, each work holding its tensor as a real rank's does (a
+    stage's output sent on, freed on a real rank only when the schedule lets its work go, not after its backward)."""
+    from torch.distributed.pipelining import schedules
+
+    original = getattr(schedules, "_batch_p2p", None)
+    if original is None:  # another layout of PyTorch's internals
+        yield
+        return
+
+    def batch_p2p(p2p_ops, desc=None):
+        works = original(p2p_ops, desc=desc)
+        if len(works) == len(p2p_ops):
+            return [_HeldWork(w, [op.tensor]) for w, op in zip(works, p2p_ops)]
+        return [_HeldWork(w, [op.tensor for op in p2p_ops]) for w in works]
+
+    schedules._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original
 
 
 @contextlib.contextmanager

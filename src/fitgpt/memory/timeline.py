@@ -270,21 +270,25 @@ class PeakProbe:
     allocator's caches and the Python heap, not tensors).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 also: Sequence[torch.Tensor] = ()) -> None:
+        """``also``: tensors held across steps besides the model's and the optimizer's (a pipeline's receive
+        buffers), counted as held."""
+        self.model, self.optimizer, self.also = model, optimizer, list(also)
         self.device = next(model.parameters()).device
         self.result: StepPeak | None = None
 
     def __enter__(self) -> PeakProbe:
         self._params, self._opt = param_bytes(self.model), optimizer_state_bytes(self.optimizer)
-        self._held = self._params + self._opt + grad_bytes(self.model)
+        self._held = self._params + self._opt + grad_bytes(self.model) + unique_bytes(self.also)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
             self._live = LiveMemory().__enter__()
-            self._live.hold([*model_tensors(self.model), *_grads(self.model), *optimizer_state_tensors(self.optimizer)])
+            self._live.hold([*model_tensors(self.model), *_grads(self.model), *optimizer_state_tensors(self.optimizer),
+                             *self.also])
             self._live_held = self._live.current
         return self
 

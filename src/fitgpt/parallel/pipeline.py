@@ -1,15 +1,12 @@
 """Pipeline parallelism over fitgpt's Transformer, with PyTorch's own schedules (`torch.distributed.pipelining`):
-the blocks cut into stages, the embedding on the first, the final norm, the head and the loss on the last; each
-micro-batch's activations sent from stage to stage, its gradients back.
+this rank's stages (`fitgpt.parallel.stages`) run by a schedule, each micro-batch's activations sent from stage to
+stage, its gradients back. The head runs inside the schedule's loss function (the last stage hands it the normed
+hidden states), so that the head and loss stay one call, as a chunked or fused loss needs them.
 
-A stage is the model with only its own parts: the blocks of other stages are placeholders without parameters, so
-every parameter keeps the name it has in the whole model (a checkpoint's names, and the block indices a checkpointing
-policy names). The head runs inside the schedule's loss function (the stage hands it the normed hidden states), so
-that the head and loss stay one call, as a chunked or fused loss needs them.
-
-Each rank holds one stage (GPipe, 1F1B) or, interleaved, ``STAGES_PER_RANK`` of them, looped: rank r holds stages
-r, r + P, ... A batch is cut into ``microbatches`` equal micro-batches; each one's loss is its mean and the gradients
-are divided by their count (``scale_grads``), so that the step's gradient is the whole batch's mean, as one process's.
+A batch is cut into ``microbatches`` equal micro-batches; each one's loss is its mean and the gradients are divided by
+their count (``scale_grads``), so that the step's gradient is the whole batch's mean, as one process's. Every stage is
+given the shapes it receives and sends (PyTorch's static mode): no rank infers them from a first micro-batch, and
+each receive buffer is one the planner counts (`fitgpt.estimate.pipeline`).
 
 With data-parallel ranks besides (a mesh of ("pp", "dp")), FSDP shards each stage over its "dp" ranks, each of which
 draws its own rows, as the trainer's FSDP does. A head tied to the token embedding (GPT-2's) lives twice, on the first
@@ -26,16 +23,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fitgpt.config import STAGES_PER_RANK, TrainConfig
+from fitgpt.parallel.stages import Stage, held_by, pp_group, rank_stages, stage_blocks, stage_policy
 
-
-def stage_blocks(n_blocks: int, n_stages: int) -> list[range]:
-    """Each stage's blocks, in order: as even as they divide, the first stages one more where they do not (the last
-    stage's head and loss weigh as a block or more)."""
-    per, extra = divmod(n_blocks, n_stages)
-    bounds = [0]
-    for s in range(n_stages):
-        bounds.append(bounds[-1] + per + (1 if s < extra else 0))
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+__all__ = ["Pipeline", "build_pipeline", "launch_refusal", "pipeline_refusal", "prepare_pipeline", "schedule_stages",
+           "stage_blocks", "training_mesh"]
 
 
 def pipeline_refusal(n_blocks: int, pp: int, schedule: str, microbatches: int, batch_size: int) -> str | None:
@@ -82,98 +73,14 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
     return pipeline_refusal(cfg.model.n_blocks, pp, cfg.pipeline_schedule, cfg.microbatches, cfg.batch_size)
 
 
-class Stage(nn.Module):
-    """The parts of ``model`` that a stage runs (``blocks``, and the embedding if ``first``, the final norm and the head
-    if ``last``), under their names in ``model``. Also what a rank holds of all its stages, to save and step."""
-
-    def __init__(self, model: nn.Module, blocks: list[int], first: bool, last: bool) -> None:
-        super().__init__()
-        self.config, self.blocks, self.first, self.last = model.config, blocks, first, last
-        if first:
-            self.token_embed, self.position_embed = model.token_embed, model.position_embed
-            self.embed_dropout = model.embed_dropout
-        self.attn_blocks = nn.ModuleList([b if i in blocks else nn.Identity() for i, b in enumerate(model.attn_blocks)])
-        if last:
-            self.layer_norm, self.lm_head = model.layer_norm, model.lm_head
-
-    @classmethod
-    def of(cls, model: nn.Module, index: int, n_stages: int) -> Stage:
-        """Stage ``index`` of ``n_stages``."""
-        return cls(model, list(stage_blocks(len(model.attn_blocks), n_stages)[index]), index == 0, index == n_stages - 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) on the first stage, else the hidden states (B, T, C); returns the hidden states (B, T, C),
-        normed on the last stage (the head is the loss function's)."""
-        if self.first:
-            from fitgpt.model.transformer import Transformer
-
-            x = Transformer._pre_attn_pass(self, x)  # (B, T, C): the whole model's, over this stage's parts
-        for i in self.blocks:
-            x = self.attn_blocks[i](x)
-        return self.layer_norm(x) if self.last else x
-
-
-def held_by(stages: list[Stage], model: nn.Module) -> Stage:
-    """What a rank holds of ``model`` over its ``stages``, as one module (its parameters under their whole names)."""
-    blocks = sorted(i for s in stages for i in s.blocks)
-    return Stage(model, blocks, any(s.first for s in stages), any(s.last for s in stages))
-
-
-def rank_stages(model: nn.Module, schedule: str, mesh) -> list[Stage]:
-    """This rank's stages of ``schedule`` over the "pp" ranks of ``mesh``: rank r of P holds r, r + P, ..."""
-    group = pp_group(mesh)
-    pp, rank = dist.get_world_size(group), dist.get_rank(group)
-    per_rank = STAGES_PER_RANK[schedule]
-    return [Stage.of(model, rank + k * pp, pp * per_rank) for k in range(per_rank)]
-
-
-def stage_policy(policy, stage: Stage):
-    """``policy`` (an activation-checkpointing Policy) as ``stage`` takes it: a loss term (chunked, fused) only on the
-    last stage, which holds the head."""
-    import dataclasses
-
-    return policy if stage.last else dataclasses.replace(policy, loss_chunk_rows=None, loss_fused_rows=None)
-
-
-def pp_group(mesh) -> dist.ProcessGroup:
-    return mesh["pp"].get_group() if mesh.mesh_dim_names and "dp" in mesh.mesh_dim_names else mesh.get_group()
-
-
-@torch.no_grad()
-def materialise(model: nn.Module, stages: list[Stage], device: torch.device, seed: int) -> None:
-    """``model`` built on the meta device, ``stages`` this rank's (maybe sharded): their parameters allocated on
-    ``device`` and filled with the weights one process draws from ``seed``, each parameter drawn whole in the
-    model's order (the others' too, to keep the draws in step) and this rank's piece kept."""
-    from fitgpt.model.transformer import fill_whole, init_std
-    from fitgpt.parallel.placement import assign_whole
-
-    held = {m for s in stages for m in s.modules()}
-    places: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in held:
-        for name, p in module._parameters.items():
-            if p is not None:
-                places.setdefault(id(p), []).append((module, name))
-    # One process draws a tied weight once, as the embedding's; sharding one stage's copy made the two apart here.
-    tied = model.config.tied
-    order = [(n, p) for n, p in model.named_parameters() if not (tied and n == "lm_head.weight")]
-    head = [(model.lm_head, "weight")] if tied and model.lm_head in held else []
-    for stage in stages:  # each its own FSDP root, where sharded: its to_empty keeps FSDP's hold on the new shards
-        stage.to_empty(device=device)
-    torch.manual_seed(seed)
-    for name, p in order:
-        whole = torch.empty(p.shape, dtype=p.dtype)
-        fill_whole(whole, init_std(name, p, model.config.n_blocks))
-        for module, attr in places.get(id(p), []) + (head if name == "token_embed.weight" else []):
-            assign_whole(getattr(module, attr), whole.to(device))
-
-
 class Pipeline:
     """This rank's stages run by a schedule over the pipeline's ranks: a step's forward and backward (``train_batch``)
     and a forward (called as a model is, for evaluation); ``held``: this rank's parts, what is saved and stepped."""
 
     def __init__(self, stages: list[Stage], held: Stage, schedule, group: dist.ProcessGroup,
-                 tie: dist.ProcessGroup | None) -> None:
+                 tie: dist.ProcessGroup | None, wrapped: list) -> None:
         self.stages, self.held, self.schedule, self.group, self.tie = stages, held, schedule, group, tie
+        self.wrapped = wrapped  # PyTorch's PipelineStage of each
         self.last_rank = dist.get_global_rank(group, dist.get_world_size(group) - 1)  # the last stage's, looped
 
     def train_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -190,6 +97,17 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         self.schedule.eval(*self._inputs(x), target=y if self.held.last else None, losses=losses)
         return None, self._shared(losses)
+
+    def comm_buffers(self) -> list[torch.Tensor]:
+        """The receive buffers the schedule made for every micro-batch at its first step and keeps from then on, as
+        weights are kept: each micro-batch's hidden states from the stage before, and their gradients from the one
+        after."""
+        held = []
+        for stage in self.wrapped:
+            for table in (getattr(stage, "args_recv_info", {}), getattr(stage, "grad_recv_info", {})):
+                held += [info.buffer for infos in table.values() for info in infos
+                         if isinstance(getattr(info, "buffer", None), torch.Tensor)]
+        return held
 
     def _inputs(self, x: torch.Tensor) -> tuple:
         return (x,) if self.held.first else ()
@@ -240,15 +158,21 @@ class Pipeline:
         dist.all_reduce(grad, group=self.tie)
 
 
-def schedule_stages(stages: list[Stage], held: Stage, schedule: str, microbatches: int, mesh,
-                    device: torch.device) -> Pipeline:
-    """``stages`` (this rank's, ready: materialised, maybe sharded) run by ``schedule`` in ``microbatches``."""
+def schedule_stages(stages: list[Stage], held: Stage, schedule: str, microbatches: int, mesh, device: torch.device,
+                    batch: tuple[int, int], dtype: torch.dtype = torch.float32) -> Pipeline:
+    """``stages`` (this rank's, ready: materialised, maybe sharded) run by ``schedule`` in ``microbatches`` of this
+    rank's ``batch`` (B, T), the hidden states passed between stages in ``dtype``."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     group = pp_group(mesh)
     pp, rank = dist.get_world_size(group), dist.get_rank(group)
     n_stages = pp * len(stages)
-    wrapped = [PipelineStage(s, rank + k * pp, n_stages, device, group=group) for k, s in enumerate(stages)]
+    rows, context = batch[0] // microbatches, batch[1]
+    # (b, T, C), needing a gradient: a stage's input gradient is sent back, its output's received.
+    hidden = torch.empty(rows, context, held.config.n_embed, dtype=dtype, device="meta", requires_grad=True)
+    ids = torch.empty(rows, context, dtype=torch.long, device="meta")  # (b, T)
+    wrapped = [PipelineStage(s, rank + k * pp, n_stages, device, input_args=ids if s.first else hidden,
+                             output_args=hidden, group=group) for k, s in enumerate(stages)]
 
     last = next((s for s in stages if s.last), None)
 
@@ -261,18 +185,44 @@ def schedule_stages(stages: list[Stage], held: Stage, schedule: str, microbatche
     else:
         cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         runner = cls(wrapped[0], n_microbatches=microbatches, loss_fn=loss_fn)
-    return Pipeline(stages, held, runner, group, _tie_group(mesh) if held.config.tied else None)
+    return Pipeline(stages, held, runner, group, _tie_group(mesh) if held.config.tied else None, wrapped)
 
 
 def build_pipeline(model: nn.Module, schedule: str, microbatches: int, mesh, device: torch.device,
-                   shard: Callable[[nn.Module, object], None] | None = None) -> Pipeline:
+                   batch: tuple[int, int], shard: Callable[[nn.Module, object], None] | None = None) -> Pipeline:
     """``model`` (built whole) cut into this rank's stages of ``schedule`` over the "pp" ranks of ``mesh`` (a
     DeviceMesh of ("pp",) or ("pp", "dp")); with "dp" ranks, each stage given to ``shard(stage, dp_mesh)`` (FSDP's)."""
     stages = rank_stages(model, schedule, mesh)
     if shard is not None:
         for s in stages:
             shard(s, mesh["dp"])
-    return schedule_stages(stages, held_by(stages, model), schedule, microbatches, mesh, device)
+    return schedule_stages(stages, held_by(stages, model), schedule, microbatches, mesh, device, batch)
+
+
+def prepare_pipeline(model: nn.Module, policy, cfg: TrainConfig, mesh, device: torch.device,
+                     param_dtype: torch.dtype | None) -> Pipeline:
+    """The trainer's pipeline (and the planner's, on fake ranks): ``model`` (on the meta device) cut into this rank's
+    stages of ``mesh``, each checkpointed by ``policy``, then sharded by FSDP (parameters gathered in ``param_dtype``)
+    over its data-parallel ranks, then run by ``cfg``'s schedule. Its ``held`` parts are what is filled, stepped and
+    saved, numbered for the optimizer's checkpoint as the whole model's."""
+    from fitgpt.activation_checkpoint import apply_activation_checkpointing
+    from fitgpt.optim import optimizer_params
+    from fitgpt.parallel.fsdp import fsdp_shard
+    from fitgpt.parallel.stages import Numbering
+
+    stages = rank_stages(model, cfg.pipeline_schedule, mesh)
+    held = held_by(stages, model)
+    held.numbering = Numbering(model, held, optimizer_params)
+    for stage in stages:
+        apply_activation_checkpointing(stage, stage_policy(policy, stage))
+    sharded = "dp" in (mesh.mesh_dim_names or ())
+    for stage in stages if sharded else ():
+        fsdp_shard(stage, param_dtype, mesh=mesh["dp"])
+    # The hidden states in the dtype the blocks compute in: FSDP's gathered weights', else fp32 (autocast keeps the
+    # residual stream in fp32).
+    dtype = param_dtype if sharded and param_dtype is not None else torch.float32
+    return schedule_stages(stages, held, cfg.pipeline_schedule, cfg.microbatches, mesh, device,
+                           (cfg.batch_size, cfg.model.context_length), dtype)
 
 
 def _tie_group(mesh) -> dist.ProcessGroup | None:
@@ -297,27 +247,3 @@ def training_mesh(device_type: str, world: int, pp: int):
     return init_device_mesh(device_type, (pp, world // pp), mesh_dim_names=("pp", "dp"))
 
 
-class Numbering:
-    """A rank's optimizer state numbered as one process numbers the whole model's (``optimizer_params``), so that
-    the ranks' states meet in one checkpoint without clashing, and any layout, or one process, reads it back."""
-
-    def __init__(self, model: nn.Module, held: Stage, optimizer_params: Callable[[nn.Module], list]) -> None:
-        """``model`` whole, before its parts are materialised (a tied weight still one); ``held``: this rank's;
-        ``optimizer_params``: the optimizer's order of a model's parameters (`fitgpt.optim.optimizer_params`)."""
-        names = {id(p): n for n, p in model.named_parameters()}
-        order = [names[id(p)] for p in optimizer_params(model)]
-        self.groups = [[i for i, p in enumerate(optimizer_params(model)) if (p.dim() >= 2) == decay] for decay in (True, False)]
-        tied = {"lm_head.weight": "token_embed.weight"} if model.config.tied else {}
-        own = {id(p): n for n, p in held.named_parameters()}
-        self.index = [order.index(tied.get(own[id(p)], own[id(p)])) for p in optimizer_params(held)]
-
-    def to_whole(self, sd: dict) -> dict:
-        """This rank's state dict, numbered as the whole model's, with the whole model's groups."""
-        groups = [{**g, "params": whole} for g, whole in zip(sd["param_groups"], self.groups)]
-        return {"state": {self.index[i]: s for i, s in sd["state"].items()}, "param_groups": groups}
-
-    def to_own(self, sd: dict, own: dict) -> dict:
-        """A whole-numbered state dict as this rank's (``own``: its optimizer's own state dict, for its groups)."""
-        state = {i: sd["state"][w] for i, w in enumerate(self.index) if w in sd["state"]}
-        groups = [{**g, "params": mine["params"]} for g, mine in zip(sd["param_groups"], own["param_groups"])]
-        return {"state": state, "param_groups": groups}

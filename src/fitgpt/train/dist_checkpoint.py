@@ -164,7 +164,7 @@ def load_optimizer(optimizer, saved, info: dist_utils.DistInfo, numbering=None) 
     distributed checkpoint's, of which each rank reads the pieces of its own shards (any world size wrote it). The
     groups' settings are this run's, as it was built and logs them (a changed --optim.weight-decay or beta steps as
     asked), not the saved ones that loading a state dict would restore. ``numbering``: a pipeline rank's
-    (`fitgpt.parallel.pipeline.Numbering`), whose parameters the checkpoint numbers as the whole model's."""
+    (`fitgpt.parallel.stages.Numbering`), whose parameters the checkpoint numbers as the whole model's."""
     settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
     if isinstance(saved, dict):
         if numbering is not None:

@@ -210,7 +210,9 @@ def _step(run: LoopState, batches: list, step: int, probe: bool) -> StepResult:
     cfg, info = run.cfg, run.info
     # Not under torch.compile off CUDA: compiled kernels allocate outside the tracker's view.
     measurable = run.device.type == "cuda" or not cfg.compile
-    peak = PeakProbe(run.model, run.optimizer) if probe and measurable else None
+    # A pipeline's receive buffers are held from its first step on, as the weights are.
+    held = run.step_model.comm_buffers() if hasattr(run.step_model, "comm_buffers") else ()
+    peak = PeakProbe(run.model, run.optimizer, held) if probe and measurable else None
     try:
         with peak or contextlib.nullcontext():
             result = train_step(

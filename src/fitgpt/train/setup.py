@@ -23,7 +23,6 @@ from fitgpt.hf import check_tokenizer, hf_weights, import_weights
 from fitgpt.memory import measure_step_memory
 from fitgpt.memory.tracker import round_up
 from fitgpt.model import Transformer
-from fitgpt.optim import optimizer_params
 from fitgpt.parallel.fsdp import compile_blocks, fsdp_shard, precision_roles
 from fitgpt.train import distributed as dist_utils
 from fitgpt.train.checkpoint import tied_parameter_names
@@ -180,21 +179,12 @@ def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist
 
 def _pipelined(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist_utils.DistInfo, device: torch.device,
                dtype: torch.dtype | None):
-    """``prepare_model`` for --pipeline-parallel: the model (on the meta device) cut into this rank's stages, each
-    checkpointed, then sharded by FSDP over its data-parallel ranks, then run by the schedule; its ``held`` parts are
-    what the trainer fills, steps and saves (numbered for the optimizer's checkpoint as the whole model's)."""
+    """``prepare_model`` for --pipeline-parallel (`fitgpt.parallel.pipeline.prepare_pipeline`: stages, checkpointing,
+    FSDP over each stage's data-parallel ranks, the schedule)."""
     from fitgpt.parallel import pipeline
 
     mesh = pipeline.training_mesh(device.type, info.world, cfg.pipeline_parallel)
-    stages = pipeline.rank_stages(model, cfg.pipeline_schedule, mesh)
-    held = pipeline.held_by(stages, model)
-    held.numbering = pipeline.Numbering(model, held, optimizer_params)
-    for stage in stages:
-        apply_activation_checkpointing(stage, pipeline.stage_policy(policy, stage))
+    pipe = pipeline.prepare_pipeline(model, policy, cfg, mesh, device, precision_roles(dtype, True)[1])
     log.info("checkpointing %s; pipeline stage%s of blocks %s on this rank", policy.describe(cfg.model.n_blocks),
-             "s" if len(stages) > 1 else "", ", ".join(f"{s.blocks[0]}-{s.blocks[-1]}" for s in stages))
-    if info.world > cfg.pipeline_parallel:
-        _, param_dtype = precision_roles(dtype, True)
-        for stage in stages:
-            fsdp_shard(stage, param_dtype, mesh=mesh["dp"])
-    return pipeline.schedule_stages(stages, held, cfg.pipeline_schedule, cfg.microbatches, mesh, device)
+             "s" if len(pipe.stages) > 1 else "", ", ".join(f"{s.blocks[0]}-{s.blocks[-1]}" for s in pipe.stages))
+    return pipe

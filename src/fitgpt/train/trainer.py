@@ -27,7 +27,7 @@ from fitgpt.memory.allocator import expandable_from
 from fitgpt.optim import build_optimizer, describe_optimizer
 from fitgpt.parallel import tensor as tensor_parallel
 from fitgpt.parallel.fsdp import materialise, precision_roles
-from fitgpt.parallel.pipeline import materialise as materialise_stages
+from fitgpt.parallel.stages import materialise as materialise_stages
 from fitgpt.refusals import launch_refusal, meta_model_refusal
 from fitgpt.step import grad_scaler
 from fitgpt.train import distributed as dist_utils

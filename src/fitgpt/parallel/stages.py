@@ -1,0 +1,138 @@
+"""A pipeline's stages: the blocks cut into stages (the embedding on the first, the final norm and the head on the last),
+each stage the model with only its own parts, and what a rank holds of its stages, filled with one process's weights
+and numbered, for the optimizer's checkpoint, as the whole model.
+
+A stage's blocks of other stages are placeholders without parameters, so every parameter keeps the name it has in the
+whole model (a checkpoint's names, and the block indices a checkpointing policy names). Each rank holds one stage
+(GPipe, 1F1B) or, interleaved, ``STAGES_PER_RANK`` of them, looped: rank r of P holds stages r, r + P, ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fitgpt.config import STAGES_PER_RANK
+
+
+def stage_blocks(n_blocks: int, n_stages: int) -> list[range]:
+    """Each stage's blocks, in order: as even as they divide, the first stages one more where they do not (the last
+    stage's head and loss weigh as a block or more)."""
+    per, extra = divmod(n_blocks, n_stages)
+    bounds = [0]
+    for s in range(n_stages):
+        bounds.append(bounds[-1] + per + (1 if s < extra else 0))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+class Stage(nn.Module):
+    """The parts of ``model`` that a stage runs (``blocks``, and the embedding if ``first``, the final norm and the head
+    if ``last``), under their names in ``model``. Also what a rank holds of all its stages, to save and step."""
+
+    def __init__(self, model: nn.Module, blocks: list[int], first: bool, last: bool) -> None:
+        super().__init__()
+        self.config, self.blocks, self.first, self.last = model.config, blocks, first, last
+        if first:
+            self.token_embed, self.position_embed = model.token_embed, model.position_embed
+            self.embed_dropout = model.embed_dropout
+        self.attn_blocks = nn.ModuleList([b if i in blocks else nn.Identity() for i, b in enumerate(model.attn_blocks)])
+        if last:
+            self.layer_norm, self.lm_head = model.layer_norm, model.lm_head
+
+    @classmethod
+    def of(cls, model: nn.Module, index: int, n_stages: int) -> Stage:
+        """Stage ``index`` of ``n_stages``."""
+        return cls(model, list(stage_blocks(len(model.attn_blocks), n_stages)[index]), index == 0, index == n_stages - 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) on the first stage, else the hidden states (B, T, C); returns the hidden states (B, T, C),
+        normed on the last stage (the head is the loss function's)."""
+        if self.first:
+            from fitgpt.model.transformer import Transformer
+
+            x = Transformer._pre_attn_pass(self, x)  # (B, T, C): the whole model's, over this stage's parts
+        for i in self.blocks:
+            x = self.attn_blocks[i](x)
+        return self.layer_norm(x) if self.last else x
+
+
+def held_by(stages: list[Stage], model: nn.Module) -> Stage:
+    """What a rank holds of ``model`` over its ``stages``, as one module (its parameters under their whole names)."""
+    blocks = sorted(i for s in stages for i in s.blocks)
+    return Stage(model, blocks, any(s.first for s in stages), any(s.last for s in stages))
+
+
+def rank_stages(model: nn.Module, schedule: str, mesh) -> list[Stage]:
+    """This rank's stages of ``schedule`` over the "pp" ranks of ``mesh``: rank r of P holds r, r + P, ..."""
+    group = pp_group(mesh)
+    pp, rank = dist.get_world_size(group), dist.get_rank(group)
+    per_rank = STAGES_PER_RANK[schedule]
+    return [Stage.of(model, rank + k * pp, pp * per_rank) for k in range(per_rank)]
+
+
+def stage_policy(policy, stage: Stage):
+    """``policy`` (an activation-checkpointing Policy) as ``stage`` takes it: a loss term (chunked, fused) only on the
+    last stage, which holds the head."""
+    return policy if stage.last else dataclasses.replace(policy, loss_chunk_rows=None, loss_fused_rows=None)
+
+
+def pp_group(mesh) -> dist.ProcessGroup:
+    return mesh["pp"].get_group() if mesh.mesh_dim_names and "dp" in mesh.mesh_dim_names else mesh.get_group()
+
+
+@torch.no_grad()
+def materialise(model: nn.Module, stages: list[Stage], device: torch.device, seed: int) -> None:
+    """``model`` built on the meta device, ``stages`` this rank's (maybe sharded): their parameters allocated on
+    ``device`` and filled with the weights one process draws from ``seed``, each parameter drawn whole in the
+    model's order (the others' too, to keep the draws in step) and this rank's piece kept."""
+    from fitgpt.model.transformer import fill_whole, init_std
+    from fitgpt.parallel.placement import assign_whole
+
+    held = {m for s in stages for m in s.modules()}
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in held:
+        for name, p in module._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((module, name))
+    # One process draws a tied weight once, as the embedding's; sharding one stage's copy made the two apart here.
+    tied = model.config.tied
+    order = [(n, p) for n, p in model.named_parameters() if not (tied and n == "lm_head.weight")]
+    head = [(model.lm_head, "weight")] if tied and model.lm_head in held else []
+    for stage in stages:  # each its own FSDP root, where sharded: its to_empty keeps FSDP's hold on the new shards
+        stage.to_empty(device=device)
+    torch.manual_seed(seed)
+    for name, p in order:
+        whole = torch.empty(p.shape, dtype=p.dtype)
+        fill_whole(whole, init_std(name, p, model.config.n_blocks))
+        for module, attr in places.get(id(p), []) + (head if name == "token_embed.weight" else []):
+            assign_whole(getattr(module, attr), whole.to(device))
+
+
+class Numbering:
+    """A rank's optimizer state numbered as one process numbers the whole model's (``optimizer_params``), so that
+    the ranks' states meet in one checkpoint without clashing, and any layout, or one process, reads it back."""
+
+    def __init__(self, model: nn.Module, held: Stage, optimizer_params: Callable[[nn.Module], list]) -> None:
+        """``model`` whole, before its parts are materialised (a tied weight still one); ``held``: this rank's;
+        ``optimizer_params``: the optimizer's order of a model's parameters (`fitgpt.optim.optimizer_params`)."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for p in optimizer_params(model)]
+        self.groups = [[i for i, p in enumerate(optimizer_params(model)) if (p.dim() >= 2) == decay] for decay in (True, False)]
+        tied = {"lm_head.weight": "token_embed.weight"} if model.config.tied else {}
+        own = {id(p): n for n, p in held.named_parameters()}
+        self.index = [order.index(tied.get(own[id(p)], own[id(p)])) for p in optimizer_params(held)]
+
+    def to_whole(self, sd: dict) -> dict:
+        """This rank's state dict, numbered as the whole model's, with the whole model's groups."""
+        groups = [{**g, "params": whole} for g, whole in zip(sd["param_groups"], self.groups)]
+        return {"state": {self.index[i]: s for i, s in sd["state"].items()}, "param_groups": groups}
+
+    def to_own(self, sd: dict, own: dict) -> dict:
+        """A whole-numbered state dict as this rank's (``own``: its optimizer's own state dict, for its groups)."""
+        state = {i: sd["state"][w] for i, w in enumerate(self.index) if w in sd["state"]}
+        groups = [{**g, "params": mine["params"]} for g, mine in zip(sd["param_groups"], own["param_groups"])]
+        return {"state": state, "param_groups": groups}
