@@ -181,6 +181,10 @@ def _budget_flag(cfg: PlanConfig, budget: int) -> str:
 
 def run(args: list[str]) -> int:
     cfg = parse_workload(PlanConfig, args, "fitgpt plan")
+    if cfg.pipeline_parallel > 1:
+        from fitgpt.cli.plan_pipeline import run_pipeline
+
+        return run_pipeline(cfg)
     w = cfg.workload
     tcfg = w.train
     given = cfg.activation_checkpointing != "auto"

@@ -181,10 +181,17 @@ class BudgetConfig(WorkloadConfig):
     """As for fitgpt train: one rank of a group of this many, each block split over them (tensor and sequence
     parallelism), profiled on fake ranks; --world-size (default: this many) is N of them, FSDP over N with
     --parallel fsdp."""
+    pipeline_parallel: int = 1
+    """As for fitgpt train: the blocks cut into this many stages' ranks, each rank planned on fake ranks running the
+    trainer's schedule; --world-size (default: this many) is P x N of them, each stage sharded by FSDP over N."""
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
+    """As for fitgpt train, with --pipeline-parallel."""
+    pipeline_microbatches: int = 0
+    """As for fitgpt train, with --pipeline-parallel (0: one a stage)."""
 
     def __post_init__(self) -> None:
         require_not_empty(self, ("memory_budget", "host_memory"))
-        self._check_tensor_parallel()
+        self._check_split()
         super().__post_init__()
         if not self.memory_budget and not self.gpu:
             raise UserError("--memory-budget is required, e.g. --memory-budget 6GiB (or name the card: --gpu h100-80gb)")
@@ -194,20 +201,24 @@ class BudgetConfig(WorkloadConfig):
             parse_bytes(self.host_memory, flag="--host-memory")
         self._check_weights()
 
-    def _check_tensor_parallel(self) -> None:
-        """What planning per tensor-parallel rank takes: fitgpt's model on fake ranks, --world-size of them (default:
-        one group); the trainer's refusals of the split come with the others (`launch_config`)."""
-        tp = self.tensor_parallel
-        require_positive_ints(self, ("tensor_parallel",))
-        if tp == 1:
-            return
-        if self.hf_config or self.device:
-            raise UserError(f"--tensor-parallel {tp} splits fitgpt's own model, planned on fake ranks: drop "
-                            f"{'--hf-config' if self.hf_config else '--device'}")
-        self.world_size = tp if (self.world_size or 1) == 1 else self.world_size  # all the ranks, FSDP's x TP's
+    def _check_split(self) -> None:
+        """What planning per tensor-parallel or pipeline rank takes: fitgpt's model on fake ranks, --world-size of them
+        (default: one group); the trainer's refusals of the split come with the others (`launch_config`)."""
+        tp, pp = self.tensor_parallel, self.pipeline_parallel
+        require_positive_ints(self, ("tensor_parallel", "pipeline_parallel"))
+        if self.pipeline_microbatches < 0:
+            raise UserError("--pipeline-microbatches must not be negative (0: one a stage)")
+        for flag, n in (("--tensor-parallel", tp), ("--pipeline-parallel", pp)):
+            if n > 1 and (self.hf_config or self.device):
+                raise UserError(f"{flag} {n} splits fitgpt's own model, planned on fake ranks: drop "
+                                f"{'--hf-config' if self.hf_config else '--device'}")
+        if tp * pp > 1 and (self.world_size or 1) == 1:
+            self.world_size = tp * pp  # all the ranks: FSDP's x TP's x PP's
 
     def train_config(self) -> TrainConfig:
-        return dataclasses.replace(super().train_config(), tensor_parallel=self.tensor_parallel)
+        return dataclasses.replace(super().train_config(), tensor_parallel=self.tensor_parallel,
+                                   pipeline_parallel=self.pipeline_parallel, pipeline_schedule=self.pipeline_schedule,
+                                   pipeline_microbatches=self.pipeline_microbatches)
 
     def _check_weights(self) -> None:
         """Refused before anything is profiled or timed: the weights alone over the budget (a model 100,000 blocks
@@ -228,8 +239,8 @@ class BudgetConfig(WorkloadConfig):
 
     @property
     def weight_shards(self) -> int:
-        """Over how many ranks the weights are split at most: FSDP's, where it is asked for."""
-        return self.world_size if self.parallel == "fsdp" else 1
+        """Over how many ranks the weights are split at most: FSDP's, where it is asked for, else the pipeline's."""
+        return self.world_size if self.parallel == "fsdp" else self.pipeline_parallel
 
     @property
     def host_budget(self) -> int:

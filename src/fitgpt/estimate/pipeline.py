@@ -4,18 +4,21 @@ a fake process group, and its peak is read as the trainer's probe reads a real o
 
 No composition of per-block profiles is trusted here: what a schedule holds depends on the order it runs the
 micro-batches in (GPipe every forward first, 1F1B at most P - s in flight on stage s, interleaved its own table), the
-receive buffers it keeps for every micro-batch, and the head on the last stage only. Running the schedule gives all of
-them; fake tensors make it seconds for any size. A stage's data-parallel ranks (FSDP's) hold the same shapes, so the
-first of them stands for all.
+receive buffers it keeps for every micro-batch, the sends whose work holds a stage's output to the step's end, and the
+head on the last stage only. Running the schedule gives all of them; fake tensors make it seconds for any size. A
+stage's data-parallel ranks (FSDP's) hold the same shapes, so the first of them stands for all.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
 
-from fitgpt.config import TrainConfig
+from fitgpt.config import STAGES_PER_RANK, TrainConfig
+from fitgpt.estimate.hardware import Target
 
 
 @dataclass(frozen=True)
@@ -32,49 +35,74 @@ class StageRank:
     optimizer: int
     buffers: int
     """The receive buffers the schedule keeps for every micro-batch (activations in, their gradients back)."""
+    seconds: float = 0.0
+    """How long planning it took."""
 
     @property
     def activations(self) -> int:
-        """What the step adds over what is held across steps: activations in flight, temporaries."""
+        """What the step adds over what is held across steps: activations in flight, sends held, temporaries."""
         return self.peak - self.params - self.grads - self.optimizer - self.buffers
+
+    def describe_blocks(self) -> str:
+        return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in self.blocks)
+
+
+def bubble(pp: int, schedule: str, microbatches: int) -> float:
+    """The fraction of a step each rank waits (the pipeline filling and draining): (P - 1) / (v M + P - 1), v the
+    stages a rank holds (interleaving shrinks each stage's time by v), M the micro-batches (Narayanan et al. 2021)."""
+    v = STAGES_PER_RANK[schedule]
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+def pipeline_step_time(whole: float, pp: int, schedule: str, microbatches: int) -> float:
+    """A step's seconds under the pipeline, from ``whole``: the same batch's forward, backward and step on one rank
+    holding every block. Each rank computes 1/P of it, and waits the bubble besides (the sends are not timed)."""
+    return whole / pp / (1 - bubble(pp, schedule, microbatches))
 
 
 def plan_pipeline(cfg: TrainConfig, world: int, dtype: torch.dtype | None = None, device: str = "cpu",
-                  ranks: list[int] | None = None) -> list[StageRank]:
+                  target: Target | None = None, ranks: list[int] | None = None) -> list[StageRank]:
     """Each pipeline rank's plan (or those of ``ranks``) for ``cfg`` (--pipeline-parallel, its schedule, micro-batches,
     checkpointing policy and optimizer) over ``world`` processes, training in ``dtype`` (autocast's, or under FSDP the
-    gathered weights'; None: fp32)."""
+    gathered weights'; None: fp32) on ``target`` (a CUDA card: its allocator's 512-byte blocks and CUDA autocast's
+    dtypes; by default the device itself)."""
     ranks = list(range(cfg.pipeline_parallel)) if ranks is None else ranks
-    return [_plan_rank(cfg, world, r, dtype, torch.device(device)) for r in ranks]
+    target = target or Target(torch.device(device).type)
+    return [_plan_rank(cfg, world, r, dtype, torch.device(device), target) for r in ranks]
 
 
-def _plan_rank(cfg: TrainConfig, world: int, pp_rank: int, dtype: torch.dtype | None, device: torch.device) -> StageRank:
+def _plan_rank(cfg: TrainConfig, world: int, pp_rank: int, dtype: torch.dtype | None, device: torch.device,
+               target: Target) -> StageRank:
     from fitgpt.activation_checkpoint import parse_policy
     from fitgpt.device import autocast
+    from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
     from fitgpt.estimate.ranks import fake_ranks
     from fitgpt.memory.fake import fake_mode, fake_module
     from fitgpt.memory.timeline import PeakProbe, optimizer_state_bytes, param_bytes, unique_bytes
     from fitgpt.model import Transformer
-    from fitgpt.optim import build_optimizer
+    from fitgpt.optim import build_optimizer, optimizer_params
     from fitgpt.parallel.fsdp import precision_roles
     from fitgpt.parallel.pipeline import prepare_pipeline
     from fitgpt.step import train_step
 
-    sharded = world > cfg.pipeline_parallel
-    amp_dtype, param_dtype = precision_roles(dtype, sharded)
+    t0, r = time.perf_counter(), target.round_to
+    amp_dtype, param_dtype = precision_roles(dtype, world > cfg.pipeline_parallel)
+    # A CUDA step's tensors get CUDA autocast's dtypes, not the CPU's the fake step runs on.
+    rules = cuda_autocast_rules() if target.cuda and device.type != "cuda" and amp_dtype else contextlib.nullcontext()
     with fake_ranks(world, pp=cfg.pipeline_parallel, rank=pp_rank * (world // cfg.pipeline_parallel)) as mesh:
         mode = fake_mode()
         with torch.device("meta"):
             model = fake_module(Transformer(cfg.model), device, mode)
-        pipe = prepare_pipeline(model, parse_policy(cfg.activation_checkpointing), cfg, mesh, device, param_dtype)
-        with mode:
-            optimizer = build_optimizer(pipe.held, cfg.optim, device, seed=cfg.seed)
+        pipe = prepare_pipeline(model, parse_policy(cfg.activation_checkpointing), cfg, mesh, device, param_dtype,
+                                optimizer_params)
+        with mode, rules:
+            optimizer = build_optimizer(pipe.held, cfg.optim, torch.device(target.device), seed=cfg.seed)
             ids = torch.zeros(cfg.batch_size, cfg.model.context_length, dtype=torch.long, device=device)  # (B, T)
             step = dict(amp=autocast(device, amp_dtype), grad_clip=cfg.optim.grad_clip, check=False)  # fake: no values
             train_step(pipe, optimizer, [(ids, ids)], **step)  # the first step makes the state and the buffers
-            with PeakProbe(pipe.held, optimizer, pipe.comm_buffers()) as probe:
+            with PeakProbe(pipe.held, optimizer, pipe.comm_buffers(), round_to=r) as probe:
                 train_step(pipe, optimizer, [(ids, ids)], **step)
         blocks = tuple((s.blocks[0], s.blocks[-1]) for s in pipe.stages)
-        return StageRank(rank=pp_rank, blocks=blocks, peak=probe.result.peak, params=param_bytes(pipe.held),
-                         grads=probe.result.grads, optimizer=optimizer_state_bytes(optimizer),
-                         buffers=unique_bytes(pipe.comm_buffers()))
+        return StageRank(rank=pp_rank, blocks=blocks, peak=probe.result.peak, params=param_bytes(pipe.held, r),
+                         grads=probe.result.grads, optimizer=optimizer_state_bytes(optimizer, r),
+                         buffers=unique_bytes(pipe.comm_buffers(), r), seconds=time.perf_counter() - t0)

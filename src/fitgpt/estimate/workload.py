@@ -102,6 +102,22 @@ class Workload:
         args = (self.model, policy, t.batch_size, self.context, t.grad_accum, self.dtype, t.optim, self.target)
         return _on_fake_ranks(predicted_snapshot, *args, ranks=self.world_size, parallel=t.parallel, tp=t.tensor_parallel)
 
+    def stages(self, policy: str) -> list:
+        """Under --pipeline-parallel: each pipeline rank's plan of ``policy`` (`fitgpt.estimate.pipeline.StageRank`),
+        the trainer's pipeline step run as that rank on fake ranks."""
+        from fitgpt.estimate.pipeline import plan_pipeline
+
+        t = dataclasses.replace(self.train, activation_checkpointing=policy)
+        return _on_fake_ranks(plan_pipeline, t, self.world_size, self.dtype, "cpu", self.target)
+
+    def unpipelined(self) -> Workload:
+        """The same step without the pipeline: one rank holding every block (FSDP over the data-parallel ranks, where
+        there are several), whose time the pipeline's ranks share (`fitgpt.estimate.pipeline.pipeline_step_time`)."""
+        t, dp = self.train, self.world_size // self.train.pipeline_parallel
+        whole = dataclasses.replace(t, pipeline_parallel=1, parallel=t.parallel if dp > 1 else "ddp")
+        return workload_for(whole, target=self.target, device=self.device, fake=self.fake, world_size=dp, cost=self.cost,
+                            source=self.source)
+
     def vary(self, cost: OpCost | None = None, **changes) -> Workload:
         """The same workload with training settings changed (batch_size, grad_accum, precision, parallel). The
         cost model is kept while the autocast dtype is; for another it is ``cost``, or made again."""
@@ -150,6 +166,10 @@ class Workload:
         if t.tensor_parallel > 1:
             dp = self.world_size // t.tensor_parallel
             ranks = f", per rank of {self.world_size} under {f'FSDP {dp} x ' if dp > 1 else ''}TP {t.tensor_parallel}"
+        if t.pipeline_parallel > 1:
+            dp = self.world_size // t.pipeline_parallel
+            ranks = (f", per rank of {self.world_size} under PP {t.pipeline_parallel}{f' x FSDP {dp}' if dp > 1 else ''} "
+                     f"({t.pipeline_schedule}, {t.microbatches} micro-batches of {t.batch_size // t.microbatches})")
         if self.source is not None:
             origin = getattr(self.source, "path", "") or "a module"
         else:

@@ -271,22 +271,24 @@ class PeakProbe:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 also: Sequence[torch.Tensor] = ()) -> None:
+                 also: Sequence[torch.Tensor] = (), round_to: int = 1) -> None:
         """``also``: tensors held across steps besides the model's and the optimizer's (a pipeline's receive
-        buffers), counted as held."""
-        self.model, self.optimizer, self.also = model, optimizer, list(also)
+        buffers), counted as held. ``round_to``: off CUDA, each storage counted as an allocator of blocks that size
+        hands it out (512: a CUDA card's, planned on fake tensors)."""
+        self.model, self.optimizer, self.also, self.round_to = model, optimizer, list(also), round_to
         self.device = next(model.parameters()).device
         self.result: StepPeak | None = None
 
     def __enter__(self) -> PeakProbe:
-        self._params, self._opt = param_bytes(self.model), optimizer_state_bytes(self.optimizer)
-        self._held = self._params + self._opt + grad_bytes(self.model) + unique_bytes(self.also)
+        r = self.round_to
+        self._params, self._opt = param_bytes(self.model, r), optimizer_state_bytes(self.optimizer, r)
+        self._held = self._params + self._opt + grad_bytes(self.model, r) + unique_bytes(self.also, r)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
-            self._live = LiveMemory().__enter__()
+            self._live = LiveMemory(self.round_to).__enter__()
             self._live.hold([*model_tensors(self.model), *_grads(self.model), *optimizer_state_tensors(self.optimizer),
                              *self.also])
             self._live_held = self._live.current
@@ -299,7 +301,7 @@ class PeakProbe:
         else:
             self._live.__exit__(*exc)
             rise, source = self._live.peak - self._live_held, "tracker"
-        grads = unique_bytes(p for p in self.model.parameters() if p.requires_grad)  # grads mirror the trainable params
+        grads = unique_bytes((p for p in self.model.parameters() if p.requires_grad), self.round_to)  # mirror the params
         self.result = StepPeak(peak=self._held + rise, params=self._params, grads=grads, optimizer=self._opt, source=source)
 
 

@@ -200,13 +200,13 @@ def build_pipeline(model: nn.Module, schedule: str, microbatches: int, mesh, dev
 
 
 def prepare_pipeline(model: nn.Module, policy, cfg: TrainConfig, mesh, device: torch.device,
-                     param_dtype: torch.dtype | None) -> Pipeline:
+                     param_dtype: torch.dtype | None, optimizer_params: Callable[[nn.Module], list]) -> Pipeline:
     """The trainer's pipeline (and the planner's, on fake ranks): ``model`` (on the meta device) cut into this rank's
     stages of ``mesh``, each checkpointed by ``policy``, then sharded by FSDP (parameters gathered in ``param_dtype``)
     over its data-parallel ranks, then run by ``cfg``'s schedule. Its ``held`` parts are what is filled, stepped and
-    saved, numbered for the optimizer's checkpoint as the whole model's."""
+    saved, numbered for the optimizer's checkpoint as the whole model's (``optimizer_params``: the optimizer's order
+    of a model's parameters, `fitgpt.optim.optimizer_params`)."""
     from fitgpt.activation_checkpoint import apply_activation_checkpointing
-    from fitgpt.optim import optimizer_params
     from fitgpt.parallel.fsdp import fsdp_shard
     from fitgpt.parallel.stages import Numbering
 

@@ -1,0 +1,128 @@
+"""A pipeline's memory planned per rank (issue 58): the trainer's schedule run as each stage's rank on fake ranks
+(`fitgpt.estimate.pipeline`) against each rank's measured peak on gloo ranks, and `fitgpt plan --pipeline-parallel`."""
+
+import json
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Gloo ranks of this module's own, closed after it (as test_pipeline.py's: the pipeline's groups never meet the
+    session's ranks)."""
+    from rank_pool import RankPools
+
+    pools = RankPools()
+    yield pools
+    pools.close()
+
+
+PLANNED = {"model": {"vocab_size": 256, "context_length": 32}, "batch_size": 4, "pipeline_parallel": 2}
+
+
+def measured_stage_peak(rank: int, world: int, overrides: dict) -> int:
+    """This rank's peak at its second step (the tracker, as the trainer's probe reads it: its weights, gradients,
+    optimizer state and the schedule's receive buffers held), the pipeline made as the trainer makes it."""
+    from fitgpt.activation_checkpoint import parse_policy
+    from fitgpt.config import load_config
+    from fitgpt.memory.timeline import PeakProbe
+    from fitgpt.optim import build_optimizer
+    from fitgpt.parallel.stages import materialise
+    from fitgpt.step import train_step
+    from fitgpt.train.distributed import DistInfo
+    from fitgpt.train.setup import build_model, prepare_model
+
+    cfg = load_config("llama-tiny", overrides=overrides)
+    model = build_model(cfg, cfg.model.vocab_size, torch.device("cpu"), world)
+    pipe = prepare_model(model, parse_policy(cfg.activation_checkpointing), cfg, DistInfo(rank, world, rank),
+                         torch.device("cpu"), None)
+    materialise(model, pipe.stages, torch.device("cpu"), cfg.seed)
+    optimizer = build_optimizer(pipe.held, cfg.optim, torch.device("cpu"), seed=cfg.seed)
+    g = torch.Generator().manual_seed(rank)
+    batch = [(torch.randint(0, cfg.model.vocab_size, (cfg.batch_size, cfg.model.context_length), generator=g),) * 2]
+    train_step(pipe, optimizer, batch, grad_clip=cfg.optim.grad_clip)
+    with PeakProbe(pipe.held, optimizer, pipe.comm_buffers()) as probe:
+        train_step(pipe, optimizer, batch, grad_clip=cfg.optim.grad_clip)
+    return probe.result.peak
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world, extra", [
+    (2, {"pipeline_schedule": "gpipe", "activation_checkpointing": "none"}),
+    (2, {"pipeline_schedule": "1f1b", "activation_checkpointing": "selective", "pipeline_microbatches": 4}),
+    (2, {"pipeline_schedule": "interleaved-1f1b", "activation_checkpointing": "block"}),
+    (4, {"pipeline_schedule": "1f1b", "parallel": "fsdp", "activation_checkpointing": "none"}),
+])
+def test_each_pipeline_rank_is_planned_to_the_byte(world, extra, ranks):
+    """The planner runs each stage's rank of the trainer's pipeline step on fake ranks (`fitgpt.estimate.pipeline`):
+    every rank's measured peak on gloo ranks equals its plan, to the byte, under each schedule (GPipe holds every
+    micro-batch's activations on every stage; 1F1B at most P - s on stage s), each checkpointing policy, and with
+    each stage sharded by FSDP; the schedule's receive buffers counted."""
+    from fitgpt.config import load_config
+    from fitgpt.estimate.pipeline import plan_pipeline
+
+    overrides = {**PLANNED, **extra}
+    measuring = ranks(world).submit(measured_stage_peak, overrides)
+    planned = plan_pipeline(load_config("llama-tiny", overrides=overrides), world)
+    measured = measuring.result()
+    dp = world // 2
+    assert [m for m in measured[::dp]] == [p.peak for p in planned]
+    assert all(measured[r] == planned[r // dp].peak for r in range(world))  # a stage's FSDP ranks hold alike
+    assert all(p.buffers > 0 for p in planned)
+
+
+def _plan(capsys, *flags) -> tuple[str, dict]:
+    from fitgpt.cli import main
+
+    assert main(["plan", "--preset", "llama-tiny", "--pipeline-parallel", "2", *flags]) == 0
+    out = capsys.readouterr().out
+    return out, json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_plan_picks_the_least_recomputing_policy_that_fits_every_rank(capsys):
+    """Auto plans none, then pointwise, selective and block, on every rank, and stops at the first whose every rank
+    fits: here, a budget under none's largest rank but above block's; the command trains that policy."""
+    from fitgpt.config import load_config
+    from fitgpt.estimate.pipeline import plan_pipeline
+
+    flags = ["--batch-size", "8", "--context", "64"]
+    base = {"pipeline_parallel": 2, "batch_size": 8, "model": {"context_length": 64}}
+    peak = {p: max(r.peak for r in plan_pipeline(load_config("llama-tiny", overrides={**base, "activation_checkpointing": p}), 2))
+            for p in ("none", "block")}
+    assert peak["block"] < peak["none"]
+    budget = (peak["none"] + peak["block"]) // 2
+    out, got = _plan(capsys, *flags, "--memory-budget", f"{budget}B")
+    assert got["policy"] != "none" and got["fits_budget"] and all(r["peak"] <= budget for r in got["ranks"])
+    assert f"--activation-checkpointing {got['policy']} --pipeline-parallel 2" in out and "torchrun --nproc-per-node 2" in out
+    assert "| none |" in out and out.count("| yes |") >= 2  # none's row said no; the pick's and its ranks' yes
+
+
+@pytest.mark.slow
+def test_plan_shows_each_ranks_share_and_the_bubble(capsys):
+    """Each rank's row adds up to its peak; the first stage receives gradients only, the last activations only, the
+    batch's (B, T, C) in fp32 each; the step's time carries the 1F1B bubble (P - 1) / (M + P - 1)."""
+    out, got = _plan(capsys, "--batch-size", "8", "--context", "64", "--pipeline-microbatches", "4",
+                     "--activation-checkpointing", "selective", "--memory-budget", "1GiB")
+    assert got["bubble"] == pytest.approx(1 / 5)
+    for r in got["ranks"]:
+        assert r["params"] + r["grads"] + r["optimizer"] + r["buffers"] + r["activations"] == r["peak"]
+        assert r["buffers"] == 8 * 64 * 128 * 4  # 4 micro-batches of (2, 64, 128) fp32, one way
+    assert [r["blocks"] for r in got["ranks"]] == [[[0, 1]], [[2, 3]]]
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--device", "cpu"], "drop --device"),
+    (["--pipeline-schedule", "interleaved-1f1b", "--pipeline-parallel", "4"], "more than its 4 blocks"),
+    (["--world-size", "4"], "add --parallel fsdp"),
+    (["--pipeline-microbatches", "3"], "does not divide --batch-size"),
+    (["--pipeline-microbatches", "-1"], "--pipeline-microbatches"),
+])
+def test_plan_refuses_a_pipeline_it_cannot_plan_in_one_line(flags, needle, capsys):
+    from fitgpt.cli import main
+
+    assert main(["plan", "--preset", "llama-tiny", "--pipeline-parallel", "2", "--memory-budget", "1GiB", *flags]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
