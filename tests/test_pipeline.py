@@ -29,7 +29,7 @@ GPT2 = {**CFG, "arch": "gpt2", "tie_embeddings": True}
 
 def _batch():
     idx = torch.randint(0, CFG["vocab_size"], (8, CFG["context_length"] + 1), generator=torch.Generator().manual_seed(1))
-    return idx[:, :-1], idx[:, 1:]
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
 
 def one_process(cfg: dict) -> tuple[float, dict]:
@@ -41,26 +41,23 @@ def one_process(cfg: dict) -> tuple[float, dict]:
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def pipelined(rank: int, world: int, cfg: dict, schedule: str, dp: int = 1) -> dict:
-    """One forward and backward of the batch through ``schedule`` over ``world // dp`` stages' ranks (with ``dp``,
-    each stage sharded by FSDP over that many, each its rows of the batch): the batch's loss (on the last stage's
-    ranks) and each rank's gradients, whole, by their names in the whole model."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+def pipelined(rank: int, world: int, cfg: dict, schedule: str, dp: int = 1, tp: int = 1) -> dict:
+    """One forward and backward of the batch through ``schedule`` over 2 stages' ranks (with ``dp``, each stage
+    sharded by FSDP over that many, each its rows of the batch; with ``tp``, the model split over that many first):
+    the batch's loss (on the last stage's ranks) and each rank's gradients, whole, by their names in the whole model."""
     from fitgpt.parallel.fsdp import fsdp_shard
-    from fitgpt.parallel.pipeline import build_pipeline
+    from fitgpt.parallel.pipeline import build_pipeline, training_mesh
+    from fitgpt.parallel.tensor import step_context
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**cfg))
-    if dp > 1:
-        mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
-        shard = lambda stage, dp_mesh: fsdp_shard(stage, None, mesh=dp_mesh)  # noqa: E731
-    else:
-        mesh, shard = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",)), None
+    mesh = training_mesh("cpu", world, 2, tp)
+    shard = (lambda stage, dp_mesh: fsdp_shard(stage, None, mesh=dp_mesh)) if dp > 1 else None  # noqa: E731
     pipe = build_pipeline(model, schedule, 2, mesh, torch.device("cpu"), (8 // dp, 16), shard)
     x, y = _batch()
-    i = rank % dp
-    loss = pipe.train_batch(x[i::dp], y[i::dp])
+    i = rank % (world // 2) // tp  # this rank's place among the stage's data-parallel ranks
+    with step_context(pipe.held):  # loss_parallel, where the head is split on the vocabulary
+        loss = pipe.train_batch(x[i::dp], y[i::dp])
     if dp > 1:
         dist.all_reduce(loss, group=mesh["dp"].get_group())
         loss = loss / dp
@@ -102,6 +99,18 @@ def test_pipeline_stages_sharded_by_fsdp_give_one_processs_loss_and_gradients(sc
     """PP 2 x FSDP 2 on 4 ranks, GPT-2 tied: each stage sharded over its 2 data-parallel ranks, each of which trains
     its half of the batch's rows; their mean loss and gradients are one process's on the whole batch."""
     _check(ranks(4).run(pipelined, GPT2, schedule, 2), GPT2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_pipeline_stages_split_by_tensor_parallelism_give_one_processs_loss_and_gradients(schedule, arch, ranks):
+    """PP 2 x TP 2 on 4 ranks: the model split over each pair of ranks (its sequence shards passed from stage to
+    stage), then cut into stages; the loss and every gradient one process's (GPT-2's tied weight split on the
+    vocabulary on both its stages, their gradients summed)."""
+    cfg = LLAMA if arch == "llama" else GPT2
+    _check(ranks(4).run(pipelined, cfg, schedule, 1, 2), cfg)
 
 
 def test_stages_take_even_shares_of_the_blocks_the_first_one_more():

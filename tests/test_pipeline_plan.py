@@ -29,6 +29,7 @@ def measured_stage_peak(rank: int, world: int, overrides: dict) -> int:
     from fitgpt.memory.timeline import PeakProbe
     from fitgpt.optim import build_optimizer
     from fitgpt.parallel.stages import materialise
+    from fitgpt.parallel.tensor import step_context
     from fitgpt.step import train_step
     from fitgpt.train.distributed import DistInfo
     from fitgpt.train.setup import build_model, prepare_model
@@ -41,9 +42,10 @@ def measured_stage_peak(rank: int, world: int, overrides: dict) -> int:
     optimizer = build_optimizer(pipe.held, cfg.optim, torch.device("cpu"), seed=cfg.seed)
     g = torch.Generator().manual_seed(rank)
     batch = [(torch.randint(0, cfg.model.vocab_size, (cfg.batch_size, cfg.model.context_length), generator=g),) * 2]
-    train_step(pipe, optimizer, batch, grad_clip=cfg.optim.grad_clip)
-    with PeakProbe(pipe.held, optimizer, pipe.comm_buffers()) as probe:
+    with step_context(pipe.held):  # loss_parallel, where the head is split on the vocabulary
         train_step(pipe, optimizer, batch, grad_clip=cfg.optim.grad_clip)
+        with PeakProbe(pipe.held, optimizer, pipe.comm_buffers()) as probe:
+            train_step(pipe, optimizer, batch, grad_clip=cfg.optim.grad_clip)
     return probe.result.peak
 
 
@@ -54,12 +56,13 @@ def measured_stage_peak(rank: int, world: int, overrides: dict) -> int:
     (2, {"pipeline_schedule": "1f1b", "activation_checkpointing": "selective", "pipeline_microbatches": 4}),
     (2, {"pipeline_schedule": "interleaved-1f1b", "activation_checkpointing": "block"}),
     (4, {"pipeline_schedule": "1f1b", "parallel": "fsdp", "activation_checkpointing": "none"}),
+    (4, {"pipeline_schedule": "interleaved-1f1b", "tensor_parallel": 2, "activation_checkpointing": "selective"}),
 ])
 def test_each_pipeline_rank_is_planned_to_the_byte(world, extra, ranks):
     """The planner runs each stage's rank of the trainer's pipeline step on fake ranks (`fitgpt.estimate.pipeline`):
     every rank's measured peak on gloo ranks equals its plan, to the byte, under each schedule (GPipe holds every
     micro-batch's activations on every stage; 1F1B at most P - s on stage s), each checkpointing policy, and with
-    each stage sharded by FSDP; the schedule's receive buffers counted."""
+    each stage sharded by FSDP or split by tensor parallelism; the schedule's receive buffers counted."""
     from fitgpt.config import load_config
     from fitgpt.estimate.pipeline import plan_pipeline
 
@@ -67,9 +70,9 @@ def test_each_pipeline_rank_is_planned_to_the_byte(world, extra, ranks):
     measuring = ranks(world).submit(measured_stage_peak, overrides)
     planned = plan_pipeline(load_config("llama-tiny", overrides=overrides), world)
     measured = measuring.result()
-    dp = world // 2
-    assert [m for m in measured[::dp]] == [p.peak for p in planned]
-    assert all(measured[r] == planned[r // dp].peak for r in range(world))  # a stage's FSDP ranks hold alike
+    per_stage = world // 2  # a stage's FSDP or tensor-parallel ranks, which hold alike
+    assert [m for m in measured[::per_stage]] == [p.peak for p in planned]
+    assert all(measured[r] == planned[r // per_stage].peak for r in range(world))
     assert all(p.buffers > 0 for p in planned)
 
 

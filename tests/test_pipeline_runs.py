@@ -114,3 +114,27 @@ def test_pipeline_stages_sharded_by_fsdp_train_as_fsdp_does(data_dir, corpus_dir
                  str(run / "checkpoints" / "step_00000006")]) == 0
     assert len(_losses(run)[0]) == 7 and abs(_losses(run)[0][-1] - pp[-1]) < 0.5
     assert main(["generate", "--run", str(run), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_pipeline_stages_split_by_tensor_parallelism_train_as_one_process_and_resume_on_four_stages(
+        data_dir, corpus_dir, tmp_path, ranks):
+    """PP 2 x TP 2 on 4 ranks (Llama, 1F1B, selective checkpointing): every logged loss within fp32 rounding of one
+    process's; its step-3 checkpoint (each matrix in tensor-parallel shards of two stages) resumed on 4 stages of one
+    block each, no tensor parallelism, ends on the straight run's losses: the weights and the optimizer's state
+    followed their parameters to another layout."""
+    from fitgpt.cli import main
+    from test_distributed import finish, torchrun
+
+    assert main(_flags(data_dir, corpus_dir, tmp_path / "one")) == 0
+    run = tmp_path / "pp-tp"
+    flags = ["--pipeline-parallel", "2", "--tensor-parallel", "2", "--activation-checkpointing", "selective"]
+    finish(torchrun(_flags(data_dir, corpus_dir, run, *flags), tmp_path, nproc=4))
+    (one, one_val), (pp, pp_val) = _losses(tmp_path / "one"), _losses(run)
+    assert len(pp) == 6 and len(pp_val) == 2
+    torch.testing.assert_close(torch.tensor(pp + pp_val), torch.tensor(one + one_val), rtol=1e-5, atol=0)
+    four = ["--pipeline-parallel", "4", "--resume", str(run / "checkpoints" / "step_00000003")]
+    finish(torchrun(_flags(data_dir, corpus_dir, run, *four), tmp_path, nproc=4))
+    again, _ = _losses(run)
+    torch.testing.assert_close(torch.tensor(again[-3:]), torch.tensor(pp[-3:]), rtol=1e-5, atol=0)

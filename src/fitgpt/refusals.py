@@ -56,7 +56,7 @@ def launch_refusal(cfg: TrainConfig, world: int, device_type: str, dtype: torch.
                 "--fsdp-offload, or drop --fsdp-offload")
     if optim.in_backward and world > 1 and cfg.parallel != "fsdp" and cfg.tensor_parallel == 1:
         return IN_BACKWARD_DDP
-    if cfg.tensor_parallel > 1:
+    if cfg.tensor_parallel > 1 and cfg.pipeline_parallel == 1:  # with a pipeline: the pipeline's refusals ask
         from fitgpt.parallel.tensor import launch_refusal as split_refusal
 
         if why := split_refusal(cfg, world):

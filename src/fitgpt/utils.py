@@ -179,9 +179,11 @@ class Forked:
     fork, which is why Python spawns there). For work on fake tensors: the child computes with one intra-op thread, as
     DataLoader's forked workers do, because an OpenMP pool the parent started does not survive a fork."""
 
-    def __init__(self, fn, *args) -> None:
+    def __init__(self, fn, *args, fresh: bool = False) -> None:
+        """``fresh``: forked on one CPU too, where what is wanted is a copy of this process to change as it likes (its
+        own fake process group), not the time."""
         self.pid = None
-        if not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2:
+        if not sys.platform.startswith("linux") or (len(os.sched_getaffinity(0)) < 2 and not fresh):
             self._value = (True, fn(*args))
             return
         read, write = os.pipe()

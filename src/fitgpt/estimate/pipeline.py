@@ -12,6 +12,7 @@ stage's data-parallel ranks (FSDP's) hold the same shapes, so the first of them 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ import torch
 
 from fitgpt.config import STAGES_PER_RANK, TrainConfig
 from fitgpt.estimate.hardware import Target
+from fitgpt.estimate.ranks import fake_ranks, in_own_process
+from fitgpt.utils import Forked
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,14 @@ def plan_pipeline(cfg: TrainConfig, world: int, dtype: torch.dtype | None = None
     dtypes; by default the device itself)."""
     ranks = list(range(cfg.pipeline_parallel)) if ranks is None else ranks
     target = target or Target(torch.device(device).type)
-    return [_plan_rank(cfg, world, r, dtype, torch.device(device), target) for r in ranks]
+    calls = [(cfg, world, r, dtype, torch.device(device), target) for r in ranks]
+    # Each rank in a copy of this process of its own, side by side: DTensor caches its sharding by a mesh's shape, and
+    # a second fake process group's mesh of the same shape found the first's, its groups gone ("could not resolve
+    # the process group": a second rank split by tensor parallelism, planned in the same process, or a second plan).
+    if sys.platform.startswith("linux"):
+        copies = [Forked(_plan_rank, *call, fresh=True) for call in calls]
+        return [c.result() for c in copies]
+    return [in_own_process(_plan_rank, *call) for call in calls]
 
 
 def _plan_rank(cfg: TrainConfig, world: int, pp_rank: int, dtype: torch.dtype | None, device: torch.device,
@@ -76,20 +86,21 @@ def _plan_rank(cfg: TrainConfig, world: int, pp_rank: int, dtype: torch.dtype | 
     from fitgpt.activation_checkpoint import parse_policy
     from fitgpt.device import autocast
     from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
-    from fitgpt.estimate.ranks import fake_ranks
     from fitgpt.memory.fake import fake_mode, fake_module
     from fitgpt.memory.timeline import PeakProbe, optimizer_state_bytes, param_bytes, unique_bytes
     from fitgpt.model import Transformer
     from fitgpt.optim import build_optimizer, optimizer_params
     from fitgpt.parallel.fsdp import precision_roles
     from fitgpt.parallel.pipeline import prepare_pipeline
+    from fitgpt.parallel.tensor import step_context
     from fitgpt.step import train_step
 
     t0, r = time.perf_counter(), target.round_to
-    amp_dtype, param_dtype = precision_roles(dtype, world > cfg.pipeline_parallel)
+    amp_dtype, param_dtype = precision_roles(dtype, world > cfg.pipeline_parallel * cfg.tensor_parallel)
     # A CUDA step's tensors get CUDA autocast's dtypes, not the CPU's the fake step runs on.
     rules = cuda_autocast_rules() if target.cuda and device.type != "cuda" and amp_dtype else contextlib.nullcontext()
-    with fake_ranks(world, pp=cfg.pipeline_parallel, rank=pp_rank * (world // cfg.pipeline_parallel)) as mesh:
+    pp, tp = cfg.pipeline_parallel, cfg.tensor_parallel
+    with fake_ranks(world, tp, pp, rank=pp_rank * (world // pp)) as mesh:  # the first of the stage's ranks
         mode = fake_mode()
         with torch.device("meta"):
             model = fake_module(Transformer(cfg.model), device, mode)
@@ -99,9 +110,10 @@ def _plan_rank(cfg: TrainConfig, world: int, pp_rank: int, dtype: torch.dtype | 
             optimizer = build_optimizer(pipe.held, cfg.optim, torch.device(target.device), seed=cfg.seed)
             ids = torch.zeros(cfg.batch_size, cfg.model.context_length, dtype=torch.long, device=device)  # (B, T)
             step = dict(amp=autocast(device, amp_dtype), grad_clip=cfg.optim.grad_clip, check=False)  # fake: no values
-            train_step(pipe, optimizer, [(ids, ids)], **step)  # the first step makes the state and the buffers
-            with PeakProbe(pipe.held, optimizer, pipe.comm_buffers(), round_to=r) as probe:
-                train_step(pipe, optimizer, [(ids, ids)], **step)
+            with step_context(pipe.held):  # loss_parallel, where the head is split on the vocabulary
+                train_step(pipe, optimizer, [(ids, ids)], **step)  # the first step makes the state and the buffers
+                with PeakProbe(pipe.held, optimizer, pipe.comm_buffers(), round_to=r) as probe:
+                    train_step(pipe, optimizer, [(ids, ids)], **step)
         blocks = tuple((s.blocks[0], s.blocks[-1]) for s in pipe.stages)
         return StageRank(rank=pp_rank, blocks=blocks, peak=probe.result.peak, params=param_bytes(pipe.held, r),
                          grads=probe.result.grads, optimizer=optimizer_state_bytes(optimizer, r),

@@ -37,7 +37,7 @@ def fake_ranks(world: int, tp: int = 1, pp: int = 1, rank: int = 0) -> Iterator[
         with _pieces_when_indexed(), _meshes_joined_on_real_tensors(), _static_pipeline():
             # Made outside any fake tensor mode: the mesh's setup reads values.
             if pp > 1:
-                yield pipeline.training_mesh("cpu", world, pp)
+                yield pipeline.training_mesh("cpu", world, pp, tp)
             else:
                 yield tensor.training_mesh("cpu", world, tp) if 1 < tp < world else init_device_mesh("cpu", (world,))
     finally:

@@ -16,6 +16,7 @@ alike.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -38,22 +39,32 @@ def pipeline_refusal(n_blocks: int, pp: int, schedule: str, microbatches: int, b
     if batch_size % microbatches:
         return (f"--pipeline-microbatches {microbatches} does not divide --batch-size {batch_size}: use a divisor "
                 "of it, or another --batch-size")
+    # PyTorch's own conditions, asked before any rank starts (its schedules raise them mid-launch).
+    if schedule == "1f1b" and microbatches < pp:
+        return (f"--pipeline-schedule 1f1b keeps each of its {pp} stages busy with a micro-batch of its own: use "
+                f"--pipeline-microbatches {pp} or more (a divisor of --batch-size {batch_size})")
+    rounds = max(1, microbatches // pp)
+    if schedule == "interleaved-1f1b" and microbatches % rounds:
+        return (f"--pipeline-schedule interleaved-1f1b runs the micro-batches in rounds of {pp}: use a multiple of {pp} "
+                f"for --pipeline-microbatches (it is {microbatches})")
     return None
 
 
 def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
     """Why ``cfg`` cannot train with --pipeline-parallel over ``world`` processes (one line naming what to change);
-    None: it can. The processes are a mesh of P stages' ranks x world / P data-parallel ranks (FSDP's)."""
-    pp, optim = cfg.pipeline_parallel, cfg.optim
-    if world < 2 or world % pp:
-        return (f"--pipeline-parallel {pp} over {world} process{'es' if world > 1 else ''}: launch a multiple of {pp} "
-                f"with torchrun (torchrun --nproc-per-node {pp} -m fitgpt train ...)")
-    if world > pp and cfg.parallel != "fsdp":
-        return (f"--pipeline-parallel {pp} over {world} ranks makes {world // pp} data-parallel ranks a stage, which "
-                f"FSDP shards: add --parallel fsdp (or use {pp} ranks)")
-    if world == pp and cfg.parallel == "fsdp":
-        return (f"--parallel fsdp with --pipeline-parallel {pp} over {pp} ranks shards each stage over one rank, which "
-                f"shards nothing: drop --parallel fsdp, or use N x {pp} ranks")
+    None: it can. The processes are a mesh of P stages' ranks x N data-parallel ranks (FSDP's) x T tensor-parallel
+    ranks (--tensor-parallel), world = P x N x T."""
+    pp, tp, optim = cfg.pipeline_parallel, cfg.tensor_parallel, cfg.optim
+    split, name = pp * tp, f"--pipeline-parallel {pp}" + (f" x --tensor-parallel {tp}" if tp > 1 else "")
+    if world < 2 or world % split:
+        return (f"{name} over {world} process{'es' if world > 1 else ''}: launch a multiple of {split} with torchrun "
+                f"(torchrun --nproc-per-node {split} -m fitgpt train ...; plan's --world-size)")
+    if world > split and cfg.parallel != "fsdp":
+        return (f"{name} over {world} ranks makes {world // split} data-parallel ranks a stage, which FSDP shards: add "
+                f"--parallel fsdp (or use {split} ranks)")
+    if world == split and cfg.parallel == "fsdp":
+        return (f"--parallel fsdp with {name} over {split} ranks shards each stage over one rank, which shards nothing: "
+                f"drop --parallel fsdp, or use N x {split} ranks")
     if cfg.grad_accum > 1:
         return (f"--pipeline-parallel cuts each step's batch into micro-batches itself: use --grad-accum 1 and "
                 f"--pipeline-microbatches {cfg.grad_accum * cfg.microbatches} for as many")
@@ -61,15 +72,20 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
         return ("--optim.in-backward steps a parameter as its gradient completes, but a pipeline's schedule adds each "
                 "micro-batch's gradient in turn, the last long after the first: drop --optim.in-backward")
     for flag, on in (("--optim.offload", optim.offload), ("--fsdp-offload", cfg.fsdp_offload), ("--compile", cfg.compile),
-                     ("--tensor-parallel", cfg.tensor_parallel > 1), ("--init-from", bool(cfg.init_from)),
+                     ("--init-from", bool(cfg.init_from)),
                      ("--activation-checkpointing auto", cfg.activation_checkpointing == "auto")):
         if on:
             return (f"--pipeline-parallel with {flag} is not built yet (issue 58: the pipeline trains with FSDP, "
-                    f"any named checkpointing policy and AdamW): drop {flag.split()[0]}")
+                    f"tensor parallelism, any named checkpointing policy and AdamW): drop {flag.split()[0]}")
     if optim.name != "adamw" or cfg.model.weights_dtype == "bf16":
         what = "--model.weights-dtype bf16" if optim.name == "adamw" else f"--optim.name {optim.name}"
         return (f"--pipeline-parallel steps AdamW (fp32 or bf16 moments) for now; {what} over a pipeline's stages is "
                 f"not built yet (issue 58): use --optim.name adamw with fp32 weights")
+    if tp > 1:
+        from fitgpt.parallel.tensor import launch_refusal as split_refusal
+
+        if why := split_refusal(dataclasses.replace(cfg, parallel="fsdp" if world > split else "ddp"), tp * (world // split)):
+            return why
     return pipeline_refusal(cfg.model.n_blocks, pp, cfg.pipeline_schedule, cfg.microbatches, cfg.batch_size)
 
 
@@ -154,6 +170,10 @@ class Pipeline:
         """The embedding's gradient (first stage) and the head's (last stage), each the tied weight's share, summed
         on both: the whole model's gradient of the one weight."""
         weight = self.held.token_embed.weight if self.held.first else self.held.lm_head.weight
+        if hasattr(weight.grad, "placements") and weight.grad.placements != weight.placements:
+            # Split on the vocabulary, the embedding's gradient alone comes back replicated (one process adds the
+            # head's, sharded, into it): laid out as the weight, both stages' pieces then match.
+            weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
         grad = weight.grad.to_local() if hasattr(weight.grad, "to_local") else weight.grad
         dist.all_reduce(grad, group=self.tie)
 
@@ -168,8 +188,10 @@ def schedule_stages(stages: list[Stage], held: Stage, schedule: str, microbatche
     pp, rank = dist.get_world_size(group), dist.get_rank(group)
     n_stages = pp * len(stages)
     rows, context = batch[0] // microbatches, batch[1]
-    # (b, T, C), needing a gradient: a stage's input gradient is sent back, its output's received.
-    hidden = torch.empty(rows, context, held.config.n_embed, dtype=dtype, device="meta", requires_grad=True)
+    tp = mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
+    # (b, T / tp, C): under tensor parallelism a rank's sequence shard; needing a gradient: a stage's input gradient is
+    # sent back, its output's received.
+    hidden = torch.empty(rows, context // tp, held.config.n_embed, dtype=dtype, device="meta", requires_grad=True)
     ids = torch.empty(rows, context, dtype=torch.long, device="meta")  # (b, T)
     wrapped = [PipelineStage(s, rank + k * pp, n_stages, device, input_args=ids if s.first else hidden,
                              output_args=hidden, group=group) for k, s in enumerate(stages)]
@@ -178,7 +200,9 @@ def schedule_stages(stages: list[Stage], held: Stage, schedule: str, microbatche
 
     def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # The running stage's head: a loss policy (chunked, fused) replaces it there, the parameters the same.
-        return last.lm_head(hidden, targets)[1]  # the micro-batch's mean cross-entropy
+        loss = last.lm_head(hidden, targets)[1]  # the micro-batch's mean cross-entropy
+        # Split on the vocabulary, loss_parallel's loss is whole on every rank: made local, as the split model's is.
+        return loss.to_local().clone() if hasattr(loss, "to_local") else loss
 
     if len(stages) > 1:
         runner = ScheduleInterleaved1F1B(wrapped, n_microbatches=microbatches, loss_fn=loss_fn)
@@ -190,8 +214,13 @@ def schedule_stages(stages: list[Stage], held: Stage, schedule: str, microbatche
 
 def build_pipeline(model: nn.Module, schedule: str, microbatches: int, mesh, device: torch.device,
                    batch: tuple[int, int], shard: Callable[[nn.Module, object], None] | None = None) -> Pipeline:
-    """``model`` (built whole) cut into this rank's stages of ``schedule`` over the "pp" ranks of ``mesh`` (a
-    DeviceMesh of ("pp",) or ("pp", "dp")); with "dp" ranks, each stage given to ``shard(stage, dp_mesh)`` (FSDP's)."""
+    """``model`` (built whole) split over the "tp" ranks of ``mesh`` where it has them, cut into this rank's stages of
+    ``schedule`` over its "pp" ranks (a DeviceMesh of ("pp", ["dp",] ["tp"])); with "dp" ranks, each stage given to
+    ``shard(stage, dp_mesh)`` (FSDP's)."""
+    if "tp" in mesh.mesh_dim_names:
+        from fitgpt.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"])
     stages = rank_stages(model, schedule, mesh)
     if shard is not None:
         for s in stages:
@@ -210,12 +239,17 @@ def prepare_pipeline(model: nn.Module, policy, cfg: TrainConfig, mesh, device: t
     from fitgpt.parallel.fsdp import fsdp_shard
     from fitgpt.parallel.stages import Numbering
 
+    names = mesh.mesh_dim_names or ()
+    if "tp" in names:  # split first, as torchtitan orders them: the whole model's blocks, then cut into stages
+        from fitgpt.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"])
     stages = rank_stages(model, cfg.pipeline_schedule, mesh)
     held = held_by(stages, model)
     held.numbering = Numbering(model, held, optimizer_params)
     for stage in stages:
         apply_activation_checkpointing(stage, stage_policy(policy, stage))
-    sharded = "dp" in (mesh.mesh_dim_names or ())
+    sharded = "dp" in names
     for stage in stages if sharded else ():
         fsdp_shard(stage, param_dtype, mesh=mesh["dp"])
     # The hidden states in the dtype the blocks compute in: FSDP's gathered weights', else fp32 (autocast keeps the
@@ -237,13 +271,18 @@ def _tie_group(mesh) -> dist.ProcessGroup | None:
     return mine
 
 
-def training_mesh(device_type: str, world: int, pp: int):
-    """The processes as a mesh of ("pp", "dp"): P stages' ranks by world / P data-parallel ranks, a stage's
-    data-parallel ranks consecutive (one node's, where they share a fast link); ("pp",) alone without them."""
+def training_mesh(device_type: str, world: int, pp: int, tp: int = 1):
+    """The processes as a mesh of ("pp", "dp", "tp"), as torchtitan lays them out: P stages' ranks, outermost (the
+    stages may sit on different nodes: only activations cross between them), by world / (P x T) data-parallel ranks
+    (FSDP's), by T tensor-parallel ranks, innermost and consecutive (one node's, on its fastest link); a dimension of
+    one rank left out."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if world == pp:
-        return init_device_mesh(device_type, (pp,), mesh_dim_names=("pp",))
-    return init_device_mesh(device_type, (pp, world // pp), mesh_dim_names=("pp", "dp"))
+    dims = [("pp", pp), ("dp", world // (pp * tp)), ("tp", tp)]
+    dims = [(n, k) for n, k in dims if k > 1 or n == "pp"]
+    mesh = init_device_mesh(device_type, tuple(k for _, k in dims), mesh_dim_names=tuple(n for n, _ in dims))
+    if "dp" in mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names and hasattr(mesh, "_flatten"):
+        mesh["dp", "tp"]._flatten("dp_tp")  # a stage's ranks as one group: the gradients' norm in one all-reduce
+    return mesh
 
 

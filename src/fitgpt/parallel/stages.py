@@ -57,7 +57,12 @@ class Stage(nn.Module):
             x = Transformer._pre_attn_pass(self, x)  # (B, T, C): the whole model's, over this stage's parts
         for i in self.blocks:
             x = self.attn_blocks[i](x)
-        return self.layer_norm(x) if self.last else x
+        if not self.last:
+            return x
+        x = self.layer_norm(x)
+        # Under tensor parallelism the normed states are gathered whole (a replicated DTensor): handed on as this
+        # rank's copy, which the split head takes as replicated.
+        return x.to_local() if hasattr(x, "to_local") else x
 
 
 def held_by(stages: list[Stage], model: nn.Module) -> Stage:
@@ -81,7 +86,8 @@ def stage_policy(policy, stage: Stage):
 
 
 def pp_group(mesh) -> dist.ProcessGroup:
-    return mesh["pp"].get_group() if mesh.mesh_dim_names and "dp" in mesh.mesh_dim_names else mesh.get_group()
+    """The ranks of this rank's pipeline: one of each stage, at this rank's data-parallel and tensor-parallel place."""
+    return mesh["pp"].get_group() if mesh.ndim > 1 else mesh.get_group()
 
 
 @torch.no_grad()

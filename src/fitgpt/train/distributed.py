@@ -47,8 +47,8 @@ def data_rank(cfg, info: DistInfo) -> int:
     """This process's data-parallel rank under ``cfg`` (a TrainConfig): the ranks that split one model (a
     tensor-parallel group, a pipeline's stages) draw the same batches. Tensor-parallel groups are consecutive ranks;
     a stage's data-parallel ranks are."""
-    if cfg.pipeline_parallel > 1:
-        return info.rank % (info.world // cfg.pipeline_parallel)
+    if cfg.pipeline_parallel > 1:  # the mesh (pp, dp, tp): a stage's ranks are the last two
+        return info.rank % (info.world // cfg.pipeline_parallel) // cfg.tensor_parallel
     return info.rank // cfg.tensor_parallel
 
 

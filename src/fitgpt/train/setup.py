@@ -184,7 +184,7 @@ def _pipelined(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist_ut
     FSDP over each stage's data-parallel ranks, the schedule)."""
     from fitgpt.parallel import pipeline
 
-    mesh = pipeline.training_mesh(device.type, info.world, cfg.pipeline_parallel)
+    mesh = pipeline.training_mesh(device.type, info.world, cfg.pipeline_parallel, cfg.tensor_parallel)
     pipe = pipeline.prepare_pipeline(model, policy, cfg, mesh, device, precision_roles(dtype, True)[1],
                                      optimizer_params)
     log.info("checkpointing %s; pipeline stage%s of blocks %s on this rank", policy.describe(cfg.model.n_blocks),

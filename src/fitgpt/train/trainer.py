@@ -230,10 +230,11 @@ def _log_start(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, de
     if tp > 1:
         layout = f", tensor parallel over {tp}" + (f", FSDP over {info.world // tp} x {tp}" if info.world > tp else "")
     if cfg.pipeline_parallel > 1:  # the parameters are this rank's stages'
-        pp = cfg.pipeline_parallel
+        pp, split = cfg.pipeline_parallel, cfg.model_splits()
         layout = (f", pipeline of {pp} ranks ({cfg.pipeline_schedule}, {cfg.microbatches} micro-batches)"
-                  + (f", FSDP over {info.world // pp}" if info.world > pp else ""))
-        tp = pp  # the data-parallel ranks below
+                  + (f", tensor parallel over {tp}" if tp > 1 else "")
+                  + (f", FSDP over {info.world // split}" if info.world > split else ""))
+        tp = split  # the data-parallel ranks below
     log.info(
         "training %s (%.2fM params) on %s, %s, %d tokens/step (global batch %d = %d per micro-batch x %d accumulation x %d "
         "process%s%s), %s, %s, run dir %s",
