@@ -70,6 +70,12 @@ def test_what_a_pipeline_cannot_take_is_refused_in_one_line(extra, needle, data_
     (["--pipeline-parallel", "4", "--pipeline-schedule", "interleaved-1f1b"], 4, "more than its 4 blocks"),
     (["--pipeline-parallel", "2", "--pipeline-microbatches", "3"], 2, "does not divide --batch-size 4"),
     (["--pipeline-parallel", "2", "--optim.name", "muon"], 2, "use --optim.name adamw"),
+    (["--pipeline-parallel", "2", "--pipeline-microbatches", "1"], 2, "--pipeline-microbatches 2 or more"),
+    (["--pipeline-parallel", "2", "--pipeline-schedule", "interleaved-1f1b", "--batch-size", "10",
+      "--pipeline-microbatches", "5"], 2, "use a multiple of 2 for --pipeline-microbatches"),
+    (["--pipeline-parallel", "2", "--tensor-parallel", "2"], 6, "launch a multiple of 4"),
+    (["--pipeline-parallel", "2", "--tensor-parallel", "3"], 6, "splits the model's n_head (4)"),
+    (["--pipeline-parallel", "2", "--tensor-parallel", "2"], 8, "add --parallel fsdp"),
 ])
 def test_a_launch_a_pipeline_cannot_take_is_refused_before_any_rank_works(extra, world, needle, data_dir, corpus_dir,
                                                                           tmp_path):
