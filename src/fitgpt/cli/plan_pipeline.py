@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
+from fitgpt.errors import UserError
 from fitgpt.estimate.pipeline import StageRank, bubble, pipeline_step_time
 from fitgpt.estimate.profile import BLOCK_OPTIONS
+from fitgpt.memory.picture import draw_stages
 from fitgpt.plan.solver import Plan, predict
 from fitgpt.units import format_bytes
 
@@ -16,6 +19,9 @@ def run_pipeline(cfg) -> int:
     """``cfg``: a parsed PlanConfig with --pipeline-parallel. A named policy is planned as given; auto plans each of
     none, pointwise, selective and block on every rank and picks the first (the least recomputing) whose every rank
     fits."""
+    if cfg.memory_snapshot or cfg.compare:
+        raise UserError("--memory-snapshot and --compare are one process's step (or one rank's under DDP, FSDP or TP); "
+                        "a pipeline's ranks are drawn by --report: use --report DIR")
     w = cfg.workload
     t = w.train
     given = cfg.activation_checkpointing != "auto"
@@ -48,9 +54,28 @@ def run_pipeline(cfg) -> int:
     else:
         print("no train command: a rank's peak does not fit the budget (more stages, more micro-batches of fewer rows, "
               "or more recomputation)")
+    ranks = [dict(dataclasses.asdict(s), activations=s.activations) for s in stages]
+    for r in ranks:
+        del r["trace"]  # drawn by --report, not printed
+    _report(cfg, stages, spec)
     print(json.dumps({"policy": spec, "budget": cfg.budget, "fits_budget": fits, "step_seconds": seconds,
-                      "bubble": split, "ranks": [dict(dataclasses.asdict(s), activations=s.activations) for s in stages]}))
+                      "bubble": split, "ranks": ranks}))
     return 0
+
+
+def _report(cfg, stages: list[StageRank], spec: str) -> None:
+    """--report: each rank's memory over its step, one line a rank (plan.png), and the ranks' figures (plan.json)."""
+    if not cfg.report:
+        return
+    w = cfg.workload
+    out = Path(cfg.report)
+    card = w.target.gpu.memory if w.target.gpu else None
+    traces = [(f"rank {s.rank} (blocks {s.describe_blocks()})", list(s.trace)) for s in stages]
+    png = draw_stages(traces, out / "plan.png", budget=cfg.budget, card=card, title=f"{w.describe()}; {spec}")
+    (out / "plan.json").parent.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps({"policy": spec, "budget": cfg.budget, "card": card,
+                                               "ranks": [dataclasses.asdict(s) for s in stages]}, indent=1))
+    print(f"report: {out / 'plan.json'}" + (f", {png}" if png else " (no plan.png: matplotlib is not installed)"))
 
 
 def _table(rows: list[tuple]) -> None:

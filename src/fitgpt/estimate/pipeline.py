@@ -40,6 +40,9 @@ class StageRank:
     """The receive buffers the schedule keeps for every micro-batch (activations in, their gradients back)."""
     seconds: float = 0.0
     """How long planning it took."""
+    trace: tuple[int, ...] = ()
+    """Bytes alive over its step, allocation by allocation (at most ``TRACE_POINTS``, each the most of its stretch,
+    so that no peak is lost): what ``plan --report`` draws."""
 
     @property
     def activations(self) -> int:
@@ -48,6 +51,33 @@ class StageRank:
 
     def describe_blocks(self) -> str:
         return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in self.blocks)
+
+
+TRACE_POINTS = 600
+
+
+class _Trace:
+    """Bytes alive after each allocation and free of a step, fed by ``LiveMemory`` as an allocator is."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, int] = {}
+        self.now, self.points = 0, []
+
+    def malloc(self, key: int, nbytes: int) -> None:
+        self.sizes[key] = nbytes
+        self.now += nbytes
+        self.points.append(self.now)
+
+    def free(self, key: int) -> None:
+        self.now -= self.sizes.pop(key, 0)
+        self.points.append(self.now)
+
+    def thinned(self, most: int = TRACE_POINTS) -> tuple[int, ...]:
+        """At most ``most`` points, each the largest of its stretch of the step."""
+        n = len(self.points)
+        if n <= most:
+            return tuple(self.points)
+        return tuple(max(self.points[i * n // most:(i + 1) * n // most]) for i in range(most))
 
 
 def bubble(pp: int, schedule: str, microbatches: int) -> float:
@@ -112,9 +142,12 @@ def _plan_rank(cfg: TrainConfig, world: int, pp_rank: int, dtype: torch.dtype | 
             step = dict(amp=autocast(device, amp_dtype), grad_clip=cfg.optim.grad_clip, check=False)  # fake: no values
             with step_context(pipe.held):  # loss_parallel, where the head is split on the vocabulary
                 train_step(pipe, optimizer, [(ids, ids)], **step)  # the first step makes the state and the buffers
-                with PeakProbe(pipe.held, optimizer, pipe.comm_buffers(), round_to=r) as probe:
+                trace = _Trace()
+                with PeakProbe(pipe.held, optimizer, pipe.comm_buffers(), round_to=r, allocator=trace) as probe:
+                    trace.points = [trace.now]  # from what is held on: the step's rise and fall
                     train_step(pipe, optimizer, [(ids, ids)], **step)
         blocks = tuple((s.blocks[0], s.blocks[-1]) for s in pipe.stages)
         return StageRank(rank=pp_rank, blocks=blocks, peak=probe.result.peak, params=param_bytes(pipe.held, r),
                          grads=probe.result.grads, optimizer=optimizer_state_bytes(optimizer, r),
-                         buffers=unique_bytes(pipe.comm_buffers(), r), seconds=time.perf_counter() - t0)
+                         buffers=unique_bytes(pipe.comm_buffers(), r), seconds=time.perf_counter() - t0,
+                         trace=trace.thinned())

@@ -158,3 +158,44 @@ def draw(panels: list[tuple[str, dict]], path: str | Path, budget: int | None = 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def draw_stages(traces: list[tuple[str, list[int]]], path: str | Path, budget: int | None = None,
+                card: int | None = None, title: str = "") -> Path | None:
+    """A pipeline step's memory, one line a rank (``traces``: its label and its bytes alive over its step, allocation
+    by allocation), each rank's step stretched over the same width: the ranks' steps run side by side, but their
+    allocations are counted, not timed, so the picture compares heights and shapes, not moments. The budget and the
+    card as lines. None if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no %s", path)
+        return None
+    high = max(max(t) for _, t in traces) * 1.15
+    if budget and budget <= 4 * high:
+        high = max(high, budget * 1.05)
+    unit, scale = ("GiB", 2**30) if high >= 2**30 else ("MiB", 2**20)
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    for label, trace in traces:
+        x = [i / max(len(trace) - 1, 1) for i in range(len(trace))]
+        line, = ax.plot(x, [v / scale for v in trace], linewidth=1.2, label=f"{label}: peak {max(trace) / scale:.2f} {unit}")
+        at = max(range(len(trace)), key=trace.__getitem__)
+        ax.plot([x[at]], [trace[at] / scale], "v", color=line.get_color())
+    for value, name, style in ((budget, "budget", "--"), (card, "card", ":")):
+        if value and value <= high:
+            ax.axhline(value / scale, color="k", linestyle=style, linewidth=1)
+            ax.text(0, value / scale, f" {name} {format_bytes(value)}", va="bottom", fontsize=7)
+    ax.set_ylim(0, high / scale)
+    ax.set_ylabel(unit)
+    ax.set_xlabel("each rank's step, its allocations and frees in order (start to end)", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    fig.suptitle(textwrap.fill(title, 130), fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

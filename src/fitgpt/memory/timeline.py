@@ -271,11 +271,13 @@ class PeakProbe:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 also: Sequence[torch.Tensor] = (), round_to: int = 1) -> None:
+                 also: Sequence[torch.Tensor] = (), round_to: int = 1, allocator=None) -> None:
         """``also``: tensors held across steps besides the model's and the optimizer's (a pipeline's receive
         buffers), counted as held. ``round_to``: off CUDA, each storage counted as an allocator of blocks that size
-        hands it out (512: a CUDA card's, planned on fake tensors)."""
+        hands it out (512: a CUDA card's, planned on fake tensors). ``allocator``: off CUDA, sees each allocation and
+        free, as ``LiveMemory`` takes it (the held tensors first)."""
         self.model, self.optimizer, self.also, self.round_to = model, optimizer, list(also), round_to
+        self.allocator = allocator
         self.device = next(model.parameters()).device
         self.result: StepPeak | None = None
 
@@ -288,7 +290,7 @@ class PeakProbe:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
-            self._live = LiveMemory(self.round_to).__enter__()
+            self._live = LiveMemory(self.round_to, self.allocator).__enter__()
             self._live.hold([*model_tensors(self.model), *_grads(self.model), *optimizer_state_tensors(self.optimizer),
                              *self.also])
             self._live_held = self._live.current
