@@ -104,11 +104,17 @@ def test_plan_picks_the_least_recomputing_policy_that_fits_every_rank(capsys):
 
 
 @pytest.mark.slow
-def test_plan_shows_each_ranks_share_and_the_bubble(capsys):
+def test_plan_shows_each_ranks_share_and_the_bubble(capsys, tmp_path):
     """Each rank's row adds up to its peak; the first stage receives gradients only, the last activations only, the
-    batch's (B, T, C) in fp32 each; the step's time carries the 1F1B bubble (P - 1) / (M + P - 1)."""
+    batch's (B, T, C) in fp32 each; the step's time carries the 1F1B bubble (P - 1) / (M + P - 1). --report draws
+    each rank's step, whose highest point is its peak."""
+    import importlib.util
+
     out, got = _plan(capsys, "--batch-size", "8", "--context", "64", "--pipeline-microbatches", "4",
-                     "--activation-checkpointing", "selective", "--memory-budget", "1GiB")
+                     "--activation-checkpointing", "selective", "--memory-budget", "1GiB", "--report", str(tmp_path))
+    drawn = json.loads((tmp_path / "plan.json").read_text())["ranks"]
+    assert [max(r["trace"]) for r in drawn] == [r["peak"] for r in got["ranks"]]
+    assert (tmp_path / "plan.png").is_file() == bool(importlib.util.find_spec("matplotlib"))
     assert got["bubble"] == pytest.approx(1 / 5)
     for r in got["ranks"]:
         assert r["params"] + r["grads"] + r["optimizer"] + r["buffers"] + r["activations"] == r["peak"]
@@ -122,6 +128,8 @@ def test_plan_shows_each_ranks_share_and_the_bubble(capsys):
     (["--world-size", "4"], "add --parallel fsdp"),
     (["--pipeline-microbatches", "3"], "does not divide --batch-size"),
     (["--pipeline-microbatches", "-1"], "--pipeline-microbatches"),
+    (["--pipeline-microbatches", "1"], "--pipeline-microbatches 2 or more"),
+    (["--memory-snapshot", "x.pickle"], "use --report DIR"),
 ])
 def test_plan_refuses_a_pipeline_it_cannot_plan_in_one_line(flags, needle, capsys):
     from fitgpt.cli import main
