@@ -137,3 +137,40 @@ def test_plan_refuses_a_pipeline_it_cannot_plan_in_one_line(flags, needle, capsy
     assert main(["plan", "--preset", "llama-tiny", "--pipeline-parallel", "2", "--memory-budget", "1GiB", *flags]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fit_weighs_each_pipeline_degree_and_schedule_beside_ddp_and_fsdp(capsys):
+    """fit --search-pipeline over 2 ranks: a row for each schedule of a 2-stage pipeline (one-row micro-batches), each
+    with its least recomputing policy that fits every rank, its peak the largest rank's plan; ranked with DDP and FSDP
+    by tokens a second (a pipeline's 2 ranks train one batch)."""
+    from fitgpt.cli import main
+    from fitgpt.config import load_config
+    from fitgpt.estimate.pipeline import plan_pipeline
+
+    flags = ["--preset", "llama-tiny", "--world-size", "2", "--batch-size", "4", "--context", "32", "--precision", "fp32",
+             "--memory-budget", "64MiB", "--top", "20"]
+    assert main(["fit", *flags, "--search-pipeline"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["fastest"]
+    piped = {r["pipeline_schedule"]: r for r in rows if r["pipeline_parallel"] == 2}
+    assert set(piped) == {"gpipe", "1f1b", "interleaved-1f1b"} and {r["parallel"] for r in rows} >= {"ddp", "fsdp"}
+    for schedule, row in piped.items():
+        cfg = load_config("llama-tiny", overrides={"batch_size": 4, "model": {"context_length": 32},
+                                                   "pipeline_parallel": 2, "pipeline_schedule": schedule,
+                                                   "pipeline_microbatches": 4, "activation_checkpointing": row["policy"]})
+        assert row["predicted_peak"] == max(r.peak for r in plan_pipeline(cfg, 2)) and row["micro_batch"] == 4
+    speeds = [r["tokens_per_s"] for r in rows]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--pipeline-parallel", "2", "--world-size", "2"], "drop --pipeline-parallel"),
+    (["--search-pipeline"], "add --world-size"),
+])
+def test_fit_refuses_a_pipeline_it_does_not_search_in_one_line(flags, needle, capsys):
+    from fitgpt.cli import main
+
+    assert main(["fit", "--preset", "llama-tiny", "--memory-budget", "1GiB", *flags]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1

@@ -130,8 +130,9 @@ def test_pipeline_stages_split_by_tensor_parallelism_train_as_one_process_and_re
     process's; its step-3 checkpoint (each matrix in tensor-parallel shards of two stages) resumed on 4 stages of one
     block each, no tensor parallelism, ends on the straight run's losses: the weights and the optimizer's state
     followed their parameters to another layout."""
-    from fitgpt.cli import main
     from test_distributed import finish, torchrun
+
+    from fitgpt.cli import main
 
     assert main(_flags(data_dir, corpus_dir, tmp_path / "one")) == 0
     run = tmp_path / "pp-tp"

@@ -51,6 +51,9 @@ class FitConfig(BudgetConfig):
     unique_tokens: Optional[float] = None
     """With --time-budget: the unique tokens the run will draw from, to count its repeats (default: the prepared
     data's train tokens); e.g. 1e12 to plan for a corpus larger than the data at hand."""
+    search_pipeline: bool = False
+    """Also weigh pipeline layouts among the fastest configurations (--world-size N): each pipeline degree dividing N
+    (FSDP over the rest), each schedule, every rank planned on fake ranks (seconds a layout for a small model)."""
     largest_model: bool = False
     """Instead: the largest model of the preset's shape (its width per block, head size, MLP ratio, key/value heads)
     that trains at --batch-size x --context on one card (or each rank of --world-size N --parallel fsdp, with
@@ -81,6 +84,13 @@ class FitConfig(BudgetConfig):
         if self.largest_model and self.hf_config:
             raise UserError("--largest-model scales fitgpt's own shapes (a preset or --model.*); a --hf-config model "
                             "is fixed by its config.json: drop one of them")
+        if self.pipeline_parallel > 1:
+            raise UserError(f"--pipeline-parallel {self.pipeline_parallel} is planned by fitgpt plan; fit searches the "
+                            "pipeline's degree and schedule itself with --search-pipeline: drop --pipeline-parallel")
+        if self.search_pipeline and ((self.world_size or 1) < 2 or self.largest_model or self.time_budget):
+            raise UserError("--search-pipeline weighs pipelines among the fastest configurations over --world-size N "
+                            "(2 or more) ranks: add --world-size, or drop --search-pipeline"
+                            + (" (--largest-model and --time-budget do not search layouts)" if self.world_size > 1 else ""))
         if self.tensor_parallel > 1 and not self.largest_model:
             raise UserError(f"--tensor-parallel {self.tensor_parallel} is for --largest-model's rows; fit searches the "
                             "tensor-parallel degree itself among the fastest configurations: drop --tensor-parallel")
@@ -132,13 +142,15 @@ def run(args: list[str]) -> int:
         ratios = [f"{v / vals[0]:.1f}x" if vals[0] else ("-" if not v else "fits only with it") for v in vals[1:]]
         print(f"| {label} | " + " | ".join(str(v) for v in vals) + " | " + " | ".join(ratios) + " |")
     print(f"\n({result['note']}; 0 means not even 1 fits)")
-    best = fastest(cfg.workload, cfg.budget, top=cfg.top, policy=cfg.activation_checkpointing)
+    best = fastest(cfg.workload, cfg.budget, top=cfg.top, policy=cfg.activation_checkpointing,
+                   pipelines=cfg.search_pipeline)
     if not best["choices"] and not any(a[p][k] for p in policies for k in a[p]):
         say_why_nothing_fits(cfg)
     print("\nThe fastest configurations for the same tokens a step:\n")
     print(format_choices(best, cfg.workload))
     result["fastest"] = [{"micro_batch": c.micro_batch, "grad_accum": c.grad_accum, "precision": c.precision,
-                          "parallel": c.layout.name, "tensor_parallel": c.layout.tp, "policy": c.policy,
+                          "parallel": c.layout.name, "tensor_parallel": c.layout.tp, "pipeline_parallel": c.layout.pp,
+                          "pipeline_schedule": c.layout.schedule if c.layout.pp > 1 else None, "policy": c.policy,
                           "predicted_peak": c.peak,
                           "step_seconds": c.step_seconds, "link_seconds": c.link_seconds, "tokens_per_s": c.tokens_per_s}
                          for c in best["choices"]]

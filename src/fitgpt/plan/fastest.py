@@ -43,21 +43,34 @@ optimizer step on the CPU."""
 @dataclass(frozen=True)
 class Layout:
     parallel: str
-    """single, ddp, fsdp, or tp (tensor parallelism alone, every rank one group's)."""
+    """single, ddp, fsdp, tp (tensor parallelism alone, every rank one group's), or pp (a pipeline alone)."""
     offload: bool = False
     tp: int = 1
     """The tensor-parallel degree (above 1 under fsdp: FSDP over world / tp groups of tp)."""
+    pp: int = 1
+    """The pipeline's stages' ranks (above 1 under fsdp: each stage sharded over world / pp ranks)."""
+    schedule: str = "1f1b"
+    microbatches: int = 0
+    """With ``pp``: the schedule, and the micro-batches it cuts a step's batch into."""
 
     @property
     def name(self) -> str:
+        if self.pp > 1:
+            return f"pp{self.pp} {self.schedule} ({self.microbatches} mb)" + (" x fsdp" if self.parallel == "fsdp" else "")
         if self.parallel == "tp":
             return f"tp{self.tp}"
         return self.parallel + ("+offload" if self.offload else "") + (f" x tp{self.tp}" if self.tp > 1 else "")
 
     @property
     def trains_as(self) -> str:
-        """--parallel for this layout (one process, or a tensor-parallel group alone, is ddp's default: no wrapper)."""
-        return "ddp" if self.parallel in ("single", "tp") else self.parallel
+        """--parallel for this layout (one process, a tensor-parallel group or a pipeline alone: ddp's default, no
+        wrapper)."""
+        return "ddp" if self.parallel in ("single", "tp", "pp") else self.parallel
+
+    def settings(self) -> dict:
+        """The training config's fields this layout sets."""
+        return dict(parallel=self.trains_as, fsdp_offload=self.offload, tensor_parallel=self.tp,
+                    pipeline_parallel=self.pp, pipeline_schedule=self.schedule, pipeline_microbatches=self.microbatches)
 
 
 @dataclass(frozen=True)
@@ -93,8 +106,7 @@ class Choice:
     def config(self, base: TrainConfig) -> TrainConfig:
         """``base`` with this choice written into it: what trains it."""
         return dataclasses.replace(base, batch_size=self.micro_batch, grad_accum=self.grad_accum, precision=self.precision,
-                                   activation_checkpointing=self.policy, parallel=self.layout.trains_as,
-                                   fsdp_offload=self.layout.offload, tensor_parallel=self.layout.tp)
+                                   activation_checkpointing=self.policy, **self.layout.settings())
 
 
 def _divisors(n: int) -> list[int]:
@@ -126,8 +138,9 @@ def _layouts(w: Workload) -> list[Layout]:
 def layout_refusal(w: Workload, layout: Layout) -> str | None:
     """Why the trainer would refuse ``w`` under ``layout`` (None: it trains); fit names the plan it solves."""
     try:
-        cfg = dataclasses.replace(w.train, tensor_parallel=layout.tp, parallel=layout.trains_as,
-                                  fsdp_offload=layout.offload, activation_checkpointing="none")
+        cfg = dataclasses.replace(w.train, activation_checkpointing="none", **layout.settings())
+        if layout.pp > 1:  # a pipeline's step is its whole batch, cut by the schedule
+            cfg = dataclasses.replace(cfg, batch_size=cfg.batch_size * cfg.grad_accum, grad_accum=1)
     except UserError as e:  # a combination the config refuses (FSDP's offload with pure bf16 weights)
         return str(e)
     return launch_refusal(cfg, w.world_size, w.target.device, None, planned=w.fake)
@@ -177,11 +190,13 @@ def _link_seconds(w: Workload, layout: Layout, accum: int, micro: float, params:
     return seconds
 
 
-def fastest(w: Workload, budget: int, top: int = 5, policy: str = "auto", workers: int | None = None) -> dict:
+def fastest(w: Workload, budget: int, top: int = 5, policy: str = "auto", workers: int | None = None,
+            pipelines: bool = False) -> dict:
     """Every configuration that fits ``budget`` (see the module's docstring), fastest first, ``top`` of them
     settled on their own profiles. ``policy``: auto solves each configuration's plan; another is kept as given.
     Each precision and layout is an independent search, single-threaded on fake tensors: they run in ``workers``
-    processes (default: one per CPU core, at most one per search)."""
+    processes (default: one per CPU core, at most one per search). ``pipelines``: each pipeline layout besides
+    (`fitgpt.plan.pipeline`: every rank planned, so weighed only where asked)."""
     given = None if policy == "auto" else policy
     seqs = w.train.batch_size * w.train.grad_accum
     precisions = _precisions(w)
@@ -194,6 +209,12 @@ def fastest(w: Workload, budget: int, top: int = 5, policy: str = "auto", worker
         jobs = [(search, seqs, precision, layout, not w.train.optim.in_backward)
                 for precision in precisions for layout in _layouts(w) if layout.offload == offload]
         for choices, n in in_processes(_family, jobs, workers):
+            found += choices
+            profiles += n
+        if pipelines and not offload:
+            from fitgpt.plan.pipeline import pipeline_choices
+
+            choices, n = pipeline_choices(search, seqs, precisions)
             found += choices
             profiles += n
         if found:
@@ -281,8 +302,8 @@ def _family(search: _Search, seqs: int, precision: str, layout: Layout, accumula
 
 
 def format_choices(result: dict, w: Workload) -> str:
-    split = " (under tensor parallelism of degree t, 1/t of them: a group's ranks train one batch)" \
-        if any(c.layout.tp > 1 for c in result["choices"]) else ""
+    split = " (under tensor parallelism of degree t or a pipeline of p, 1/t or 1/p of them: a group's ranks train one " \
+        "batch)" if any(c.layout.tp > 1 or c.layout.pp > 1 for c in result["choices"]) else ""
     lines = [f"{result['workload']}; budget {format_bytes(result['budget'])}; {result['tokens_per_step']:,} tokens a step"
              f"{split}",
              "", "| # | micro-batch x accum | precision | parallel | checkpointing | predicted peak | step (ms) | tokens/s | "
