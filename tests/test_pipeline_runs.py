@@ -145,3 +145,26 @@ def test_pipeline_stages_split_by_tensor_parallelism_train_as_one_process_and_re
     finish(torchrun(_flags(data_dir, corpus_dir, run, *four), tmp_path, nproc=4))
     again, _ = _losses(run)
     torch.testing.assert_close(torch.tensor(again[-3:]), torch.tensor(pp[-3:]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_pipeline_plans_its_own_checkpointing_within_a_budget(data_dir, corpus_dir, tmp_path, ranks):
+    """--activation-checkpointing auto under --pipeline-parallel: rank 0 plans every pipeline rank (fake ranks, in a
+    process of its own: this one is in the real group) and takes the least recomputing policy that fits all of them;
+    each rank's measured peak is logged beside the largest rank's plan, which it matches."""
+    import re
+
+    from fitgpt.config import load_config
+    from fitgpt.estimate.pipeline import plan_pipeline
+
+    base = {"model": {"vocab_size": 512, "tie_embeddings": False}, "batch_size": 4, "pipeline_parallel": 2}
+    peak = {p: max(r.peak for r in plan_pipeline(load_config("llama-tiny", overrides={**base, "activation_checkpointing": p}), 2))
+            for p in ("none", "block")}
+    budget = (peak["none"] + peak["block"]) // 2
+    _, err = ranks(2).cli(_flags(data_dir, corpus_dir, tmp_path / "run", "--pipeline-parallel", "2", "--max-steps", "2",
+                                 "--activation-checkpointing", "auto", "--memory-budget", f"{budget}B"))
+    chosen = re.search(r"auto: (\w+), every pipeline rank within", err).group(1)
+    assert chosen in ("pointwise", "selective", "block")
+    measured = re.search(r"auto: measured peak rank 0: ([\d.]+ \w+), rank 1: ([\d.]+ \w+) .* vs predicted ([\d.]+ \w+)", err)
+    assert measured.group(3) in measured.group(1, 2), err[-2000:]

@@ -107,7 +107,7 @@ class Workload:
         the trainer's pipeline step run as that rank on fake ranks."""
         from fitgpt.estimate.pipeline import plan_pipeline
 
-        t = dataclasses.replace(self.train, activation_checkpointing=policy)
+        t = dataclasses.replace(self.train, activation_checkpointing=policy, memory_budget=None)  # the budget: auto's
         return _on_fake_ranks(plan_pipeline, t, self.world_size, self.dtype, "cpu", self.target)
 
     def unpipelined(self) -> Workload:

@@ -72,11 +72,10 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
         return ("--optim.in-backward steps a parameter as its gradient completes, but a pipeline's schedule adds each "
                 "micro-batch's gradient in turn, the last long after the first: drop --optim.in-backward")
     for flag, on in (("--optim.offload", optim.offload), ("--fsdp-offload", cfg.fsdp_offload), ("--compile", cfg.compile),
-                     ("--init-from", bool(cfg.init_from)),
-                     ("--activation-checkpointing auto", cfg.activation_checkpointing == "auto")):
+                     ("--init-from", bool(cfg.init_from))):
         if on:
             return (f"--pipeline-parallel with {flag} is not built yet (issue 58: the pipeline trains with FSDP, "
-                    f"tensor parallelism, any named checkpointing policy and AdamW): drop {flag.split()[0]}")
+                    f"tensor parallelism, any checkpointing policy and AdamW): drop {flag}")
     if optim.name != "adamw" or cfg.model.weights_dtype == "bf16":
         what = "--model.weights-dtype bf16" if optim.name == "adamw" else f"--optim.name {optim.name}"
         return (f"--pipeline-parallel steps AdamW (fp32 or bf16 moments) for now; {what} over a pipeline's stages is "
