@@ -20,6 +20,7 @@ from fitgpt.memory.picture import draw
 from fitgpt.plan.family import LADDER_SETTINGS, LOSS_COST, largest_model
 from fitgpt.plan.fastest import fastest, format_choices
 from fitgpt.plan.largest import largest
+from fitgpt.plan.pipeline import pipeline_choices
 from fitgpt.plan.solver import solve
 from fitgpt.units import format_bytes, format_count, parse_duration
 from fitgpt.utils import host_memory, outputs_apart, writable_dir
@@ -143,7 +144,7 @@ def run(args: list[str]) -> int:
         print(f"| {label} | " + " | ".join(str(v) for v in vals) + " | " + " | ".join(ratios) + " |")
     print(f"\n({result['note']}; 0 means not even 1 fits)")
     best = fastest(cfg.workload, cfg.budget, top=cfg.top, policy=cfg.activation_checkpointing,
-                   pipelines=cfg.search_pipeline)
+                   pipelines=pipeline_choices if cfg.search_pipeline else None)
     if not best["choices"] and not any(a[p][k] for p in policies for k in a[p]):
         say_why_nothing_fits(cfg)
     print("\nThe fastest configurations for the same tokens a step:\n")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fitgpt.command import ranks_per_node, train_command
@@ -191,12 +192,12 @@ def _link_seconds(w: Workload, layout: Layout, accum: int, micro: float, params:
 
 
 def fastest(w: Workload, budget: int, top: int = 5, policy: str = "auto", workers: int | None = None,
-            pipelines: bool = False) -> dict:
+            pipelines: Callable | None = None) -> dict:
     """Every configuration that fits ``budget`` (see the module's docstring), fastest first, ``top`` of them
     settled on their own profiles. ``policy``: auto solves each configuration's plan; another is kept as given.
     Each precision and layout is an independent search, single-threaded on fake tensors: they run in ``workers``
-    processes (default: one per CPU core, at most one per search). ``pipelines``: each pipeline layout besides
-    (`fitgpt.plan.pipeline`: every rank planned, so weighed only where asked)."""
+    processes (default: one per CPU core, at most one per search). ``pipelines``: the pipeline layouts' search
+    (`fitgpt.plan.pipeline.pipeline_choices`: every rank planned, so weighed only where asked)."""
     given = None if policy == "auto" else policy
     seqs = w.train.batch_size * w.train.grad_accum
     precisions = _precisions(w)
@@ -211,10 +212,8 @@ def fastest(w: Workload, budget: int, top: int = 5, policy: str = "auto", worker
         for choices, n in in_processes(_family, jobs, workers):
             found += choices
             profiles += n
-        if pipelines and not offload:
-            from fitgpt.plan.pipeline import pipeline_choices
-
-            choices, n = pipeline_choices(search, seqs, precisions)
+        if pipelines is not None and not offload:
+            choices, n = pipelines(search, seqs, precisions)
             found += choices
             profiles += n
         if found:
