@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fitgpt.errors import UserError
 from fitgpt.estimate.pipeline import StageRank, bubble, pipeline_step_time
-from fitgpt.estimate.profile import BLOCK_OPTIONS
+from fitgpt.estimate.profile import BLOCK_OPTIONS, named_options
 from fitgpt.memory.picture import draw_stages
 from fitgpt.plan.solver import Plan, predict
 from fitgpt.units import format_bytes
@@ -26,11 +26,15 @@ def run_pipeline(cfg) -> int:
     t = w.train
     given = cfg.activation_checkpointing != "auto"
     candidates = [cfg.activation_checkpointing] if given else list(BLOCK_OPTIONS)  # the least recomputing first
-    whole = w.unpipelined().profile(extra_options=())  # the step's time on one rank holding every block
+    # The step's time on one rank holding every block (torchtitan's rule profiled where the policy names it).
+    whole = w.unpipelined().profile(extra_options=named_options(cfg.activation_checkpointing))
     split = bubble(t.pipeline_parallel, t.pipeline_schedule, t.microbatches)
     print(f"{w.describe()}; budget {format_bytes(cfg.budget)} a rank")
     print(f"  each pipeline rank planned by running the trainer's schedule as that rank on {w.world_size} fake ranks "
-          "(PyTorch's fake process group); a stage's FSDP ranks hold alike")
+          "(PyTorch's fake process group); a stage's FSDP and tensor-parallel ranks hold alike")
+    if w.target.cuda:
+        print("  on the card: the bytes allocated (512-byte blocks, CUDA autocast's dtypes); the caching allocator's "
+              "reserved memory, more by its fragmentation, is not replayed for a pipeline yet")
     print(f"  time: one rank holding every block ({whole.time_source}), shared by the {t.pipeline_parallel} stages' ranks, "
           f"plus the bubble (P - 1) / (v M + P - 1) = {split:.1%} of the step; the sends between stages are not timed")
     rows = []
