@@ -207,3 +207,34 @@ def test_the_last_stage_computes_its_loss_as_the_policy_says(ranks):
     assert got[0]["chunked"] == 0 and got[1]["chunked"] >= 2
     assert all(g["loss"] == pytest.approx(one_process(LLAMA)[0], rel=1e-6) for g in got)
 
+
+
+def gathered_qkv(rank: int, world: int) -> dict:
+    """GPT-2 on PP 2 x FSDP 2 x TP 2 (8 ranks): each rank's first block of its stage, its query/key/value matrix split
+    by heads and sharded again by FSDP, gathered whole over the stage's ranks, as a checkpoint writes it."""
+    from fitgpt.parallel.fsdp import fsdp_shard
+    from fitgpt.parallel.pipeline import build_pipeline, training_mesh
+    from fitgpt.parallel.placement import gather_whole, split_twice
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**GPT2))
+    mesh = training_mesh("cpu", world, 2, 2)
+    pipe = build_pipeline(model, "1f1b", 2, mesh, torch.device("cpu"), (8, 16),
+                          lambda stage, dp_mesh: fsdp_shard(stage, None, mesh=dp_mesh))
+    first = pipe.held.blocks[0]
+    w = pipe.held.attn_blocks[first].attn.qkv.weight
+    return {"block": first, "split_twice": split_twice(w), "whole": gather_whole(w.detach())}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_matrix_split_twice_is_gathered_over_its_own_stages_ranks(ranks):
+    """Under PP x FSDP x TP each stage's GPT-2 query/key/value matrices (split by heads, then sharded) are gathered whole
+    (a checkpoint's write) over that stage's 4 ranks only: once gathered over every process, the ranks of the other
+    stage were taken for its own."""
+    torch.manual_seed(0)
+    whole = Transformer(ModelConfig(**GPT2))
+    got = ranks(8).run(gathered_qkv)
+    assert [g["block"] for g in got] == [0] * 4 + [2] * 4 and all(g["split_twice"] for g in got)
+    for g in got:
+        assert torch.equal(g["whole"], whole.attn_blocks[g["block"]].attn.qkv.weight.detach())

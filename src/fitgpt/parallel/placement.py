@@ -50,12 +50,16 @@ def gather_whole(t: torch.Tensor) -> torch.Tensor:
 
     mesh, local = t.device_mesh, t.to_local()
     with unset_fake_temporarily():  # the mesh's ranks are a real tensor, also where the planner steps fake ones
-        at = mesh.mesh.flatten().tolist()  # the mesh's ranks in (dp, tp) order; it spans the process group
+        at = mesh.mesh.flatten().tolist()  # the mesh's ranks in (dp, tp) order
+    # The mesh's own ranks (a pipeline stage's, of all the processes): the group the trainer's meshes flatten them
+    # into ahead (`training_mesh`), so that no rank makes a group here, which every process would have to join.
+    group = mesh._flatten("dp_tp").get_group() if hasattr(mesh, "_flatten") else None
+    order = at if group is not None else list(range(dist.get_world_size()))  # the pieces' ranks, as gathered
     most = len(rows_held(t, 0, 0))  # the first chunk is the longest
-    pieces = [local.new_empty((most, *local.shape[1:])) for _ in at]  # by global rank
-    dist.all_gather(pieces, torch.cat([local, local.new_zeros((most - len(local), *local.shape[1:]))]))
+    pieces = [local.new_empty((most, *local.shape[1:])) for _ in order]
+    dist.all_gather(pieces, torch.cat([local, local.new_zeros((most - len(local), *local.shape[1:]))]), group=group)
     whole = local.new_empty(t.shape)
-    for rank, piece in enumerate(pieces):
+    for rank, piece in zip(order, pieces):
         rows = rows_held(t, *divmod(at.index(rank), mesh.size(1)))
         whole[rows] = piece[:len(rows)]
     return whole

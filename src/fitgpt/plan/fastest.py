@@ -301,8 +301,12 @@ def _family(search: _Search, seqs: int, precision: str, layout: Layout, accumula
 
 
 def format_choices(result: dict, w: Workload) -> str:
-    split = " (under tensor parallelism of degree t or a pipeline of p, 1/t or 1/p of them: a group's ranks train one " \
-        "batch)" if any(c.layout.tp > 1 or c.layout.pp > 1 for c in result["choices"]) else ""
+    kinds = [text for text, on in (
+        ("under tensor parallelism of degree t, 1/t of them: a group's ranks train one batch",
+         any(c.layout.tp > 1 for c in result["choices"])),
+        ("under a pipeline of p ranks, 1/p of them: its stages' ranks train one batch",
+         any(c.layout.pp > 1 for c in result["choices"]))) if on]
+    split = f" ({'; '.join(kinds)})" if kinds else ""
     lines = [f"{result['workload']}; budget {format_bytes(result['budget'])}; {result['tokens_per_step']:,} tokens a step"
              f"{split}",
              "", "| # | micro-batch x accum | precision | parallel | checkpointing | predicted peak | step (ms) | tokens/s | "
