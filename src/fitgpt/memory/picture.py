@@ -107,13 +107,8 @@ def draw(panels: list[tuple[str, dict]], path: str | Path, budget: int | None = 
     """``panels``: (label, snapshot) on one scale, in ``rows`` rows (filled column by column), memory over each step
     stacked by category, the budget and the card's memory as lines, each peak marked with what holds it. None if
     matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no %s", path)
+    plt = _pyplot(path)
+    if plt is None:
         return None
     cols = -(-len(panels) // rows)
     fig, grid = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows + 0.6), sharey=True, squeeze=False)
@@ -152,12 +147,7 @@ def draw(panels: list[tuple[str, dict]], path: str | Path, budget: int | None = 
         row[0].set_ylabel(unit)
     grid[0][-1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.suptitle(textwrap.fill(title, 160), fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def draw_stages(traces: list[tuple[str, list[int]]], path: str | Path, budget: int | None = None,
@@ -166,13 +156,8 @@ def draw_stages(traces: list[tuple[str, list[int]]], path: str | Path, budget: i
     by allocation), each rank's step stretched over the same width: the ranks' steps run side by side, but their
     allocations are counted, not timed, so the picture compares heights and shapes, not moments. The budget and the
     card as lines. None if matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no %s", path)
+    plt = _pyplot(path)
+    if plt is None:
         return None
     high = max(max(t) for _, t in traces) * 1.15
     if budget and budget <= 4 * high:
@@ -193,6 +178,23 @@ def draw_stages(traces: list[tuple[str, list[int]]], path: str | Path, budget: i
     ax.set_xlabel("each rank's step, its allocations and frees in order (start to end)", fontsize=8)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.suptitle(textwrap.fill(title, 130), fontsize=8)
+    return _save(plt, fig, path)
+
+
+def _pyplot(path: str | Path):
+    """matplotlib's pyplot on its file-only backend; None (with a warning naming ``path``) where it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no %s", path)
+        return None
+    return plt
+
+
+def _save(plt, fig, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
