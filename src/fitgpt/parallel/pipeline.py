@@ -88,30 +88,47 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
     return pipeline_refusal(cfg.model.n_blocks, pp, cfg.pipeline_schedule, cfg.microbatches, cfg.batch_size)
 
 
+class LossTotal:
+    """The micro-batches' losses of a step added up as they come (a running sum, not a list joined at the end: what
+    it holds is one number however many micro-batches there are)."""
+
+    def __init__(self, microbatches: int) -> None:
+        self.microbatches, self.total = microbatches, None
+
+    def add(self, loss: torch.Tensor) -> None:
+        loss = loss.detach()
+        self.total = loss.clone() if self.total is None else self.total + loss  # clone: each step of the sum alike
+
+    def mean(self) -> torch.Tensor | None:
+        """The step's mean loss (None where this rank computes none), and the total started anew."""
+        total, self.total = self.total, None
+        return None if total is None else total / self.microbatches
+
+
 class Pipeline:
     """This rank's stages run by a schedule over the pipeline's ranks: a step's forward and backward (``train_batch``)
     and a forward (called as a model is, for evaluation); ``held``: this rank's parts, what is saved and stepped."""
 
     def __init__(self, stages: list[Stage], held: Stage, schedule, group: dist.ProcessGroup,
-                 tie: dist.ProcessGroup | None, wrapped: list) -> None:
+                 tie: dist.ProcessGroup | None, wrapped: list, losses: LossTotal) -> None:
         self.stages, self.held, self.schedule, self.group, self.tie = stages, held, schedule, group, tie
+        self.losses = losses  # the micro-batches' losses added up as the loss function makes them
         self.wrapped = wrapped  # PyTorch's PipelineStage of each
         self.last_rank = dist.get_global_rank(group, dist.get_world_size(group) - 1)  # the last stage's, looped
 
     def train_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the batch (x, y: (B, T)) through every micro-batch; the batch's mean loss, on
         every rank of the pipeline."""
-        losses: list[torch.Tensor] = []
-        self.schedule.step(*self._inputs(x), target=y if self.held.last else None, losses=losses)
+        # No outputs returned: the last stage would keep every micro-batch's (b, T, C) to the step's end and join them.
+        self.schedule.step(*self._inputs(x), target=y if self.held.last else None, return_outputs=False)
         if self.tie is not None:
             self._sum_tied()
-        return self._shared(losses)
+        return self._shared(self.losses.mean())
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[None, torch.Tensor]:
         """(None, the batch's mean loss), forward only, on every rank of the pipeline."""
-        losses: list[torch.Tensor] = []
-        self.schedule.eval(*self._inputs(x), target=y if self.held.last else None, losses=losses)
-        return None, self._shared(losses)
+        self.schedule.eval(*self._inputs(x), target=y if self.held.last else None)
+        return None, self._shared(self.losses.mean())
 
     def comm_buffers(self) -> list[torch.Tensor]:
         """The receive buffers the schedule made for every micro-batch at its first step and keeps from then on, as
@@ -127,8 +144,8 @@ class Pipeline:
     def _inputs(self, x: torch.Tensor) -> tuple:
         return (x,) if self.held.first else ()
 
-    def _shared(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        loss = torch.stack(losses).mean().detach() if self.held.last else torch.zeros((), device=self.held_device)
+    def _shared(self, mean: torch.Tensor | None) -> torch.Tensor:
+        loss = mean if self.held.last else torch.zeros((), device=self.held_device)
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss
 
@@ -196,19 +213,22 @@ def schedule_stages(stages: list[Stage], held: Stage, schedule: str, microbatche
                              output_args=hidden, group=group) for k, s in enumerate(stages)]
 
     last = next((s for s in stages if s.last), None)
+    losses = LossTotal(microbatches)
 
     def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # The running stage's head: a loss policy (chunked, fused) replaces it there, the parameters the same.
         loss = last.lm_head(hidden, targets)[1]  # the micro-batch's mean cross-entropy
         # Split on the vocabulary, loss_parallel's loss is whole on every rank: made local, as the split model's is.
-        return loss.to_local().clone() if hasattr(loss, "to_local") else loss
+        loss = loss.to_local().clone() if hasattr(loss, "to_local") else loss
+        losses.add(loss)
+        return loss
 
     if len(stages) > 1:
         runner = ScheduleInterleaved1F1B(wrapped, n_microbatches=microbatches, loss_fn=loss_fn)
     else:
         cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         runner = cls(wrapped[0], n_microbatches=microbatches, loss_fn=loss_fn)
-    return Pipeline(stages, held, runner, group, _tie_group(mesh) if held.config.tied else None, wrapped)
+    return Pipeline(stages, held, runner, group, _tie_group(mesh) if held.config.tied else None, wrapped, losses)
 
 
 def build_pipeline(model: nn.Module, schedule: str, microbatches: int, mesh, device: torch.device,
