@@ -6,6 +6,7 @@ torchtitan's Llama 3.1 405B layout planned per rank on an H100 (FSDP 8 x TP 8 x 
 
     python benchmarks/pipeline_check.py                # a few minutes on 2 cores
     python benchmarks/pipeline_check.py --torchtitan 1f1b      # (or interleaved-1f1b) the 405B plan, every rank
+    python benchmarks/pipeline_check.py --torchtitan 1f1b --ranks 0 --whole   # rank 0 run whole, to compare
 
 Prints Markdown tables for benchmarks/RESULTS.md.
 """
@@ -93,8 +94,8 @@ def _name(world: int, o: dict) -> str:
 
 
 def check() -> None:
-    print("| layout, schedule, policy, micro-batches | rank | planned | measured | difference | planned in |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| layout, schedule, policy, micro-batches | rank | planned | measured | difference | planned in | composed |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for world, overrides in CASES:
         t0 = time.perf_counter()
         plans = plan_pipeline(_config(overrides), world)
@@ -104,12 +105,13 @@ def check() -> None:
         for r, peak in enumerate(peaks):
             plan = plans[r // per_stage]
             print(f"| {_name(world, overrides)} | {r} | {plan.peak:,} | {peak:,} | {peak - plan.peak:+,} | "
-                  f"{seconds:.1f} s (all ranks) |")
+                  f"{seconds:.1f} s (all ranks) | {'yes' if plan.composed else 'no'} |")
 
 
-def torchtitan(schedule: str) -> None:
+def torchtitan(schedule: str, ranks: list[int] | None = None, whole: bool = False) -> None:
     """Llama 3.1 405B (126 blocks, 16384 wide, 128 heads over 8 key/value heads, MLP 53248, vocabulary 128256) as
-    torchtitan trains it on 512 H100s: every pipeline rank's plan."""
+    torchtitan trains it on 512 H100s: every pipeline rank's plan (or ``ranks``'; ``whole``: each run whole, not
+    composed from a small step)."""
     from fitgpt.estimate.hardware import Target, find_gpu
 
     overrides = {"model": {"n_embed": 16384, "n_head": 128, "n_kv_head": 8, "ffn_hidden": 53248, "n_blocks": 126,
@@ -118,19 +120,21 @@ def torchtitan(schedule: str) -> None:
                  "pipeline_schedule": schedule, "pipeline_microbatches": 32, "activation_checkpointing": "block"}
     cfg = load_config("llama-1b", overrides=overrides)
     t0 = time.perf_counter()
-    plans = plan_pipeline(cfg, 512, torch.bfloat16, target=Target("cuda", find_gpu("h100-80gb")))
+    plans = plan_pipeline(cfg, 512, torch.bfloat16, target=Target("cuda", find_gpu("h100-80gb")), ranks=ranks, whole=whole)
     wall = time.perf_counter() - t0
     gib = 2**30
     print(f"405B, FSDP 8 x TP 8 x PP 8, {schedule}, 32 micro-batches of 1 x 8192, block, bf16, H100: planned in {wall:.0f} s")
-    print("| rank | blocks | weights | gradients | AdamW state | receive buffers | activations | peak | planned in |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| rank | blocks | weights | gradients | AdamW state | receive buffers | activations | peak | peak (bytes) | planned in | composed |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for p in plans:
         print(f"| {p.rank} | {p.describe_blocks()} | {p.params / gib:.2f} | {p.grads / gib:.2f} | {p.optimizer / gib:.2f} | "
-              f"{p.buffers / gib:.2f} | {p.activations / gib:.2f} | {p.peak / gib:.2f} GiB | {p.seconds:.0f} s |")
+              f"{p.buffers / gib:.2f} | {p.activations / gib:.2f} | {p.peak / gib:.2f} GiB | {p.peak:,} | {p.seconds:.0f} s | "
+              f"{'yes' if p.composed else 'no'} |")
 
 
 if __name__ == "__main__":
     if "--torchtitan" in sys.argv:
-        torchtitan(sys.argv[sys.argv.index("--torchtitan") + 1])
+        chosen = [int(r) for r in sys.argv[sys.argv.index("--ranks") + 1].split(",")] if "--ranks" in sys.argv else None
+        torchtitan(sys.argv[sys.argv.index("--torchtitan") + 1], chosen, "--whole" in sys.argv)
     else:
         check()

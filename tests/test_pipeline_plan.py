@@ -57,6 +57,9 @@ def measured_stage_peak(rank: int, world: int, overrides: dict) -> int:
     (2, {"pipeline_schedule": "interleaved-1f1b", "activation_checkpointing": "block"}),
     (4, {"pipeline_schedule": "1f1b", "parallel": "fsdp", "activation_checkpointing": "none"}),
     (4, {"pipeline_schedule": "interleaved-1f1b", "tensor_parallel": 2, "activation_checkpointing": "selective"}),
+    # composed from a small step (`fitgpt.estimate.pipeline_compose`): 8 blocks, 8 micro-batches
+    (4, {"pipeline_schedule": "1f1b", "parallel": "fsdp", "activation_checkpointing": "block", "batch_size": 8,
+         "pipeline_microbatches": 8, "model": {**PLANNED["model"], "n_blocks": 8}}),
 ])
 def test_each_pipeline_rank_is_planned_to_the_byte(world, extra, ranks):
     """The planner runs each stage's rank of the trainer's pipeline step on fake ranks (`fitgpt.estimate.pipeline`):
@@ -74,6 +77,25 @@ def test_each_pipeline_rank_is_planned_to_the_byte(world, extra, ranks):
     assert [m for m in measured[::per_stage]] == [p.peak for p in planned]
     assert all(measured[r] == planned[r // per_stage].peak for r in range(world))
     assert all(p.buffers > 0 for p in planned)
+    assert all(p.composed for p in planned) == (extra.get("pipeline_microbatches") == 8)
+
+
+@pytest.mark.slow
+def test_the_last_stage_keeps_no_micro_batchs_output_to_the_steps_end():
+    """PyTorch's schedules keep every micro-batch's output on the last stage, to join and return them at the step's
+    end, unless told not to: the trainer asks for none. Under 1F1B the last stage runs one micro-batch at a time, so
+    twice the micro-batches cost it only their receive buffers and their losses (an fp32 number each, kept to the
+    step's end by the schedule), not their (b, T, C) outputs (4 more, and their join, before the fix)."""
+    from fitgpt.config import load_config
+    from fitgpt.estimate.pipeline import plan_pipeline
+
+    def last_rank(m: int):
+        cfg = load_config("llama-tiny", overrides={**PLANNED, "pipeline_schedule": "1f1b", "batch_size": m,
+                                                   "pipeline_microbatches": m, "activation_checkpointing": "none"})
+        return plan_pipeline(cfg, 2, ranks=[1], whole=True)[0]
+
+    four, eight = last_rank(4), last_rank(8)
+    assert eight.peak - four.peak - (eight.buffers - four.buffers) <= 4 * 4
 
 
 def _plan(capsys, *flags) -> tuple[str, dict]:

@@ -2,18 +2,24 @@
 checkpointed and sharded as the trainer does them, run by the same PyTorch schedule) on fake tensors, as that rank of
 a fake process group, and its peak is read as the trainer's probe reads a real one.
 
-No composition of per-block profiles is trusted here: what a schedule holds depends on the order it runs the
-micro-batches in (GPipe every forward first, 1F1B at most P - s in flight on stage s, interleaved its own table), the
-receive buffers it keeps for every micro-batch, the sends whose work holds a stage's output to the step's end, and the
-head on the last stage only. Running the schedule gives all of them; fake tensors make it seconds for any size. A
-stage's data-parallel ranks (FSDP's) hold the same shapes, so the first of them stands for all.
+No model of a schedule is trusted here: what a schedule holds depends on the order it runs the micro-batches in
+(GPipe every forward first, 1F1B at most P - s in flight on stage s, interleaved its own table), the receive buffers it
+keeps for every micro-batch, the sends whose work holds a stage's output to the step's end, and the head on the last
+stage only. Running the schedule gives all of them. A large rank's step (many blocks, many micro-batches) is put
+together from a small step of the same rank, allocation by allocation (`fitgpt.estimate.pipeline_compose`, which says
+why that is exact and checks it), else run whole. A stage's data-parallel ranks (FSDP's) hold the same shapes, so the
+first of them stands for all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import logging
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +27,10 @@ import torch
 from fitgpt.config import STAGES_PER_RANK, TrainConfig
 from fitgpt.estimate.hardware import Target
 from fitgpt.estimate.ranks import fake_ranks, in_own_process
+from fitgpt.parallel.stages import stage_blocks
 from fitgpt.utils import Forked
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,8 @@ class StageRank:
     """The receive buffers the schedule keeps for every micro-batch (activations in, their gradients back)."""
     seconds: float = 0.0
     """How long planning it took."""
+    composed: bool = False
+    """Put together from a small step of the rank (`fitgpt.estimate.pipeline_compose`), not run whole."""
     trace: tuple[int, ...] = ()
     """Bytes alive over its step, allocation by allocation (at most ``TRACE_POINTS``, each the most of its stretch,
     so that no peak is lost): what ``plan --report`` draws."""
@@ -56,28 +67,13 @@ class StageRank:
 TRACE_POINTS = 600
 
 
-class _Trace:
-    """Bytes alive after each allocation and free of a step, fed by ``LiveMemory`` as an allocator is."""
-
-    def __init__(self) -> None:
-        self.sizes: dict[int, int] = {}
-        self.now, self.points = 0, []
-
-    def malloc(self, key: int, nbytes: int) -> None:
-        self.sizes[key] = nbytes
-        self.now += nbytes
-        self.points.append(self.now)
-
-    def free(self, key: int) -> None:
-        self.now -= self.sizes.pop(key, 0)
-        self.points.append(self.now)
-
-    def thinned(self, most: int = TRACE_POINTS) -> tuple[int, ...]:
-        """At most ``most`` points, each the largest of its stretch of the step."""
-        n = len(self.points)
-        if n <= most:
-            return tuple(self.points)
-        return tuple(max(self.points[i * n // most:(i + 1) * n // most]) for i in range(most))
+def thinned(points: list[int], most: int | None = None) -> tuple[int, ...]:
+    """At most ``most`` (default ``TRACE_POINTS``) of ``points``, each the largest of its stretch of the step (no peak
+    lost)."""
+    most, n = most or TRACE_POINTS, len(points)
+    if n <= most:
+        return tuple(points)
+    return tuple(max(points[i * n // most:(i + 1) * n // most]) for i in range(most))
 
 
 def bubble(pp: int, schedule: str, microbatches: int) -> float:
@@ -94,14 +90,15 @@ def pipeline_step_time(whole: float, pp: int, schedule: str, microbatches: int) 
 
 
 def plan_pipeline(cfg: TrainConfig, world: int, dtype: torch.dtype | None = None, device: str = "cpu",
-                  target: Target | None = None, ranks: list[int] | None = None) -> list[StageRank]:
+                  target: Target | None = None, ranks: list[int] | None = None, whole: bool = False) -> list[StageRank]:
     """Each pipeline rank's plan (or those of ``ranks``) for ``cfg`` (--pipeline-parallel, its schedule, micro-batches,
     checkpointing policy and optimizer) over ``world`` processes, training in ``dtype`` (autocast's, or under FSDP the
     gathered weights'; None: fp32) on ``target`` (a CUDA card: its allocator's 512-byte blocks and CUDA autocast's
-    dtypes; by default the device itself)."""
+    dtypes; by default the device itself). ``whole``: every rank's whole step run, none composed (slower; the same
+    plan, which the tests hold it to)."""
     ranks = list(range(cfg.pipeline_parallel)) if ranks is None else ranks
     target = target or Target(torch.device(device).type)
-    calls = [(cfg, world, r, dtype, torch.device(device), target) for r in ranks]
+    calls = [(cfg, world, r, dtype, torch.device(device), target, whole) for r in ranks]
     # Each rank in a copy of this process of its own, side by side: DTensor caches its sharding by a mesh's shape, and
     # a second fake process group's mesh of the same shape found the first's, its groups gone ("could not resolve
     # the process group": a second rank split by tensor parallelism, planned in the same process, or a second plan).
@@ -112,12 +109,34 @@ def plan_pipeline(cfg: TrainConfig, world: int, dtype: torch.dtype | None = None
 
 
 def _plan_rank(cfg: TrainConfig, world: int, pp_rank: int, dtype: torch.dtype | None, device: torch.device,
-               target: Target) -> StageRank:
+               target: Target, whole: bool = False) -> StageRank:
+    """Rank ``pp_rank``'s plan: composed from a small step of it (`fitgpt.estimate.pipeline_compose`), or where that
+    cannot be (or ``whole``), its whole step run."""
+    from fitgpt.estimate.pipeline_compose import NotComposable, small_config
+
+    t0, pp, tp = time.perf_counter(), cfg.pipeline_parallel, cfg.tensor_parallel
+    with fake_ranks(world, tp, pp, rank=pp_rank * (world // pp)) as mesh:  # the first of the stage's ranks
+        build = functools.partial(_built, mesh=mesh, world=world, dtype=dtype, device=device, target=target)
+        small = None if whole else small_config(cfg, pp_rank)
+        plan = None
+        if small is not None:
+            try:
+                plan = _composed(cfg, small, pp_rank, build, target.round_to)
+            except NotComposable as e:
+                log.warning("pipeline rank %d: planned from its whole step (%s)", pp_rank, e)
+        plan = plan or _whole(cfg, pp_rank, build, target.round_to)
+    return dataclasses.replace(plan, seconds=time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def _built(cfg: TrainConfig, mesh, world: int, dtype: torch.dtype | None, device: torch.device,
+           target: Target) -> Iterator[tuple[object, torch.optim.Optimizer, Callable[[], object]]]:
+    """This rank's pipeline of ``cfg`` (the trainer's, on fake tensors), its optimizer, and its step (a call), with
+    the contexts a step runs in entered."""
     from fitgpt.activation_checkpoint import parse_policy
     from fitgpt.device import autocast
     from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
     from fitgpt.memory.fake import fake_mode, fake_module
-    from fitgpt.memory.timeline import PeakProbe, optimizer_state_bytes, param_bytes, unique_bytes
     from fitgpt.model import Transformer
     from fitgpt.optim import build_optimizer, optimizer_params
     from fitgpt.parallel.fsdp import precision_roles
@@ -125,29 +144,97 @@ def _plan_rank(cfg: TrainConfig, world: int, pp_rank: int, dtype: torch.dtype | 
     from fitgpt.parallel.tensor import step_context
     from fitgpt.step import train_step
 
-    t0, r = time.perf_counter(), target.round_to
     amp_dtype, param_dtype = precision_roles(dtype, world > cfg.pipeline_parallel * cfg.tensor_parallel)
     # A CUDA step's tensors get CUDA autocast's dtypes, not the CPU's the fake step runs on.
     rules = cuda_autocast_rules() if target.cuda and device.type != "cuda" and amp_dtype else contextlib.nullcontext()
-    pp, tp = cfg.pipeline_parallel, cfg.tensor_parallel
-    with fake_ranks(world, tp, pp, rank=pp_rank * (world // pp)) as mesh:  # the first of the stage's ranks
-        mode = fake_mode()
-        with torch.device("meta"):
-            model = fake_module(Transformer(cfg.model), device, mode)
-        pipe = prepare_pipeline(model, parse_policy(cfg.activation_checkpointing), cfg, mesh, device, param_dtype,
-                                optimizer_params)
-        with mode, rules:
-            optimizer = build_optimizer(pipe.held, cfg.optim, torch.device(target.device), seed=cfg.seed)
-            ids = torch.zeros(cfg.batch_size, cfg.model.context_length, dtype=torch.long, device=device)  # (B, T)
-            step = dict(amp=autocast(device, amp_dtype), grad_clip=cfg.optim.grad_clip, check=False)  # fake: no values
-            with step_context(pipe.held):  # loss_parallel, where the head is split on the vocabulary
-                train_step(pipe, optimizer, [(ids, ids)], **step)  # the first step makes the state and the buffers
-                trace = _Trace()
-                with PeakProbe(pipe.held, optimizer, pipe.comm_buffers(), round_to=r, allocator=trace) as probe:
-                    trace.points = [trace.now]  # from what is held on: the step's rise and fall
-                    train_step(pipe, optimizer, [(ids, ids)], **step)
-        blocks = tuple((s.blocks[0], s.blocks[-1]) for s in pipe.stages)
-        return StageRank(rank=pp_rank, blocks=blocks, peak=probe.result.peak, params=param_bytes(pipe.held, r),
-                         grads=probe.result.grads, optimizer=optimizer_state_bytes(optimizer, r),
-                         buffers=unique_bytes(pipe.comm_buffers(), r), seconds=time.perf_counter() - t0,
-                         trace=trace.thinned())
+    mode = fake_mode()
+    with torch.device("meta"):
+        model = fake_module(Transformer(cfg.model), device, mode)
+    pipe = prepare_pipeline(model, parse_policy(cfg.activation_checkpointing), cfg, mesh, device, param_dtype,
+                            optimizer_params)
+    with mode, rules:
+        optimizer = build_optimizer(pipe.held, cfg.optim, torch.device(target.device), seed=cfg.seed)
+        ids = torch.zeros(cfg.batch_size, cfg.model.context_length, dtype=torch.long, device=device)  # (B, T)
+        step = dict(amp=autocast(device, amp_dtype), grad_clip=cfg.optim.grad_clip, check=False)  # fake: no values
+        with step_context(pipe.held):  # loss_parallel, where the head is split on the vocabulary
+            yield pipe, optimizer, lambda: train_step(pipe, optimizer, [(ids, ids)], **step)
+
+
+def _held(pipe, optimizer, r: int, buffers: int | None = None) -> int:
+    """What is held across steps, as ``PeakProbe`` counts it (``buffers``: the receive buffers' bytes, if not
+    ``pipe``'s own)."""
+    from fitgpt.memory.timeline import grad_bytes, optimizer_state_bytes, param_bytes, unique_bytes
+
+    buffers = unique_bytes(pipe.comm_buffers(), r) if buffers is None else buffers
+    return param_bytes(pipe.held, r) + grad_bytes(pipe.held, r) + optimizer_state_bytes(optimizer, r) + buffers
+
+
+def _whole(cfg: TrainConfig, pp_rank: int, build, r: int) -> StageRank:
+    """The rank's whole step run, after a first that makes the optimizer's state and the receive buffers."""
+    from fitgpt.estimate.pipeline_compose import Recorder, levels
+    from fitgpt.memory.timeline import PeakProbe
+
+    with build(cfg) as (pipe, optimizer, step):
+        step()
+        rec = Recorder(r)
+        with PeakProbe(pipe.held, optimizer, pipe.comm_buffers(), round_to=r, allocator=rec) as probe:
+            rec.clear()  # from what is held on: the step's rise and fall
+            step()
+        return _rank_plan(cfg, pp_rank, pipe, optimizer, probe.result, r, levels(rec.tokens, _held(pipe, optimizer, r)))
+
+
+def _composed(cfg: TrainConfig, small: TrainConfig, pp_rank: int, build, r: int) -> StageRank:
+    """The rank's step put together from ``small``'s (recorded, checked), and what follows the schedule run on the
+    real rank's parameters, given gradients."""
+    from fitgpt.estimate.pipeline_compose import NotComposable, Recorder, compose, levels, marked, parse, tail
+    from fitgpt.memory.timeline import PeakProbe, unique_bytes
+
+    with build(small) as (pipe, optimizer, step):
+        rec, held = Recorder(r), _held(pipe, optimizer, r)
+        # Its first step: it runs its actions as every later one does, having made its receive buffers first (counted
+        # as held, made before it); what follows the schedule (the optimizer's first step) is not read.
+        with PeakProbe(pipe.held, optimizer, round_to=r, allocator=rec) as probe, marked(pipe, rec):
+            rec.clear()
+            step()
+        if held + max(levels([t for t in rec.tokens if isinstance(t, int)])) != probe.result.peak:
+            raise NotComposable("the recorded allocations do not add up to the small step's peak")
+        rec.unmade(pipe.comm_buffers())
+        recorded = parse(rec, small, pp_rank)
+        per_batch, left = divmod(unique_bytes(pipe.comm_buffers(), r), small.microbatches)
+    if left:
+        raise NotComposable("the receive buffers are not the same for every micro-batch")
+    with build(cfg) as (pipe, optimizer, step):
+        rec = Recorder(r)
+        pipe.train_batch = functools.partial(_given_gradients, pipe, rec)
+        step()  # the optimizer's state made
+        with PeakProbe(pipe.held, optimizer, round_to=r, allocator=rec) as probe:
+            rec.clear()
+            step()
+        start = _held(pipe, optimizer, r, buffers=per_batch * cfg.microbatches)
+        schedule = levels(compose(recorded, cfg, pp_rank), start)
+        trace = schedule + levels(tail(rec.tokens), schedule[-1])[1:]
+        plan = _rank_plan(cfg, pp_rank, pipe, optimizer, probe.result, r, trace)
+        return dataclasses.replace(plan, buffers=per_batch * cfg.microbatches, peak=max(trace), composed=True)
+
+
+def _given_gradients(pipe, rec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """In place of the schedule's step: each parameter given a gradient of its shape, as the backward leaves them."""
+    from fitgpt.estimate.pipeline_compose import Mark
+
+    for p in pipe.held.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    loss = torch.zeros((), device=x.device)
+    rec.mark(Mark("end"))
+    return loss
+
+
+def _rank_plan(cfg: TrainConfig, pp_rank: int, pipe, optimizer, result, r: int, trace: list[int]) -> StageRank:
+    from fitgpt.memory.timeline import optimizer_state_bytes, param_bytes, unique_bytes
+
+    n_stages = cfg.pipeline_parallel * STAGES_PER_RANK[cfg.pipeline_schedule]
+    cuts = stage_blocks(cfg.model.n_blocks, n_stages)
+    blocks = tuple((cuts[s][0], cuts[s][-1]) for s in range(pp_rank, n_stages, cfg.pipeline_parallel))
+    return StageRank(rank=pp_rank, blocks=blocks, peak=result.peak, params=param_bytes(pipe.held, r), grads=result.grads,
+                     optimizer=optimizer_state_bytes(optimizer, r), buffers=unique_bytes(pipe.comm_buffers(), r),
+                     trace=thinned(trace))

@@ -1,0 +1,345 @@
+"""A pipeline rank's step put together, allocation by allocation, from a small step of the same rank: the trainer's
+step run on fake ranks with three blocks a stage and as few micro-batches as show every kind of action the real
+schedule runs on this rank, recorded with a mark where each action (a micro-batch's forward or backward of a stage)
+and each block begins. A 405B rank's step (32 micro-batches through 16 blocks) is a few minutes of fake dispatch;
+the small step is seconds.
+
+Why the whole is its parts: a stage's blocks are identical, so a block between the first and the last allocates and
+frees as every other between them does (the first and last differ: the stage's edges, FSDP's prefetch); an action
+allocates and frees as every action of its kind does, its kind being its stage, forward or backward, whether its
+micro-batch is the first or the last (the gradients made, FSDP's reduction) and the actions beside it (what a
+schedule waits on and lets go around it). So the real step is its actions in the real schedule's order, each the
+small step's action of its kind with its middle block repeated as often as the stage has blocks between its first and
+last. What follows the schedule (the gradients' norm, the optimizer's step) depends on every parameter's shape: it is
+run whole, on the real rank's parameters, given gradients of their shapes.
+
+Checked on the small step itself, else the whole step is run (``NotComposable``): the actions came in the order
+predicted for it, every action of one kind recorded alike, every action's blocks in order. `tests/test_pipeline_plan.py`
+holds the composed plan to the whole step's, to the byte, over the schedules, policies and layouts.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from fitgpt.activation_checkpoint import ActivationCheckpointWrapper
+from fitgpt.config import STAGES_PER_RANK, TrainConfig
+from fitgpt.memory.tracker import round_up, storages
+from fitgpt.parallel.stages import stage_blocks
+
+SMALL_BLOCKS = 3
+"""Blocks a stage in the small step: its first, one of those between, its last."""
+
+
+class NotComposable(Exception):
+    """The small step does not show the real one's parts: the real step is run whole."""
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A place in a recorded step: an action begins ("F", "B": ``stage``, micro-batch ``index``), a block begins
+    ("b": ``stage``, the block's place ``index`` in it, forward or backward) or the schedule's step ends ("end")."""
+
+    kind: str
+    stage: int = -1
+    index: int = -1
+
+
+class Recorder:
+    """An allocator model for ``LiveMemory``: each allocation (+bytes) and free (-bytes), rounded as the probe rounds
+    them, in order, with the marks put among them; and for each free, the action its storage was made in."""
+
+    def __init__(self, round_to: int) -> None:
+        self.round_to, self.tokens, self.births = round_to, [], {}
+        self._sizes, self._action, self._at = {}, None, {}
+
+    def malloc(self, key: int, nbytes: int) -> None:
+        n = round_up(nbytes, self.round_to)
+        self._sizes[key] = (n, self._action)
+        if n:
+            self._at[key] = len(self.tokens)
+            self.tokens.append(n)
+
+    def unmade(self, tensors) -> None:
+        """Count ``tensors``, made during the recording and alive still, as made before it (nothing in its place)."""
+        for t in tensors:
+            for st in storages(t):
+                if (i := self._at.get(id(st))) is not None and id(st) in self._sizes:
+                    self.tokens[i] = 0
+                    del self._sizes[id(st)]
+
+    def free(self, key: int) -> None:
+        n, born = self._sizes.pop(key, (0, None))
+        if n:
+            self.births[len(self.tokens)] = born
+            self.tokens.append(-n)
+
+    def mark(self, mark: Mark) -> None:
+        if mark.kind in ("F", "B"):
+            self._action = (mark.kind, mark.stage, mark.index)
+        self.tokens.append(mark)
+
+    def clear(self) -> None:
+        self.tokens.clear()
+        self.births.clear()
+
+
+@contextlib.contextmanager
+def marked(pipe, rec: Recorder) -> Iterator[None]:
+    """``pipe``'s actions, blocks and step end marked in ``rec`` while the context lasts. Hooks and wrappers only: they
+    allocate nothing."""
+    handles, patched = [], []
+    for stage, wrapped in zip(pipe.stages, pipe.wrapped):
+        s = wrapped.stage_index
+        for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
+            patched.append((wrapped, name))
+            setattr(wrapped, name, _announced(getattr(wrapped, name), rec, kind, s))
+        for j, i in enumerate(stage.blocks):
+            # On the module FSDP shards, first among its hooks (prepend): FSDP's gathering of a block's weights, forward
+            # and backward, falls within the block's own marks, not its neighbour's.
+            block = stage.attn_blocks[i]
+            block = block.inner if isinstance(block, ActivationCheckpointWrapper) else block
+            handles.append(block.register_forward_pre_hook(lambda m, a, _s=s, _j=j: rec.mark(Mark("b", _s, _j)),
+                                                           prepend=True))
+            handles.append(block.register_forward_hook(_backward_marked(rec, s, j), prepend=True))
+            group = block._get_fsdp_state()._fsdp_param_group if hasattr(block, "_get_fsdp_state") else None
+            if group is not None:  # FSDP's reduction of the block's gradients, which the last backward may leave to its end
+                patched.append((group, "post_backward"))
+                group.post_backward = _announced(group.post_backward, rec, "b", s, j)
+    step = pipe.train_batch
+
+    def train_batch(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = step(x, y)
+        rec.mark(Mark("end"))
+        return loss
+
+    pipe.train_batch = train_batch
+    try:
+        yield
+    finally:
+        del pipe.train_batch
+        for h in handles:
+            h.remove()
+        for wrapped, name in patched:
+            delattr(wrapped, name)  # the class's method again
+
+
+def _announced(run, rec: Recorder, kind: str, stage: int, index: int | None = None):
+    """``run`` marked as it begins: with ``index``, or else the micro-batch it is given first."""
+    def announced(*args, **kwargs):
+        at = index if index is not None else args[0] if args else next(iter(kwargs.values()))
+        rec.mark(Mark(kind, stage, at))
+        return run(*args, **kwargs)
+    return announced
+
+
+def _backward_marked(rec: Recorder, stage: int, j: int):
+    def hook(module, args, out) -> None:
+        if isinstance(out, torch.Tensor) and out.requires_grad:  # its gradient arriving: the block's backward begins
+            out.register_hook(lambda grad: rec.mark(Mark("b", stage, j)))
+    return hook
+
+
+def action_order(schedule: str, pp: int, rank: int, microbatches: int) -> list[tuple[str, int, int]]:
+    """The actions ("F" or "B", stage, micro-batch) rank ``rank`` of ``pp`` runs in a step, in the order PyTorch's
+    schedule runs them (checked against the small step's, where it is wrong the plan runs the step whole)."""
+    if schedule == "gpipe":
+        return [("F", rank, m) for m in range(microbatches)] + [("B", rank, m) for m in range(microbatches)]
+    if schedule == "1f1b":  # Schedule1F1B: P - s forwards, then a backward and a forward in turn, then the backwards
+        warmup = min(microbatches, pp - rank)
+        order, f, b = [("F", rank, m) for m in range(warmup)], warmup, 0
+        while b < microbatches:
+            order.append(("B", rank, b))
+            b += 1
+            if f < microbatches:
+                order.append(("F", rank, f))
+                f += 1
+        return order
+    return _interleaved_order(pp, rank, STAGES_PER_RANK[schedule], microbatches)
+
+
+def _interleaved_order(pp: int, rank: int, per_rank: int, microbatches: int) -> list[tuple[str, int, int]]:
+    """ScheduleInterleaved1F1B's own table for ``rank``, computed without its stages."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    table = object.__new__(ScheduleInterleaved1F1B)  # only what the table's computation reads
+    rounds = max(1, microbatches // pp)
+    table.pp_group_size, table.n_local_stages, table._n_microbatches = pp, per_rank, microbatches
+    table.number_of_rounds, table.microbatches_per_round, table.rank = rounds, microbatches // rounds, rank
+    table._num_stages = pp * per_rank
+    kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
+    return [(kinds[a.computation_type], a.stage_index, a.microbatch_index)
+            for a in table._calculate_single_rank_operations(rank) if a is not None and a.computation_type in kinds]
+
+
+def _kinds(order: list[tuple[str, int, int]], microbatches: int, cfg: TrainConfig) -> list[tuple]:
+    """Each action's kind: forward or backward, its stage, first or last micro-batch, and the actions beside it where
+    what it allocates depends on them: GPipe's and 1F1B's sends are waited on and let go of around the next action,
+    and FSDP leaves a stage's weights gathered or not by what ran before (the interleaved schedule without FSDP waits
+    on its sends at the step's end: there, none). Under 1F1B a micro-batch of the warm-up is its own kind: the schedule
+    holds the work of the warm-up's last send but one until its cool-down begins, so that micro-batch's output is let
+    go of at a place of its own."""
+    schedule = cfg.pipeline_schedule
+    window = next((i for i, a in enumerate(order) if a[0] == "B"), 0) if schedule == "1f1b" else 0
+    beside = schedule != "interleaved-1f1b" or cfg.parallel == "fsdp"
+    out = []
+    for i, (k, s, m) in enumerate(order):
+        before = order[i - 1][:2] if i and beside else None
+        after = order[i + 1][:2] if i + 1 < len(order) and beside else None
+        out.append((k, s, m if m < window else None, m == 0, m == microbatches - 1, before, after))
+    return out
+
+
+def _kind_counts(cfg: TrainConfig, rank: int, microbatches: int) -> collections.Counter:
+    order = action_order(cfg.pipeline_schedule, cfg.pipeline_parallel, rank, microbatches)
+    return collections.Counter(_kinds(order, microbatches, cfg))
+
+
+def small_config(cfg: TrainConfig, pp_rank: int) -> TrainConfig | None:
+    """The small step's config for rank ``pp_rank`` of ``cfg``'s pipeline: three blocks a stage (where every stage has
+    two or more), the same micro-batches (rows each) but as few as show every kind of action; None where that is no
+    smaller, or where the rank is not composed (the interleaved schedule under FSDP)."""
+    pp, schedule, m = cfg.pipeline_parallel, cfg.pipeline_schedule, cfg.microbatches
+    if schedule == "interleaved-1f1b" and cfg.parallel == "fsdp":
+        # A rank's two stages, each FSDP's, gather and let go of their weights by what the other ran last: not yet
+        # composed exactly (a 20-block, 4-stage case came out 395,264 bytes low), so run whole.
+        return None
+    n_stages = pp * STAGES_PER_RANK[schedule]
+    sizes = [len(r) for r in stage_blocks(cfg.model.n_blocks, n_stages)]
+    blocks = n_stages * SMALL_BLOCKS if min(sizes) >= 2 and max(sizes) > SMALL_BLOCKS else cfg.model.n_blocks
+    wanted = _kind_counts(cfg, pp_rank, m)
+    step = pp if schedule == "interleaved-1f1b" else 1  # interleaved: whole rounds of P
+    small_m = next(k for k in itertools.count(max(step, pp if schedule == "1f1b" else 2), step)
+                   if k >= m or _shows(_kind_counts(cfg, pp_rank, k), wanted))
+    if small_m >= m and blocks == cfg.model.n_blocks:
+        return None
+    small_m = min(small_m, m)
+    rows = cfg.batch_size // m
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_blocks=blocks), batch_size=rows * small_m,
+                               pipeline_microbatches=small_m)
+
+
+def _shows(small: collections.Counter, real: collections.Counter) -> bool:
+    """Whether a small step of ``small`` kinds of action shows every kind of ``real``'s, twice where the real step has
+    it twice or more (so that the check that every action of a kind is alike has two to compare)."""
+    return all(small[kind] >= min(n, 2) for kind, n in real.items())
+
+
+@dataclass
+class Recorded:
+    """The small step as recorded: its actions' tokens by kind, how many blocks it gave each stage, and its last
+    action's frees' births."""
+
+    head: list
+    by_kind: dict
+    blocks: int
+    """Blocks a stage in the small step (every stage the same)."""
+    microbatches: int
+    last_births: list
+    """For each token of the last action, the action its storage was made in where it is a free, else None."""
+
+
+def parse(rec: Recorder, cfg: TrainConfig, pp_rank: int) -> Recorded:
+    """The small step's recording (``cfg``: its config) cut into actions, checked as the module says."""
+    head, actions = [], []
+    current, births = head, []
+    for i, t in enumerate(rec.tokens):
+        if isinstance(t, Mark) and t.kind in ("F", "B"):
+            actions.append(((t.kind, t.stage, t.index), []))
+            current, births = actions[-1][1], []
+        elif isinstance(t, Mark) and t.kind == "end":
+            current = []  # what follows the schedule: run whole on the real rank
+        elif t != 0:  # 0: made before, as ``Recorder.unmade`` counts it
+            current.append(t)
+            births.append(rec.births.get(i))
+    m = cfg.microbatches
+    order = [a for a, _ in actions]
+    if order != action_order(cfg.pipeline_schedule, cfg.pipeline_parallel, pp_rank, m):
+        raise NotComposable("the schedule ran its actions in another order than predicted")
+    blocks = cfg.model.n_blocks // (cfg.pipeline_parallel * STAGES_PER_RANK[cfg.pipeline_schedule])
+    by_kind: dict = {}
+    for kind, (_, chunk) in zip(_kinds(order, m, cfg), actions):
+        if by_kind.setdefault(kind, chunk) != chunk:
+            raise NotComposable(f"two actions of one kind ({kind}) allocated differently")
+    return Recorded(head=head, by_kind=by_kind, blocks=blocks, microbatches=m, last_births=births)
+
+
+def expand(chunk: list, blocks: int, small_blocks: int) -> list[int]:
+    """An action's allocations with its stage's middle block repeated: ``blocks`` blocks where the small step had
+    ``small_blocks`` (the same number: as recorded, marks dropped). What falls between one block's marks and the next
+    block's is that block's (its forward, its backward, FSDP's reduction of its gradients); a block between the
+    first and the last stands for each of the real stage's between them, wherever in the action it comes."""
+    pre, groups = [], []
+    for t in chunk:
+        if isinstance(t, Mark):
+            if not groups or groups[-1][0] != t.index:
+                groups.append((t.index, []))
+        else:
+            (groups[-1][1] if groups else pre).append(t)
+    if blocks == small_blocks:
+        return pre + [t for _, g in groups for t in g]
+    out = pre
+    for j, g in groups:
+        out = out + g * (blocks - small_blocks + 1) if 0 < j < small_blocks - 1 else out + g
+    return out
+
+
+def compose(rec: Recorded, cfg: TrainConfig, pp_rank: int) -> list[int]:
+    """The real step's allocations and frees up to the schedule's end (``cfg``: the real config), from ``rec``."""
+    m = cfg.microbatches
+    order = action_order(cfg.pipeline_schedule, cfg.pipeline_parallel, pp_rank, m)
+    sizes = [len(r) for r in stage_blocks(cfg.model.n_blocks, cfg.pipeline_parallel * STAGES_PER_RANK[cfg.pipeline_schedule])]
+    out = [t for t in rec.head if not isinstance(t, Mark)]
+    kinds = _kinds(order, m, cfg)
+    for i, (kind, (_, stage, _)) in enumerate(zip(kinds, order)):
+        if kind not in rec.by_kind:
+            raise NotComposable(f"the small step ran no action of the kind {kind}")
+        chunk = rec.by_kind[kind]
+        if i == len(order) - 1:
+            chunk = let_go_together(chunk, rec.last_births, m - rec.microbatches)
+        out += expand(chunk, sizes[stage], rec.blocks)
+    return out
+
+
+def let_go_together(chunk: list, births: list, more: int) -> list:
+    """The last action's ``chunk`` with ``more`` micro-batches' more of what the schedule lets go together at its
+    step's end: a run of frees of one size, of storages made by the actions of one or more kinds (a stage's forward,
+    or its backward), each kind's made by micro-batches one after another from the first (PyTorch's
+    schedules keep every micro-batch's loss, and GPipe's and the interleaved schedule's every send, until then). Each
+    such kind lets go of ``more`` more in the real step; where in the run they go changes nothing (one size)."""
+    if more <= 0:
+        return chunk
+    out, i = [], 0
+    while i < len(chunk):
+        j = i
+        while j < len(chunk) and isinstance(chunk[j], int) and chunk[j] == chunk[i] < 0 and births[j] is not None:
+            j += 1
+        if j - i < 2:
+            out.append(chunk[i])
+            i += 1
+            continue
+        made: dict = {}
+        for k in range(i, j):
+            made.setdefault(births[k][:2], set()).add(births[k][2])
+        scaled = sum(1 for mbs in made.values() if len(mbs) >= 2 and min(mbs) == 0 and max(mbs) == len(mbs) - 1)
+        out += chunk[i:j] + [chunk[i]] * (more * scaled)
+        i = j
+    return out
+
+
+def tail(tokens: list) -> list[int]:
+    """What follows the schedule's end."""
+    ends = [i for i, t in enumerate(tokens) if isinstance(t, Mark) and t.kind == "end"]
+    return [t for t in tokens[ends[-1] + 1:] if not isinstance(t, Mark)] if ends else []
+
+
+def levels(deltas: list[int], start: int = 0) -> list[int]:
+    """The bytes alive after each allocation and free, from ``start``."""
+    return list(itertools.accumulate(deltas, initial=start))
