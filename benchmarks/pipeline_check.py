@@ -124,7 +124,8 @@ def torchtitan(schedule: str, ranks: list[int] | None = None, whole: bool = Fals
     wall = time.perf_counter() - t0
     gib = 2**30
     print(f"405B, FSDP 8 x TP 8 x PP 8, {schedule}, 32 micro-batches of 1 x 8192, block, bf16, H100: planned in {wall:.0f} s")
-    print("| rank | blocks | weights | gradients | AdamW state | receive buffers | activations | peak | peak (bytes) | planned in | composed |")
+    print("| rank | blocks | weights | gradients | AdamW state | receive buffers | activations | peak | peak (bytes) | "
+          "planned in | composed |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for p in plans:
         print(f"| {p.rank} | {p.describe_blocks()} | {p.params / gib:.2f} | {p.grads / gib:.2f} | {p.optimizer / gib:.2f} | "
