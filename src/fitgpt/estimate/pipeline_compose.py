@@ -7,15 +7,19 @@ the small step is seconds.
 Why the whole is its parts: a stage's blocks are identical, so a block between the first and the last allocates and
 frees as every other between them does (the first and last differ: the stage's edges, FSDP's prefetch); an action
 allocates and frees as every action of its kind does, its kind being its stage, forward or backward, whether its
-micro-batch is the first or the last (the gradients made, FSDP's reduction) and the actions beside it (what a
-schedule waits on and lets go around it). So the real step is its actions in the real schedule's order, each the
-small step's action of its kind with its middle block repeated as often as the stage has blocks between its first and
-last. What follows the schedule (the gradients' norm, the optimizer's step) depends on every parameter's shape: it is
-run whole, on the real rank's parameters, given gradients of their shapes.
+micro-batch is the first or the last (the gradients made, FSDP's reduction), the actions beside it (what a schedule
+waits on and lets go of around it) and under 1F1B a warm-up micro-batch's own place. So the real step is its actions
+in the real schedule's order, each the small step's action of its kind with its middle block repeated as often as
+the stage has blocks between its first and last; what the schedule lets go of together at its end (a loss, a send
+each micro-batch) as many more times as the real step has micro-batches more. What follows the schedule (the
+gradients' norm, the optimizer's step) depends on every parameter's shape: it is run whole, on the real rank's
+parameters, given gradients of their shapes.
 
 Checked on the small step itself, else the whole step is run (``NotComposable``): the actions came in the order
-predicted for it, every action of one kind recorded alike, every action's blocks in order. `tests/test_pipeline_plan.py`
-holds the composed plan to the whole step's, to the byte, over the schedules, policies and layouts.
+predicted for it, every action of one kind recorded alike (the small step has two of every kind the real step repeats),
+the recorded allocations add up to its peak. Not composed: the interleaved schedule under FSDP (a rank's two stages
+gather their weights by which ran last). `tests/test_pipeline_compose.py` holds the composed plan to the whole step's,
+allocation by allocation, over the schedules, policies and layouts.
 """
 
 from __future__ import annotations
@@ -249,13 +253,13 @@ class Recorded:
 def parse(rec: Recorder, cfg: TrainConfig, pp_rank: int) -> Recorded:
     """The small step's recording (``cfg``: its config) cut into actions, checked as the module says."""
     head, actions = [], []
-    current, births = head, []
+    current, births, last_births = head, [], []
     for i, t in enumerate(rec.tokens):
         if isinstance(t, Mark) and t.kind in ("F", "B"):
             actions.append(((t.kind, t.stage, t.index), []))
             current, births = actions[-1][1], []
         elif isinstance(t, Mark) and t.kind == "end":
-            current = []  # what follows the schedule: run whole on the real rank
+            last_births, current, births = births, [], []  # what follows the schedule: run whole on the real rank
         elif t != 0:  # 0: made before, as ``Recorder.unmade`` counts it
             current.append(t)
             births.append(rec.births.get(i))
@@ -268,7 +272,7 @@ def parse(rec: Recorder, cfg: TrainConfig, pp_rank: int) -> Recorded:
     for kind, (_, chunk) in zip(_kinds(order, m, cfg), actions):
         if by_kind.setdefault(kind, chunk) != chunk:
             raise NotComposable(f"two actions of one kind ({kind}) allocated differently")
-    return Recorded(head=head, by_kind=by_kind, blocks=blocks, microbatches=m, last_births=births)
+    return Recorded(head=head, by_kind=by_kind, blocks=blocks, microbatches=m, last_births=last_births)
 
 
 def expand(chunk: list, blocks: int, small_blocks: int) -> list[int]:
