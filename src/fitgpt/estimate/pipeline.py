@@ -27,7 +27,6 @@ import torch
 from fitgpt.config import STAGES_PER_RANK, TrainConfig
 from fitgpt.estimate.hardware import Target
 from fitgpt.estimate.ranks import fake_ranks, in_own_process
-from fitgpt.parallel.stages import stage_blocks
 from fitgpt.utils import Forked
 
 log = logging.getLogger(__name__)
@@ -160,15 +159,6 @@ def _built(cfg: TrainConfig, mesh, world: int, dtype: torch.dtype | None, device
             yield pipe, optimizer, lambda: train_step(pipe, optimizer, [(ids, ids)], **step)
 
 
-def _held(pipe, optimizer, r: int, buffers: int | None = None) -> int:
-    """What is held across steps, as ``PeakProbe`` counts it (``buffers``: the receive buffers' bytes, if not
-    ``pipe``'s own)."""
-    from fitgpt.memory.timeline import grad_bytes, optimizer_state_bytes, param_bytes, unique_bytes
-
-    buffers = unique_bytes(pipe.comm_buffers(), r) if buffers is None else buffers
-    return param_bytes(pipe.held, r) + grad_bytes(pipe.held, r) + optimizer_state_bytes(optimizer, r) + buffers
-
-
 def _whole(cfg: TrainConfig, pp_rank: int, build, r: int) -> StageRank:
     """The rank's whole step run, after a first that makes the optimizer's state and the receive buffers."""
     from fitgpt.estimate.pipeline_compose import Recorder, levels
@@ -180,7 +170,7 @@ def _whole(cfg: TrainConfig, pp_rank: int, build, r: int) -> StageRank:
         with PeakProbe(pipe.held, optimizer, pipe.comm_buffers(), round_to=r, allocator=rec) as probe:
             rec.clear()  # from what is held on: the step's rise and fall
             step()
-        return _rank_plan(cfg, pp_rank, pipe, optimizer, probe.result, r, levels(rec.tokens, _held(pipe, optimizer, r)))
+        return _rank_plan(pp_rank, pipe, optimizer, probe.result, r, levels(rec.tokens, probe.held))
 
 
 def _composed(cfg: TrainConfig, small: TrainConfig, pp_rank: int, build, r: int) -> StageRank:
@@ -190,13 +180,13 @@ def _composed(cfg: TrainConfig, small: TrainConfig, pp_rank: int, build, r: int)
     from fitgpt.memory.timeline import PeakProbe, unique_bytes
 
     with build(small) as (pipe, optimizer, step):
-        rec, held = Recorder(r), _held(pipe, optimizer, r)
+        rec = Recorder(r)
         # Its first step: it runs its actions as every later one does, having made its receive buffers first (counted
         # as held, made before it); what follows the schedule (the optimizer's first step) is not read.
         with PeakProbe(pipe.held, optimizer, round_to=r, allocator=rec) as probe, marked(pipe, rec):
             rec.clear()
             step()
-        if held + max(levels([t for t in rec.tokens if isinstance(t, int)])) != probe.result.peak:
+        if probe.held + max(levels([t for t in rec.tokens if isinstance(t, int)])) != probe.result.peak:
             raise NotComposable("the recorded allocations do not add up to the small step's peak")
         rec.unmade(pipe.comm_buffers())
         recorded = parse(rec, small, pp_rank)
@@ -210,10 +200,10 @@ def _composed(cfg: TrainConfig, small: TrainConfig, pp_rank: int, build, r: int)
         with PeakProbe(pipe.held, optimizer, round_to=r, allocator=rec) as probe:
             rec.clear()
             step()
-        start = _held(pipe, optimizer, r, buffers=per_batch * cfg.microbatches)
+        start = probe.held + per_batch * cfg.microbatches  # the real step's receive buffers besides
         schedule = levels(compose(recorded, cfg, pp_rank), start)
         trace = schedule + levels(tail(rec.tokens), schedule[-1])[1:]
-        plan = _rank_plan(cfg, pp_rank, pipe, optimizer, probe.result, r, trace)
+        plan = _rank_plan(pp_rank, pipe, optimizer, probe.result, r, trace)
         return dataclasses.replace(plan, buffers=per_batch * cfg.microbatches, peak=max(trace), composed=True)
 
 
@@ -229,12 +219,10 @@ def _given_gradients(pipe, rec, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     return loss
 
 
-def _rank_plan(cfg: TrainConfig, pp_rank: int, pipe, optimizer, result, r: int, trace: list[int]) -> StageRank:
+def _rank_plan(pp_rank: int, pipe, optimizer, result, r: int, trace: list[int]) -> StageRank:
     from fitgpt.memory.timeline import optimizer_state_bytes, param_bytes, unique_bytes
 
-    n_stages = cfg.pipeline_parallel * STAGES_PER_RANK[cfg.pipeline_schedule]
-    cuts = stage_blocks(cfg.model.n_blocks, n_stages)
-    blocks = tuple((cuts[s][0], cuts[s][-1]) for s in range(pp_rank, n_stages, cfg.pipeline_parallel))
+    blocks = tuple((s.blocks[0], s.blocks[-1]) for s in pipe.stages)
     return StageRank(rank=pp_rank, blocks=blocks, peak=result.peak, params=param_bytes(pipe.held, r), grads=result.grads,
                      optimizer=optimizer_state_bytes(optimizer, r), buffers=unique_bytes(pipe.comm_buffers(), r),
                      trace=thinned(trace))

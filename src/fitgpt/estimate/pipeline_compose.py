@@ -201,6 +201,12 @@ def _kinds(order: list[tuple[str, int, int]], microbatches: int, cfg: TrainConfi
     return out
 
 
+def _stage_sizes(cfg: TrainConfig) -> list[int]:
+    """Each stage's number of blocks under ``cfg``'s pipeline."""
+    n_stages = cfg.pipeline_parallel * STAGES_PER_RANK[cfg.pipeline_schedule]
+    return [len(r) for r in stage_blocks(cfg.model.n_blocks, n_stages)]
+
+
 def _kind_counts(cfg: TrainConfig, rank: int, microbatches: int) -> collections.Counter:
     order = action_order(cfg.pipeline_schedule, cfg.pipeline_parallel, rank, microbatches)
     return collections.Counter(_kinds(order, microbatches, cfg))
@@ -215,9 +221,8 @@ def small_config(cfg: TrainConfig, pp_rank: int) -> TrainConfig | None:
         # A rank's two stages, each FSDP's, gather and let go of their weights by what the other ran last: not yet
         # composed exactly (a 20-block, 4-stage case came out 395,264 bytes low), so run whole.
         return None
-    n_stages = pp * STAGES_PER_RANK[schedule]
-    sizes = [len(r) for r in stage_blocks(cfg.model.n_blocks, n_stages)]
-    blocks = n_stages * SMALL_BLOCKS if min(sizes) >= 2 and max(sizes) > SMALL_BLOCKS else cfg.model.n_blocks
+    sizes = _stage_sizes(cfg)
+    blocks = len(sizes) * SMALL_BLOCKS if min(sizes) >= 2 and max(sizes) > SMALL_BLOCKS else cfg.model.n_blocks
     wanted = _kind_counts(cfg, pp_rank, m)
     step = pp if schedule == "interleaved-1f1b" else 1  # interleaved: whole rounds of P
     small_m = next(k for k in itertools.count(max(step, pp if schedule == "1f1b" else 2), step)
@@ -267,7 +272,7 @@ def parse(rec: Recorder, cfg: TrainConfig, pp_rank: int) -> Recorded:
     order = [a for a, _ in actions]
     if order != action_order(cfg.pipeline_schedule, cfg.pipeline_parallel, pp_rank, m):
         raise NotComposable("the schedule ran its actions in another order than predicted")
-    blocks = cfg.model.n_blocks // (cfg.pipeline_parallel * STAGES_PER_RANK[cfg.pipeline_schedule])
+    blocks = _stage_sizes(cfg)[0]  # the small step's stages are all alike
     by_kind: dict = {}
     for kind, (_, chunk) in zip(_kinds(order, m, cfg), actions):
         if by_kind.setdefault(kind, chunk) != chunk:
@@ -299,7 +304,7 @@ def compose(rec: Recorded, cfg: TrainConfig, pp_rank: int) -> list[int]:
     """The real step's allocations and frees up to the schedule's end (``cfg``: the real config), from ``rec``."""
     m = cfg.microbatches
     order = action_order(cfg.pipeline_schedule, cfg.pipeline_parallel, pp_rank, m)
-    sizes = [len(r) for r in stage_blocks(cfg.model.n_blocks, cfg.pipeline_parallel * STAGES_PER_RANK[cfg.pipeline_schedule])]
+    sizes = _stage_sizes(cfg)
     out = [t for t in rec.head if not isinstance(t, Mark)]
     kinds = _kinds(order, m, cfg)
     for i, (kind, (_, stage, _)) in enumerate(zip(kinds, order)):

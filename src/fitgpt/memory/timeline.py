@@ -284,7 +284,8 @@ class PeakProbe:
     def __enter__(self) -> PeakProbe:
         r = self.round_to
         self._params, self._opt = param_bytes(self.model, r), optimizer_state_bytes(self.optimizer, r)
-        self._held = self._params + self._opt + grad_bytes(self.model, r) + unique_bytes(self.also, r)
+        self.held = self._params + self._opt + grad_bytes(self.model, r) + unique_bytes(self.also, r)
+        """Bytes held on entry: weights, gradients, optimizer state, ``also``."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -304,7 +305,7 @@ class PeakProbe:
             self._live.__exit__(*exc)
             rise, source = self._live.peak - self._live_held, "tracker"
         grads = unique_bytes((p for p in self.model.parameters() if p.requires_grad), self.round_to)  # mirror the params
-        self.result = StepPeak(peak=self._held + rise, params=self._params, grads=grads, optimizer=self._opt, source=source)
+        self.result = StepPeak(peak=self.held + rise, params=self._params, grads=grads, optimizer=self._opt, source=source)
 
 
 def measure_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch], **step_kw) -> StepPeak:
