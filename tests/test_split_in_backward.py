@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from test_split_optimizers import BF16, CFG, _batch, _model, _optim, _split, assert_like_one_process
+from test_split_optimizers import BF16, CFG, _batch, _model, _optim, _split, assert_like_one_process, steady_peak
 
 from fitgpt.optim import build_optimizer
 from fitgpt.step import train_step
@@ -63,9 +63,8 @@ def test_the_step_in_the_backward_trains_on_every_layout_as_one_process(world, l
 
 
 def measured_peaks(rank: int, world: int, names: list[str]) -> dict:
-    """Each rank's measured peak (the tracker, at the second step) of each optimizer stepped in the backward under
+    """Each rank's measured peak of a steady step (`steady_peak`) of each optimizer stepped in the backward under
     FSDP, clipped in two passes, as the planner plans it."""
-    from fitgpt.memory.timeline import measure_train_step
     from fitgpt.parallel.fsdp import fsdp_shard
 
     peaks = {}
@@ -75,8 +74,7 @@ def measured_peaks(rank: int, world: int, names: list[str]) -> dict:
         x = torch.randint(0, CFG["vocab_size"], (4, 16), generator=torch.Generator().manual_seed(rank))
         optim = dataclasses.replace(_optim(name, clip=True), in_backward=True)
         opt = build_optimizer(model, optim, torch.device("cpu"), seed=0)
-        measure_train_step(model, opt, [(x, x)], grad_clip=1.0)
-        peaks[name] = measure_train_step(model, opt, [(x, x)], grad_clip=1.0).peak
+        peaks[name] = steady_peak(model, opt, (x, x))
     return peaks
 
 
