@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from test_split_optimizers import BF16, CFG, _batch, _model, _optim, _split, assert_like_one_process, steady_peak
+from test_split_optimizers import BF16, CFG, _batch, _model, _optim, _split, assert_like_one_process
 
 from fitgpt.optim import build_optimizer
 from fitgpt.step import train_step
@@ -65,6 +65,8 @@ def test_the_step_in_the_backward_trains_on_every_layout_as_one_process(world, l
 def measured_peaks(rank: int, world: int, names: list[str]) -> dict:
     """Each rank's measured peak of a steady step (`steady_peak`) of each optimizer stepped in the backward under
     FSDP, clipped in two passes, as the planner plans it."""
+    from measured import steady_peak
+
     from fitgpt.parallel.fsdp import fsdp_shard
 
     peaks = {}

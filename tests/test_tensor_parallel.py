@@ -154,10 +154,11 @@ PLANNED = ("none", "block", "selective", "block+chunked-loss", "selective+fused-
 
 
 def _measured_peaks(rank: int, world: int, tp: int, arch: str) -> dict:
-    """Each rank's measured peak of a steady step (the trainer's train_step, AdamW's state made by a first step), on
-    the trainer's mesh: world / tp data-parallel ranks (FSDP's, where more than one) x tp."""
+    """Each rank's measured peak of a steady step (`steady_peak`: the trainer's train_step, AdamW's state made by a
+    first step), on the trainer's mesh: world / tp data-parallel ranks (FSDP's, where more than one) x tp."""
+    from measured import steady_peak
+
     from fitgpt.config import OptimConfig
-    from fitgpt.memory.timeline import measure_train_step
     from fitgpt.optim import build_optimizer
     from fitgpt.parallel.fsdp import fsdp_shard
     from fitgpt.parallel.tensor import training_mesh
@@ -173,8 +174,7 @@ def _measured_peaks(rank: int, world: int, tp: int, arch: str) -> dict:
             fsdp_shard(model, None, mesh=mesh["dp"])
         opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
         with step_context(model):
-            measure_train_step(model, opt, [_batch()], grad_clip=1.0)  # the optimizer state exists from here on
-            peaks[spec] = measure_train_step(model, opt, [_batch()], grad_clip=1.0).peak
+            peaks[spec] = steady_peak(model, opt, _batch())
     return peaks
 
 
