@@ -2,6 +2,7 @@
 rank's traceback, and never the next test's; a command run on them as torchrun runs it meets in a group of its own."""
 
 import os
+import signal
 
 import pytest
 import torch.distributed as dist
@@ -23,6 +24,23 @@ def test_a_failing_rank_fails_its_own_test_with_its_traceback_and_the_next_gets_
         ranks(2).run(_fails_on_rank_one)
     assert "ValueError: rank one's own failure" in str(failed.value)
     assert ranks(2).run(_rank) == [(0, 2), (1, 2)]  # rank 0, left waiting, was ended with its group
+
+
+def _dies_on_rank_one(rank: int, world: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as a native abort ends a process: no traceback, no answer
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_a_rank_whose_process_dies_fails_its_test_at_once_and_the_next_gets_new_ranks(ranks):
+    """Rank 1 of a CI run died of "malloc(): unaligned tcache chunk detected" and its test waited out its 300 s; a dead
+    process is now told within a second, by name, and only that failure is rerun (pyproject's ``--only-rerun``)."""
+    from rank_pool import RankCrashed
+
+    with pytest.raises(RankCrashed, match=r"_dies_on_rank_one on 2 ranks: the process of rank\(s\) \[1\] died .*-9"):
+        ranks(2).run(_dies_on_rank_one, timeout=60)
+    assert ranks(2).run(_rank) == [(0, 2), (1, 2)]
 
 
 @pytest.mark.slow
