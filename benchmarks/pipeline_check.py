@@ -40,11 +40,13 @@ CASES = [  # (processes, overrides)
     (4, {"pipeline_parallel": 2, "parallel": "fsdp", "pipeline_schedule": "1f1b", "activation_checkpointing": "none"}),
     (4, {"pipeline_parallel": 2, "tensor_parallel": 2, "pipeline_schedule": "1f1b", "activation_checkpointing": "selective",
          "pipeline_microbatches": 4}),
+    (4, {"pipeline_parallel": 2, "parallel": "fsdp", "pipeline_schedule": "interleaved-1f1b", "activation_checkpointing": "block",
+         "pipeline_microbatches": 8, "model": {"n_blocks": 16}}),
 ]
 
 
 def _config(overrides: dict):
-    return load_config("llama-tiny", overrides={**BASE, **overrides})
+    return load_config("llama-tiny", overrides={**BASE, **overrides, "model": {**BASE["model"], **overrides.get("model", {})}})
 
 
 def _worker(rank: int, world: int, port: int, out: str, overrides: dict) -> None:

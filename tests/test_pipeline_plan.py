@@ -60,6 +60,9 @@ def measured_stage_peak(rank: int, world: int, overrides: dict) -> int:
     # composed from a small step (`fitgpt.estimate.pipeline_compose`): 8 blocks, 8 micro-batches
     (4, {"pipeline_schedule": "1f1b", "parallel": "fsdp", "activation_checkpointing": "block", "batch_size": 8,
          "pipeline_microbatches": 8, "model": {**PLANNED["model"], "n_blocks": 8}}),
+    # two FSDP stages a rank, gathered ahead by the schedule: 16 blocks, 8 micro-batches, composed
+    (4, {"pipeline_schedule": "interleaved-1f1b", "parallel": "fsdp", "activation_checkpointing": "block", "batch_size": 8,
+         "pipeline_microbatches": 8, "model": {**PLANNED["model"], "n_blocks": 16}}),
 ])
 def test_each_pipeline_rank_is_planned_to_the_byte(world, extra, ranks):
     """The planner runs each stage's rank of the trainer's pipeline step on fake ranks (`fitgpt.estimate.pipeline`):

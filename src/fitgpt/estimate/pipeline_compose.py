@@ -17,9 +17,11 @@ parameters, given gradients of their shapes.
 
 Checked on the small step itself, else the whole step is run (``NotComposable``): the actions came in the order
 predicted for it, every action of one kind recorded alike (the small step has two of every kind the real step repeats),
-the recorded allocations add up to its peak. Not composed: the interleaved schedule under FSDP (a rank's two stages
-gather their weights by which ran last). `tests/test_pipeline_compose.py` holds the composed plan to the whole step's,
-allocation by allocation, over the schedules, policies and layouts.
+the recorded allocations add up to its peak. Under FSDP the interleaved schedule gathers both of a rank's stages'
+weights ahead, all their blocks at once, at the step's start, and waits on a stage's before its first action: those
+gathers are marked as their blocks' (a middle one repeated as the real stage's), and the action before a stage's
+first is a kind of its own. `tests/test_pipeline_compose.py` holds the composed plan to the whole step's, allocation
+by allocation, over the schedules, policies and layouts.
 """
 
 from __future__ import annotations
@@ -117,6 +119,9 @@ def marked(pipe, rec: Recorder) -> Iterator[None]:
             if group is not None:  # FSDP's reduction of the block's gradients, which the last backward may leave to its end
                 patched.append((group, "post_backward"))
                 group.post_backward = _announced(group.post_backward, rec, "b", s, j)
+        for module, j in _sharded(stage):
+            patched.append((module, "unshard"))
+            module.unshard = _unshard_marked(module.unshard, rec, s, j)
     step = pipe.train_batch
 
     def train_batch(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -142,6 +147,37 @@ def _announced(run, rec: Recorder, kind: str, stage: int, index: int | None = No
         rec.mark(Mark(kind, stage, at))
         return run(*args, **kwargs)
     return announced
+
+
+def _sharded(stage) -> Iterator[tuple[object, int]]:
+    """The stage's modules FSDP shards, each with its block's place in the stage (-1: the stage itself)."""
+    for module in stage.modules():
+        if hasattr(module, "unshard") and hasattr(module, "_get_fsdp_state"):
+            at = next((j for j, i in enumerate(stage.blocks) if _inner(stage.attn_blocks[i]) is module), -1)
+            yield module, at
+
+
+def _inner(block):
+    return block.inner if isinstance(block, ActivationCheckpointWrapper) else block
+
+
+def _unshard_marked(unshard, rec: Recorder, stage: int, j: int):
+    """A module's ``unshard``, as the interleaved schedule calls it to gather a stage's weights ahead (and waits on it
+    before the stage's first action), marked as its block's, when it starts and when it is waited on."""
+    def marked_unshard(*args, **kwargs):
+        rec.mark(Mark("b", stage, j))
+        handle = unshard(*args, **kwargs)
+        return _MarkedWait(handle, rec, Mark("b", stage, j)) if handle is not None else None
+    return marked_unshard
+
+
+class _MarkedWait:
+    def __init__(self, handle, rec: Recorder, mark: Mark) -> None:
+        self.handle, self.rec, self.mark = handle, rec, mark
+
+    def wait(self) -> None:
+        self.rec.mark(self.mark)
+        self.handle.wait()
 
 
 def _backward_marked(rec: Recorder, stage: int, j: int):
@@ -184,20 +220,27 @@ def _interleaved_order(pp: int, rank: int, per_rank: int, microbatches: int) -> 
 
 
 def _kinds(order: list[tuple[str, int, int]], microbatches: int, cfg: TrainConfig) -> list[tuple]:
-    """Each action's kind: forward or backward, its stage, first or last micro-batch, and the actions beside it where
-    what it allocates depends on them: GPipe's and 1F1B's sends are waited on and let go of around the next action,
-    and FSDP leaves a stage's weights gathered or not by what ran before (the interleaved schedule without FSDP waits
-    on its sends at the step's end: there, none). Under 1F1B a micro-batch of the warm-up is its own kind: the schedule
-    holds the work of the warm-up's last send but one until its cool-down begins, so that micro-batch's output is let
-    go of at a place of its own."""
+    """Each action's kind: forward or backward, its stage, first or last micro-batch, and what ran before and after it
+    where what it allocates depends on that. GPipe's and 1F1B's sends are waited on and let go of around the next
+    action: there, the actions beside it on the rank. FSDP leaves a stage's weights gathered or not by what that stage
+    ran last (PyTorch's schedules reshard a stage's blocks after a forward and not after a backward, the root after
+    neither, until its gradients are reduced): under the interleaved schedule, whose rank runs two stages, the kind of
+    the stage's own last action (none before its first), and no more (its sends are waited on at the step's end).
+    Under 1F1B a micro-batch of the warm-up is its own kind: the schedule holds the work of the warm-up's last send
+    but one until its cool-down begins, so that micro-batch's output is let go of at a place of its own."""
     schedule = cfg.pipeline_schedule
     window = next((i for i, a in enumerate(order) if a[0] == "B"), 0) if schedule == "1f1b" else 0
-    beside = schedule != "interleaved-1f1b" or cfg.parallel == "fsdp"
-    out = []
+    beside = schedule != "interleaved-1f1b"
+    by_stage = schedule == "interleaved-1f1b" and cfg.parallel == "fsdp"
+    firsts = {next(i for i, a in enumerate(order) if a[1] == s) for s in {a[1] for a in order}}
+    out, last = [], {}
     for i, (k, s, m) in enumerate(order):
-        before = order[i - 1][:2] if i and beside else None
+        before = order[i - 1][:2] if i and beside else last.get(s) if by_stage else None
         after = order[i + 1][:2] if i + 1 < len(order) and beside else None
+        if by_stage and i + 1 in firsts:  # the schedule waits on the next stage's weights, gathered ahead, here
+            after = order[i + 1][1]
         out.append((k, s, m if m < window else None, m == 0, m == microbatches - 1, before, after))
+        last[s] = k
     return out
 
 
@@ -215,12 +258,8 @@ def _kind_counts(cfg: TrainConfig, rank: int, microbatches: int) -> collections.
 def small_config(cfg: TrainConfig, pp_rank: int) -> TrainConfig | None:
     """The small step's config for rank ``pp_rank`` of ``cfg``'s pipeline: three blocks a stage (where every stage has
     two or more), the same micro-batches (rows each) but as few as show every kind of action; None where that is no
-    smaller, or where the rank is not composed (the interleaved schedule under FSDP)."""
+    smaller."""
     pp, schedule, m = cfg.pipeline_parallel, cfg.pipeline_schedule, cfg.microbatches
-    if schedule == "interleaved-1f1b" and cfg.parallel == "fsdp":
-        # A rank's two stages, each FSDP's, gather and let go of their weights by what the other ran last: not yet
-        # composed exactly (a 20-block, 4-stage case came out 395,264 bytes low), so run whole.
-        return None
     sizes = _stage_sizes(cfg)
     blocks = len(sizes) * SMALL_BLOCKS if min(sizes) >= 2 and max(sizes) > SMALL_BLOCKS else cfg.model.n_blocks
     wanted = _kind_counts(cfg, pp_rank, m)
@@ -280,23 +319,23 @@ def parse(rec: Recorder, cfg: TrainConfig, pp_rank: int) -> Recorded:
     return Recorded(head=head, by_kind=by_kind, blocks=blocks, microbatches=m, last_births=last_births)
 
 
-def expand(chunk: list, blocks: int, small_blocks: int) -> list[int]:
-    """An action's allocations with its stage's middle block repeated: ``blocks`` blocks where the small step had
-    ``small_blocks`` (the same number: as recorded, marks dropped). What falls between one block's marks and the next
-    block's is that block's (its forward, its backward, FSDP's reduction of its gradients); a block between the
-    first and the last stands for each of the real stage's between them, wherever in the action it comes."""
+def expand(chunk: list, blocks, small_blocks: int) -> list[int]:
+    """An action's allocations with each stage's middle block repeated: ``blocks`` blocks a stage (a number, or one per
+    stage) where the small step had ``small_blocks`` (the same number: as recorded, marks dropped). What falls between
+    one block's marks and the next block's is that block's (its forward, its backward, FSDP's reduction of its
+    gradients, the schedule's gathering of its weights); a block between the first and the last stands for each of the
+    real stage's between them, wherever in the action it comes."""
+    size = (lambda stage: blocks) if isinstance(blocks, int) else blocks.__getitem__
     pre, groups = [], []
     for t in chunk:
         if isinstance(t, Mark):
-            if not groups or groups[-1][0] != t.index:
-                groups.append((t.index, []))
+            if not groups or groups[-1][0] != (t.stage, t.index):
+                groups.append(((t.stage, t.index), []))
         else:
             (groups[-1][1] if groups else pre).append(t)
-    if blocks == small_blocks:
-        return pre + [t for _, g in groups for t in g]
     out = pre
-    for j, g in groups:
-        out = out + g * (blocks - small_blocks + 1) if 0 < j < small_blocks - 1 else out + g
+    for (stage, j), g in groups:
+        out = out + g * (size(stage) - small_blocks + 1) if 0 < j < small_blocks - 1 else out + g
     return out
 
 
@@ -305,15 +344,15 @@ def compose(rec: Recorded, cfg: TrainConfig, pp_rank: int) -> list[int]:
     m = cfg.microbatches
     order = action_order(cfg.pipeline_schedule, cfg.pipeline_parallel, pp_rank, m)
     sizes = _stage_sizes(cfg)
-    out = [t for t in rec.head if not isinstance(t, Mark)]
+    out = expand(rec.head, sizes, rec.blocks)
     kinds = _kinds(order, m, cfg)
-    for i, (kind, (_, stage, _)) in enumerate(zip(kinds, order)):
+    for i, kind in enumerate(kinds):
         if kind not in rec.by_kind:
             raise NotComposable(f"the small step ran no action of the kind {kind}")
         chunk = rec.by_kind[kind]
         if i == len(order) - 1:
             chunk = let_go_together(chunk, rec.last_births, m - rec.microbatches)
-        out += expand(chunk, sizes[stage], rec.blocks)
+        out += expand(chunk, sizes, rec.blocks)
     return out
 
 
