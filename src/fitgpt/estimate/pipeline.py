@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -101,9 +102,12 @@ def plan_pipeline(cfg: TrainConfig, world: int, dtype: torch.dtype | None = None
     # Each rank in a copy of this process of its own, side by side: DTensor caches its sharding by a mesh's shape, and
     # a second fake process group's mesh of the same shape found the first's, its groups gone ("could not resolve
     # the process group": a second rank split by tensor parallelism, planned in the same process, or a second plan).
-    if sys.platform.startswith("linux"):
-        copies = [Forked(_plan_rank, *call, fresh=True) for call in calls]
-        return [c.result() for c in copies]
+    if sys.platform.startswith("linux"):  # as many at a time as there are CPUs: more only share them, and memory
+        wave, out = max(1, len(os.sched_getaffinity(0))), []
+        for i in range(0, len(calls), wave):
+            copies = [Forked(_plan_rank, *call, fresh=True) for call in calls[i:i + wave]]
+            out += [c.result() for c in copies]
+        return out
     return [in_own_process(_plan_rank, *call) for call in calls]
 
 
