@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from fitgpt.estimate.pipeline_compose import Mark, action_order, expand, let_go_together
+from fitgpt.estimate.pipeline_compose import action_order, expand, let_go_together
+from fitgpt.estimate.pipeline_marks import Mark
 
 TINY = {"model": {"vocab_size": 512, "context_length": 64, "n_embed": 64, "n_head": 4, "n_kv_head": 2,
                   "tie_embeddings": False, "n_blocks": 12}, "batch_size": 8, "pipeline_microbatches": 8}

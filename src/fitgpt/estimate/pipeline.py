@@ -165,7 +165,8 @@ def _built(cfg: TrainConfig, mesh, world: int, dtype: torch.dtype | None, device
 
 def _whole(cfg: TrainConfig, pp_rank: int, build, r: int) -> StageRank:
     """The rank's whole step run, after a first that makes the optimizer's state and the receive buffers."""
-    from fitgpt.estimate.pipeline_compose import Recorder, levels
+    from fitgpt.estimate.pipeline_compose import levels
+    from fitgpt.estimate.pipeline_marks import Recorder
     from fitgpt.memory.timeline import PeakProbe
 
     with build(cfg) as (pipe, optimizer, step):
@@ -180,7 +181,8 @@ def _whole(cfg: TrainConfig, pp_rank: int, build, r: int) -> StageRank:
 def _composed(cfg: TrainConfig, small: TrainConfig, pp_rank: int, build, r: int) -> StageRank:
     """The rank's step put together from ``small``'s (recorded, checked), and what follows the schedule run on the
     real rank's parameters, given gradients."""
-    from fitgpt.estimate.pipeline_compose import NotComposable, Recorder, compose, levels, marked, parse, tail
+    from fitgpt.estimate.pipeline_compose import NotComposable, compose, levels, parse, tail
+    from fitgpt.estimate.pipeline_marks import Recorder, marked
     from fitgpt.memory.timeline import PeakProbe, unique_bytes
 
     with build(small) as (pipe, optimizer, step):
@@ -213,7 +215,7 @@ def _composed(cfg: TrainConfig, small: TrainConfig, pp_rank: int, build, r: int)
 
 def _given_gradients(pipe, rec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """In place of the schedule's step: each parameter given a gradient of its shape, as the backward leaves them."""
-    from fitgpt.estimate.pipeline_compose import Mark
+    from fitgpt.estimate.pipeline_marks import Mark
 
     for p in pipe.held.parameters():
         if p.requires_grad:
