@@ -65,22 +65,25 @@ def _body(trace: tuple[int, ...]) -> list[int]:
          "pipeline_microbatches": 12, "batch_size": 12, "model": {"n_blocks": 18}}),
     (4, {"pipeline_parallel": 2, "parallel": "fsdp", "pipeline_schedule": "gpipe", "activation_checkpointing": "none",
          "pipeline_microbatches": 6, "batch_size": 6, "model": {"tie_embeddings": True}}),
-    # a rank's two FSDP stages, each gathered ahead by the schedule and let go of by what it ran last; uneven
-    (4, {"pipeline_parallel": 2, "parallel": "fsdp", "pipeline_schedule": "interleaved-1f1b",
-         "activation_checkpointing": "block", "pipeline_microbatches": 12, "batch_size": 12, "model": {"n_blocks": 18}}),
+    # a rank's two FSDP stages, each gathered ahead by the schedule and let go of by what it ran last; uneven (40
+    # blocks over 12 stages); ranks 1-3 composed from the small step of rank 4 (`stand_ins`)
+    (12, {"pipeline_parallel": 6, "parallel": "fsdp", "pipeline_schedule": "interleaved-1f1b",
+          "activation_checkpointing": "block", "pipeline_microbatches": 12, "batch_size": 12, "model": {"n_blocks": 40}}),
 ])
 def test_a_composed_plan_is_the_whole_steps(world, extra, monkeypatch):
     """Each rank composed from a small step (three blocks a stage, fewer micro-batches) plans what its whole step
     does: the same peak and held bytes, and the same bytes alive after every allocation and free of the step; the
-    stages uneven (18 blocks over 4), tied, split by TP, sharded by FSDP."""
+    stages uneven (18 blocks over 4), tied, split by TP, sharded by FSDP; a rank composed from another's small step."""
     from fitgpt.config import load_config
     from fitgpt.estimate import pipeline
-    from fitgpt.estimate.pipeline_compose import small_config
+    from fitgpt.estimate.pipeline_compose import small_config, stand_ins
 
     monkeypatch.setattr(pipeline, "TRACE_POINTS", 10**9)  # every point (the forked ranks see it too)
     overrides = {**TINY, **extra, "model": {**TINY["model"], **extra.get("model", {})}}
     cfg = load_config("llama-tiny", overrides=overrides)
     assert all(small_config(cfg, r) is not None for r in range(cfg.pipeline_parallel))
+    if cfg.pipeline_parallel == 6:
+        assert stand_ins(cfg, list(range(6))) == {0: 0, 1: 4, 2: 4, 3: 4, 4: 4, 5: 5}
     whole = pipeline.plan_pipeline(cfg, world, whole=True)
     composed = pipeline.plan_pipeline(cfg, world)
     assert all(c.composed for c in composed) and not any(w.composed for w in whole)

@@ -198,6 +198,10 @@ class Forked:
         os.close(write)
         self.pid, self._read = pid, read
 
+    def fileno(self) -> int:
+        """The pipe its result comes down (readable once the copy has finished), for ``select``."""
+        return self._read
+
     def result(self) -> Any:
         if self.pid is not None:
             with os.fdopen(self._read, "rb") as f:

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import logging
 import os
+import select
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -96,39 +97,82 @@ def plan_pipeline(cfg: TrainConfig, world: int, dtype: torch.dtype | None = None
     gathered weights'; None: fp32) on ``target`` (a CUDA card: its allocator's 512-byte blocks and CUDA autocast's
     dtypes; by default the device itself). ``whole``: every rank's whole step run, none composed (slower; the same
     plan, which the tests hold it to)."""
+    from fitgpt.estimate.pipeline_compose import stand_ins
+
     ranks = list(range(cfg.pipeline_parallel)) if ranks is None else ranks
-    target = target or Target(torch.device(device).type)
-    calls = [(cfg, world, r, dtype, torch.device(device), target, whole) for r in ranks]
-    # Each rank in a copy of this process of its own, side by side: DTensor caches its sharding by a mesh's shape, and
-    # a second fake process group's mesh of the same shape found the first's, its groups gone ("could not resolve
-    # the process group": a second rank split by tensor parallelism, planned in the same process, or a second plan).
-    if sys.platform.startswith("linux"):  # as many at a time as there are CPUs: more only share them, and memory
-        wave, out = max(1, len(os.sched_getaffinity(0))), []
-        for i in range(0, len(calls), wave):
-            copies = [Forked(_plan_rank, *call, fresh=True) for call in calls[i:i + wave]]
-            out += [c.result() for c in copies]
-        return out
-    return [in_own_process(_plan_rank, *call) for call in calls]
+    on = (cfg, world, dtype, torch.device(device), target or Target(torch.device(device).type))
+    if whole:
+        done = _forked(_plan_rank, lambda done: [(r, (*on, r, None)) for r in ranks])
+        return [done[r][1] for r in ranks]
+    # A small step recorded for each rank, or for several ranks alike (`stand_ins`), each recorder planned beside its
+    # recording; each other rank put together from its stand-in's as soon as that is recorded.
+    by = stand_ins(cfg, ranks)
+
+    def ready(done: dict) -> list[tuple[int, tuple]]:
+        return [(c, (*on, c, None, tuple(r for r in ranks if by[r] == c))) for c in sorted(set(by.values()))] + [
+            (r, (*on, r, done[by[r]][0])) for r in ranks if by[r] != r and by[r] in done]
+
+    done = _forked(_plan_rank, ready)
+    return [done[r][1] for r in ranks]
 
 
-def _plan_rank(cfg: TrainConfig, world: int, pp_rank: int, dtype: torch.dtype | None, device: torch.device,
-               target: Target, whole: bool = False) -> StageRank:
-    """Rank ``pp_rank``'s plan: composed from a small step of it (`fitgpt.estimate.pipeline_compose`), or where that
-    cannot be (or ``whole``), its whole step run."""
+def _forked(fn, ready: Callable[[dict], list[tuple[object, tuple]]]) -> dict:
+    """``fn(*call)`` for each ``(key, call)`` that ``ready(done)`` gives (asked again each time one finishes; ``done``:
+    the results so far, by key), each in a copy of this process of its own: DTensor caches its sharding by a mesh's
+    shape, and a second fake process group's mesh of the same shape found the first's, its groups gone ("could not
+    resolve the process group": a second rank split by tensor parallelism, planned in the same process, or a second
+    plan). As many at a time as there are CPUs (more only share them, and the memory), the next begun as one ends."""
+    linux, width = sys.platform.startswith("linux"), max(1, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else 1
+    done: dict = {}
+    running: dict = {}
+    while True:
+        startable = [(k, c) for k, c in ready(done) if k not in done and k not in running]
+        if startable and not linux:  # one at a time, in a spawned process
+            key, call = startable[0]
+            done[key] = in_own_process(fn, *call)
+            continue
+        for key, call in startable[:width - len(running)]:
+            running[key] = Forked(fn, *call, fresh=True)
+        if not running:
+            return done
+        finished = select.select(list(running.values()), [], [])[0]
+        for key in [k for k, f in running.items() if f in finished]:
+            done[key] = running.pop(key).result()
+
+
+@dataclass(frozen=True)
+class Recording:
+    """A rank's small step, recorded and checked (`fitgpt.estimate.pipeline_compose.Recorded`), and the receive buffers
+    it kept for each micro-batch."""
+
+    recorded: object
+    per_batch: int
+
+
+def _plan_rank(cfg: TrainConfig, world: int, dtype: torch.dtype | None, device: torch.device, target: Target,
+               pp_rank: int, recording: Recording | None, serves: tuple[int, ...] = ()) -> tuple[Recording | None, StageRank]:
+    """Rank ``pp_rank``'s plan: put together from ``recording`` (`fitgpt.estimate.pipeline_compose`), or with
+    ``serves``, from its own small step recorded first, showing every kind of action of the ranks it serves (returned
+    for them; None where there is none smaller than the real step, or it cannot be composed from); where there is no
+    recording or it cannot be composed from, its whole step run."""
     from fitgpt.estimate.pipeline_compose import NotComposable, small_config
 
-    t0, pp, tp = time.perf_counter(), cfg.pipeline_parallel, cfg.tensor_parallel
-    with fake_ranks(world, tp, pp, rank=pp_rank * (world // pp)) as mesh:  # the first of the stage's ranks
+    t0, pp, r = time.perf_counter(), cfg.pipeline_parallel, target.round_to
+    with fake_ranks(world, cfg.tensor_parallel, pp, rank=pp_rank * (world // pp)) as mesh:  # the stage's first rank
         build = functools.partial(_built, mesh=mesh, world=world, dtype=dtype, device=device, target=target)
-        small = None if whole else small_config(cfg, pp_rank)
+        small = small_config(cfg, pp_rank, serves) if serves else None
+        try:
+            recording = Recording(*_record(small, pp_rank, build, r)) if small is not None else recording
+        except NotComposable as e:
+            log.warning("pipeline rank %d: its small step cannot be composed from (%s)", pp_rank, e)
         plan = None
-        if small is not None:
+        if recording is not None:
             try:
-                plan = _composed(cfg, small, pp_rank, build, target.round_to)
+                plan = _composed(cfg, recording, pp_rank, build, r)
             except NotComposable as e:
                 log.warning("pipeline rank %d: planned from its whole step (%s)", pp_rank, e)
-        plan = plan or _whole(cfg, pp_rank, build, target.round_to)
-    return dataclasses.replace(plan, seconds=time.perf_counter() - t0)
+        plan = plan or _whole(cfg, pp_rank, build, r)
+    return recording, dataclasses.replace(plan, seconds=time.perf_counter() - t0)
 
 
 @contextlib.contextmanager
@@ -178,10 +222,9 @@ def _whole(cfg: TrainConfig, pp_rank: int, build, r: int) -> StageRank:
         return _rank_plan(pp_rank, pipe, optimizer, probe.result, r, levels(rec.tokens, probe.held))
 
 
-def _composed(cfg: TrainConfig, small: TrainConfig, pp_rank: int, build, r: int) -> StageRank:
-    """The rank's step put together from ``small``'s (recorded, checked), and what follows the schedule run on the
-    real rank's parameters, given gradients."""
-    from fitgpt.estimate.pipeline_compose import NotComposable, compose, levels, parse, tail
+def _record(small: TrainConfig, pp_rank: int, build, r: int) -> tuple[object, int]:
+    """The rank's small step recorded and checked, and the receive buffers it keeps for each micro-batch."""
+    from fitgpt.estimate.pipeline_compose import NotComposable, levels, parse
     from fitgpt.estimate.pipeline_marks import Recorder, marked
     from fitgpt.memory.timeline import PeakProbe, unique_bytes
 
@@ -199,6 +242,16 @@ def _composed(cfg: TrainConfig, small: TrainConfig, pp_rank: int, build, r: int)
         per_batch, left = divmod(unique_bytes(pipe.comm_buffers(), r), small.microbatches)
     if left:
         raise NotComposable("the receive buffers are not the same for every micro-batch")
+    return recorded, per_batch
+
+
+def _composed(cfg: TrainConfig, recording: Recording, pp_rank: int, build, r: int) -> StageRank:
+    """The rank's step put together from ``recording``, and what follows the schedule run on the real rank's
+    parameters, given gradients."""
+    from fitgpt.estimate.pipeline_compose import compose, levels, tail
+    from fitgpt.estimate.pipeline_marks import Recorder
+    from fitgpt.memory.timeline import PeakProbe
+
     with build(cfg) as (pipe, optimizer, step):
         rec = Recorder(r)
         pipe.train_batch = functools.partial(_given_gradients, pipe, rec)
@@ -206,8 +259,9 @@ def _composed(cfg: TrainConfig, small: TrainConfig, pp_rank: int, build, r: int)
         with PeakProbe(pipe.held, optimizer, round_to=r, allocator=rec) as probe:
             rec.clear()
             step()
+        per_batch = recording.per_batch
         start = probe.held + per_batch * cfg.microbatches  # the real step's receive buffers besides
-        schedule = levels(compose(recorded, cfg, pp_rank), start)
+        schedule = levels(compose(recording.recorded, cfg, pp_rank), start)
         trace = schedule + levels(tail(rec.tokens), schedule[-1])[1:]
         plan = _rank_plan(pp_rank, pipe, optimizer, probe.result, r, trace)
         return dataclasses.replace(plan, buffers=per_batch * cfg.microbatches, peak=max(trace), composed=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -76,7 +77,7 @@ def _interleaved_order(pp: int, rank: int, per_rank: int, microbatches: int) -> 
 
 
 def _kinds(order: list[tuple[str, int, int]], microbatches: int, cfg: TrainConfig) -> list[tuple]:
-    """Each action's kind: forward or backward, its stage, first or last micro-batch, and what ran before and after it
+    """Each action's kind: forward or backward, its stage's role, first or last micro-batch, and what ran before and after it
     where what it allocates depends on that. GPipe's and 1F1B's sends are waited on and let go of around the next
     action: there, the actions beside it on the rank. FSDP leaves a stage's weights gathered or not by what that stage
     ran last (PyTorch's schedules reshard a stage's blocks after a forward and not after a backward, the root after
@@ -89,15 +90,25 @@ def _kinds(order: list[tuple[str, int, int]], microbatches: int, cfg: TrainConfi
     beside = schedule != "interleaved-1f1b"
     by_stage = schedule == "interleaved-1f1b" and cfg.parallel == "fsdp"
     firsts = {next(i for i, a in enumerate(order) if a[1] == s) for s in {a[1] for a in order}}
+    role = functools.partial(_role, cfg)
     out, last = [], {}
     for i, (k, s, m) in enumerate(order):
-        before = order[i - 1][:2] if i and beside else last.get(s) if by_stage else None
-        after = order[i + 1][:2] if i + 1 < len(order) and beside else None
+        before = (order[i - 1][0], role(order[i - 1][1])) if i and beside else last.get(s) if by_stage else None
+        after = (order[i + 1][0], role(order[i + 1][1])) if i + 1 < len(order) and beside else None
         if by_stage and i + 1 in firsts:  # the schedule waits on the next stage's weights, gathered ahead, here
-            after = order[i + 1][1]
-        out.append((k, s, m if m < window else None, m == 0, m == microbatches - 1, before, after))
+            after = role(order[i + 1][1])
+        last_one = m == microbatches - 1 and (k == "B" or beside)  # interleaved: a last forward is as any other
+        out.append((k, role(s), m if m < window else None, m == 0, last_one, before, after))
         last[s] = k
     return out
+
+
+def _role(cfg: TrainConfig, stage: int) -> tuple[str, int]:
+    """A stage as an action's kind knows it: the first (the embedding), the last (the head, the loss) or one between,
+    and which of its rank's stages it is. Two ranks' stages of one role allocate alike where they have as many blocks
+    (in the small step every stage has three)."""
+    last = cfg.pipeline_parallel * STAGES_PER_RANK[cfg.pipeline_schedule] - 1
+    return ("first" if stage == 0 else "last" if stage == last else "between", stage // cfg.pipeline_parallel)
 
 
 def _stage_sizes(cfg: TrainConfig) -> list[int]:
@@ -111,14 +122,21 @@ def _kind_counts(cfg: TrainConfig, rank: int, microbatches: int) -> collections.
     return collections.Counter(_kinds(order, microbatches, cfg))
 
 
-def small_config(cfg: TrainConfig, pp_rank: int) -> TrainConfig | None:
-    """The small step's config for rank ``pp_rank`` of ``cfg``'s pipeline: three blocks a stage (where every stage has
-    two or more), the same micro-batches (rows each) but as few as show every kind of action; None where that is no
-    smaller."""
-    pp, schedule, m = cfg.pipeline_parallel, cfg.pipeline_schedule, cfg.microbatches
+def _small_blocks(cfg: TrainConfig) -> int:
+    """Blocks in the small step: three a stage where every stage has two or more and one more than three."""
     sizes = _stage_sizes(cfg)
-    blocks = len(sizes) * SMALL_BLOCKS if min(sizes) >= 2 and max(sizes) > SMALL_BLOCKS else cfg.model.n_blocks
-    wanted = _kind_counts(cfg, pp_rank, m)
+    return len(sizes) * SMALL_BLOCKS if min(sizes) >= 2 and max(sizes) > SMALL_BLOCKS else cfg.model.n_blocks
+
+
+def small_config(cfg: TrainConfig, pp_rank: int, serves: tuple[int, ...] | None = None) -> TrainConfig | None:
+    """The small step's config for rank ``pp_rank`` of ``cfg``'s pipeline: three blocks a stage (where every stage has
+    two or more), the same micro-batches (rows each) but as few as show every kind of action of each rank it
+    ``serves`` (default: itself); None where that is no smaller."""
+    pp, schedule, m = cfg.pipeline_parallel, cfg.pipeline_schedule, cfg.microbatches
+    blocks = _small_blocks(cfg)
+    wanted = collections.Counter()
+    for r in serves or (pp_rank,):
+        wanted |= _kind_counts(cfg, r, m)  # the most of each kind
     step = pp if schedule == "interleaved-1f1b" else 1  # interleaved: whole rounds of P
     small_m = next(k for k in itertools.count(max(step, pp if schedule == "1f1b" else 2), step)
                    if k >= m or _shows(_kind_counts(cfg, pp_rank, k), wanted))
@@ -128,6 +146,27 @@ def small_config(cfg: TrainConfig, pp_rank: int) -> TrainConfig | None:
     rows = cfg.batch_size // m
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_blocks=blocks), batch_size=rows * small_m,
                                pipeline_microbatches=small_m)
+
+
+def stand_ins(cfg: TrainConfig, ranks: list[int]) -> dict[int, int]:
+    """For each of ``ranks``, the rank whose small step it is composed from: itself, but under the interleaved schedule
+    a rank whose stages are all between the first and the last may be composed from another such rank's, whose small
+    step shows every kind of action it runs (its kinds know a stage by its role, and in the small step every stage has
+    three blocks). 1F1B's and GPipe's ranks hold a warm-up of their own: each is its own."""
+    out = {r: r for r in ranks}
+    if cfg.pipeline_schedule != "interleaved-1f1b" or _small_blocks(cfg) == cfg.model.n_blocks:
+        return out
+    per = STAGES_PER_RANK[cfg.pipeline_schedule]
+    between = [r for r in ranks if all(_role(cfg, r + i * cfg.pipeline_parallel)[0] == "between" for i in range(per))]
+    real = {r: _kind_counts(cfg, r, cfg.microbatches) for r in between}
+    shown = {c: _kind_counts(cfg, c, (small_config(cfg, c) or cfg).microbatches) for c in between}
+    while between:  # the rank whose own small step serves the most of those left
+        served = {c: [r for r in between if _shows(shown[c], real[r])] for c in between}
+        c = max(between, key=lambda r: len(served[r]))
+        for r in served[c]:
+            out[r] = c
+        between = [r for r in between if r not in served[c]]
+    return out
 
 
 def _shows(small: collections.Counter, real: collections.Counter) -> bool:
@@ -141,6 +180,8 @@ class Recorded:
     """The small step as recorded: its actions' tokens by kind, how many blocks it gave each stage, and its last
     action's frees' births."""
 
+    rank: int
+    """The pipeline rank whose small step it is."""
     head: list
     by_kind: dict
     blocks: int
@@ -172,7 +213,7 @@ def parse(rec: Recorder, cfg: TrainConfig, pp_rank: int) -> Recorded:
     for kind, (_, chunk) in zip(_kinds(order, m, cfg), actions):
         if by_kind.setdefault(kind, chunk) != chunk:
             raise NotComposable(f"two actions of one kind ({kind}) allocated differently")
-    return Recorded(head=head, by_kind=by_kind, blocks=blocks, microbatches=m, last_births=last_births)
+    return Recorded(rank=pp_rank, head=head, by_kind=by_kind, blocks=blocks, microbatches=m, last_births=last_births)
 
 
 def expand(chunk: list, blocks, small_blocks: int) -> list[int]:
@@ -196,10 +237,13 @@ def expand(chunk: list, blocks, small_blocks: int) -> list[int]:
 
 
 def compose(rec: Recorded, cfg: TrainConfig, pp_rank: int) -> list[int]:
-    """The real step's allocations and frees up to the schedule's end (``cfg``: the real config), from ``rec``."""
-    m = cfg.microbatches
-    order = action_order(cfg.pipeline_schedule, cfg.pipeline_parallel, pp_rank, m)
-    sizes = _stage_sizes(cfg)
+    """The real step's allocations and frees up to the schedule's end (``cfg``: the real config), from ``rec``: the
+    small step of this rank, or of the rank that stands in for it (`stand_ins`)."""
+    m, pp = cfg.microbatches, cfg.pipeline_parallel
+    order = action_order(cfg.pipeline_schedule, pp, pp_rank, m)
+    # The recorded rank's marks name its own stages: each stands for this rank's stage of the same place on its rank.
+    real = _stage_sizes(cfg)
+    sizes = {s: real[pp_rank + s - rec.rank] for s in range(rec.rank, len(real), pp)}
     out = expand(rec.head, sizes, rec.blocks)
     kinds = _kinds(order, m, cfg)
     for i, kind in enumerate(kinds):
