@@ -6,8 +6,9 @@ No model of a schedule is trusted here: what a schedule holds depends on the ord
 (GPipe every forward first, 1F1B at most P - s in flight on stage s, interleaved its own table), the receive buffers it
 keeps for every micro-batch, the sends whose work holds a stage's output to the step's end, and the head on the last
 stage only. Running the schedule gives all of them. A large rank's step (many blocks, many micro-batches) is put
-together from a small step of the same rank, allocation by allocation (`fitgpt.estimate.pipeline_compose`, which says
-why that is exact and checks it), else run whole. A stage's data-parallel ranks (FSDP's) hold the same shapes, so the
+together from a small step of the same rank (under the interleaved schedule, of a rank whose stages play the same
+roles), allocation by allocation (`fitgpt.estimate.pipeline_compose`, which says why that is exact and checks it),
+else run whole. A stage's data-parallel ranks (FSDP's) hold the same shapes, so the
 first of them stands for all.
 """
 
