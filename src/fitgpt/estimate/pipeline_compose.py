@@ -82,9 +82,11 @@ def _kinds(order: list[tuple[str, int, int]], microbatches: int, cfg: TrainConfi
     action: there, the actions beside it on the rank. FSDP leaves a stage's weights gathered or not by what that stage
     ran last (PyTorch's schedules reshard a stage's blocks after a forward and not after a backward, the root after
     neither, until its gradients are reduced): under the interleaved schedule, whose rank runs two stages, the kind of
-    the stage's own last action (none before its first), and no more (its sends are waited on at the step's end).
-    Under 1F1B a micro-batch of the warm-up is its own kind: the schedule holds the work of the warm-up's last send
-    but one until its cool-down begins, so that micro-batch's output is let go of at a place of its own."""
+    the stage's own last action (none before its first), whether the next action is a stage's first (the schedule
+    waits there on that stage's weights, gathered ahead), and no more: its sends are waited on at the step's end, and
+    its last forward allocates as any other. Under 1F1B a micro-batch of the warm-up is its own kind: the schedule
+    holds the work of the warm-up's last send but one until its cool-down begins, so that micro-batch's output is let
+    go of at a place of its own."""
     schedule = cfg.pipeline_schedule
     window = next((i for i, a in enumerate(order) if a[0] == "B"), 0) if schedule == "1f1b" else 0
     beside = schedule != "interleaved-1f1b"
