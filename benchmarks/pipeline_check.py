@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fitgpt.config import load_config
+from fitgpt.config import load_config, merge
 from fitgpt.estimate.pipeline import plan_pipeline
 
 # Llama, 256 wide, 8 blocks, untied; each pipeline's batch 8 x 256.
@@ -46,7 +46,7 @@ CASES = [  # (processes, overrides)
 
 
 def _config(overrides: dict):
-    return load_config("llama-tiny", overrides={**BASE, **overrides, "model": {**BASE["model"], **overrides.get("model", {})}})
+    return load_config("llama-tiny", overrides=merge(BASE, overrides))
 
 
 def _worker(rank: int, world: int, port: int, out: str, overrides: dict) -> None:

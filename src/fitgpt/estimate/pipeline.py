@@ -123,7 +123,8 @@ def _forked(fn, ready: Callable[[dict], list[tuple[object, tuple]]]) -> dict:
     shape, and a second fake process group's mesh of the same shape found the first's, its groups gone ("could not
     resolve the process group": a second rank split by tensor parallelism, planned in the same process, or a second
     plan). As many at a time as there are CPUs (more only share them, and the memory), the next begun as one ends."""
-    linux, width = sys.platform.startswith("linux"), max(1, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else 1
+    linux = sys.platform.startswith("linux")
+    width = len(os.sched_getaffinity(0)) if linux else 1
     done: dict = {}
     running: dict = {}
     while True:

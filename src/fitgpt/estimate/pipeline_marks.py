@@ -76,8 +76,7 @@ def marked(pipe, rec: Recorder) -> Iterator[None]:
         for j, i in enumerate(stage.blocks):
             # On the module FSDP shards, first among its hooks (prepend): FSDP's gathering of a block's weights, forward
             # and backward, falls within the block's own marks, not its neighbour's.
-            block = stage.attn_blocks[i]
-            block = block.inner if isinstance(block, ActivationCheckpointWrapper) else block
+            block = _inner(stage.attn_blocks[i])
             handles.append(block.register_forward_pre_hook(lambda m, a, _s=s, _j=j: rec.mark(Mark("b", _s, _j)),
                                                            prepend=True))
             handles.append(block.register_forward_hook(_backward_marked(rec, s, j), prepend=True))
@@ -117,13 +116,14 @@ def _announced(run, rec: Recorder, kind: str, stage: int, index: int | None = No
 
 def _sharded(stage) -> Iterator[tuple[object, int]]:
     """The stage's modules FSDP shards, each with its block's place in the stage (-1: the stage itself)."""
+    places = {id(_inner(stage.attn_blocks[i])): j for j, i in enumerate(stage.blocks)}
     for module in stage.modules():
         if hasattr(module, "unshard") and hasattr(module, "_get_fsdp_state"):
-            at = next((j for j, i in enumerate(stage.blocks) if _inner(stage.attn_blocks[i]) is module), -1)
-            yield module, at
+            yield module, places.get(id(module), -1)
 
 
 def _inner(block):
+    """The block itself, inside its checkpoint wrapper if it has one (what FSDP shards and the hooks go on)."""
     return block.inner if isinstance(block, ActivationCheckpointWrapper) else block
 
 
