@@ -35,7 +35,7 @@ def _dies_on_rank_one(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_a_rank_whose_process_dies_fails_its_test_at_once_and_the_next_gets_new_ranks(ranks):
     """Rank 1 of a CI run died of "malloc(): unaligned tcache chunk detected" and its test waited out its 300 s; a dead
-    process is now told within a second, by name, and only that failure is rerun (pyproject's ``--only-rerun``)."""
+    process is now told within a second, by name (and fails its test: nothing is rerun)."""
     from rank_pool import RankCrashed
 
     with pytest.raises(RankCrashed, match=r"_dies_on_rank_one on 2 ranks: the process of rank\(s\) \[1\] died .*-9"):

@@ -8,6 +8,8 @@ and any world size, one process included, reads them back.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import threading
@@ -15,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -97,7 +100,8 @@ class Heartbeat:
         # second a rank, at any world size.
         self.on_stalled, self.watched = on_stalled, (info.rank + 1) % info.world if info.world > 1 else None
         self._stop = threading.Event()
-        threading.Thread(target=self._beat, name="fitgpt-heartbeat", daemon=True).start()
+        self._thread = threading.Thread(target=self._beat, name="fitgpt-heartbeat", daemon=True)
+        self._thread.start()
 
     @classmethod
     def start(cls, info: DistInfo, on_stalled: Callable[[int], None] | None = None) -> Heartbeat | None:
@@ -136,7 +140,10 @@ class Heartbeat:
         return seen, since
 
     def stop(self) -> None:
+        """Say this rank finished, and end the heartbeat's thread: a thread still inside the store's C++ client as the
+        interpreter shuts down can take the process down with it."""
         self._stop.set()
+        self._thread.join(timeout=2 * HEARTBEAT_S + 5.0)  # it wakes within a beat; a store call has its own timeout
         try:  # a rank that finished is not a stalled one to the rank watching it
             self.store.set(f"{self.prefix}done/{self.info.rank}", "1")
         except Exception:
@@ -194,8 +201,40 @@ def leave_together(info: DistInfo) -> None:
 
 
 def shutdown(info: DistInfo) -> None:
-    if info.enabled and dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process groups, and end their threads now, while the interpreter is whole.
+
+    ``destroy_process_group`` forgets the groups, but a DeviceMesh keeps its own in ``_pg_registry``, and DTensor's
+    sharding caches keep every mesh a sharded parameter ever had (FSDP's and tensor parallelism's). Such a gloo group
+    lived on to the interpreter's shutdown, its worker threads with it, and a worker still letting go of a finished
+    collective's tensors there needs the GIL: the interpreter ends that thread, its unwinding meets a noexcept C++
+    frame, and the process aborts ("terminate called without an active exception") after the run is done, more
+    often the busier the machine. So the meshes let go of their groups here, and the groups are collected at once:
+    each one's destructor joins its workers."""
+    if not (info.enabled and dist.is_initialized()):
+        return
+    dist.destroy_process_group()
+    release_meshes()
+
+
+def release_meshes() -> None:
+    """Every DeviceMesh alive (in DTensor's caches too) lets go of its process groups, and those are destroyed now."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    gc.collect()  # meshes only reachable through cycles go with them
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh) and getattr(obj, "_pg_registry", None):
+            obj._pg_registry.clear()
+    gc.collect()  # the groups a cycle held
+
+
+def gloo_threads() -> list[str]:
+    """The names of this process's threads that belong to gloo (its process groups' workers and transport loops)."""
+    names = []
+    for task in Path("/proc/self/task").glob("*/comm"):
+        with contextlib.suppress(OSError):
+            if (name := task.read_text().strip()).startswith(("pt_gloo", "gloo")):
+                names.append(name)
+    return names
 
 
 def local_device(info: DistInfo, device: torch.device) -> torch.device:
