@@ -177,6 +177,22 @@ def test_low_bit_moments_round_trip_through_a_distributed_checkpoint(group, tiny
                 assert torch.equal(codes["codes"], fresh.state_dict()["lowbit_exact"][i][k]["codes"]), (world, i, k)
 
 
+
+@pytest.mark.slow
+def test_an_optimizer_state_of_plain_numbers_reads_back_in_place_and_saves_again(group, tiny_model_config, tmp_path):
+    """GaLore's AdamW keeps its step as a Python int: read in place (as a rank reads), DCP handed it back under the
+    key "0" beside the parameter's own entry 0, and the next save failed with "duplicated flatten key
+    optimizer.state.0.step" (issue 68): every step after a resume was lost."""
+    pytest.importorskip("galore_torch")
+    model, opt = _trained(tiny_model_config, "galore-adamw")
+    saver = DistributedSaver(group, tmp_path, keep_last=3, background=False, timeout_s=60)
+    path = _save(saver, 2, model, opt)
+    fresh = build_optimizer(model, OptimConfig(name="galore-adamw"), CPU)
+    load_optimizer(fresh, ckpt.load_state(path, ckpt.verify_checkpoint(path))["optimizer"], du.DistInfo(rank=0, world=2))
+    assert all(isinstance(p, torch.Tensor) for p in fresh.state)
+    assert [s["step"] for s in fresh.state_dict()["state"].values()] == [s["step"] for s in opt.state_dict()["state"].values()]
+    assert _save(saver, 3, model, fresh).name == "step_00000003"
+
 # ---- under torchrun ---------------------------------------------------------------------------------
 
 def _read_by_ranks(rank: int, world: int, path: str) -> dict | None:

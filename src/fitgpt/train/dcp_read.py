@@ -68,9 +68,28 @@ class _SafeBytes:
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            set_element(self.original_state_dict, _keys_as_held(self.original_state_dict,
+                                                                self.mappings[read_item.dest_index.fqn]), obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _keys_as_held(root, path: tuple) -> tuple:
+    """``path`` into ``root`` with each key as ``root`` holds it: DCP names a dict's keys by their text, so an optimizer's
+    entry of parameter 0 comes back as ``"0"``, and a value that is not a tensor (GaLore's step, a Python int) was
+    written beside the int-keyed entry rather than into it, which the next save refused as a duplicated key."""
+    held, node = [], root
+    for key in path:
+        if isinstance(node, dict) and key not in node:
+            key = next((k for k in node if str(k) == key), key)
+        held.append(key)
+        if isinstance(node, dict):
+            node = node.get(key)
+        elif isinstance(node, list) and isinstance(key, int) and key < len(node):
+            node = node[key]
+        else:
+            node = None
+    return tuple(held)
 
 
 class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
