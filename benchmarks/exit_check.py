@@ -32,13 +32,16 @@ def _port() -> int:
 def launch(work: Path, i: int, optim: str) -> tuple[int, str]:
     out = work / f"run{i}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
-           "-m", "fitgpt", "train", "--parallel", "fsdp", "--optim.name", optim, "--optim.rank", "16",
+           "-m", "fitgpt", "train", "--parallel", "fsdp", "--optim.name", optim,
+           *(["--optim.rank", "16"] if optim.startswith(("galore", "apollo")) else []),
            "--data.dir", str(work / "data"), "--max-steps", "3", "--batch-size", "4", "--eval-interval", "3",
            "--eval-batches", "1", "--checkpoint-interval", "3", "--out-dir", str(out), "--no-progress", "--no-tensorboard"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode == 0 and not (out / "checkpoints" / "step_00000003").is_dir():
         return -1, "exited 0 without its last checkpoint"
-    return done.returncode, done.stderr[-1500:]
+    # A rank's own words (its error, an abort's message), not the launcher's traceback that follows them.
+    said = [line for line in done.stderr.splitlines() if "error" in line.lower() or "terminate" in line or "abort" in line]
+    return done.returncode, "\n".join(said[:12])
 
 
 def main() -> None:

@@ -88,12 +88,10 @@ def test_a_crafted_dcp_metadata_is_refused_and_never_runs(dcp_run, tmp_path, cap
     assert not marker.exists()
 
 
-def test_a_crafted_entry_of_a_dcp_checkpoint_is_refused_and_never_runs(dcp_run, tmp_path):
-    """The optimizer's non-tensor entries (its hyperparameters) are read with weights_only=True."""
+def _plant_in_optimizer_entry(path, model, marker) -> None:
+    """The checkpoint's optimizer entry (its hyperparameters) replaced by code, its hashes recomputed."""
     import torch.distributed.checkpoint as dcp
 
-    run, path, model = dcp_run
-    marker = tmp_path / "ran"
     shutil.rmtree(path / "dcp")
     with pytest.warns(UserWarning):
         dcp.save({"model": ckpt.model_state(model), "optimizer": {"state": {}, "param_groups": Planted(marker)}},
@@ -103,11 +101,30 @@ def test_a_crafted_entry_of_a_dcp_checkpoint_is_refused_and_never_runs(dcp_run, 
     meta["files"] = {k: v for k, v in meta["files"].items() if not k.startswith("dcp/")}
     (path / ckpt.META_FILE).write_text(json.dumps(meta))
     _rehash(path, *files)
+
+
+def test_a_crafted_entry_of_a_dcp_checkpoint_is_refused_and_never_runs(dcp_run, tmp_path):
+    """The optimizer's non-tensor entries (its hyperparameters) are read with weights_only=True."""
+    run, path, model = dcp_run
+    marker = tmp_path / "ran"
+    _plant_in_optimizer_entry(path, model, marker)
     saved = ckpt.load_state(path, ckpt.verify_checkpoint(path))["optimizer"]
     with pytest.raises(ckpt.CheckpointError, match="refusing to load it"):
         load_optimizer(build_optimizer(model, OptimConfig(), torch.device("cpu")), saved, du.DistInfo())
     assert not marker.exists()
 
+
+
+def test_a_resume_that_refuses_a_crafted_checkpoint_changes_nothing_in_the_run(dcp_run, cli_train_args, tmp_path, capsys):
+    """The refusal came after the run's config.json had been rewritten with the new flags (issue 68): now the run's
+    files are written only once every part of the checkpoint was read."""
+    run, path, model = dcp_run
+    _plant_in_optimizer_entry(path, model, tmp_path / "ran")
+    before = {f: (run / f).read_bytes() for f in ("config.json", "metrics.jsonl", "tokenizer.json")}
+    code, err = run_cli([*cli_train_args(run, steps=6), "--eval-interval", "3", "--resume", "latest"], capsys)
+    assert code == 2 and one_line(err) and "refusing to load it" in err, err
+    assert {f: (run / f).read_bytes() for f in before} == before
+    assert not (tmp_path / "ran").exists()
 
 def test_a_stray_weight_file_in_a_dcp_checkpoint_is_never_read(dcp_run):
     """meta.json's layout and files are the only truth: an unlisted model.safetensors (other weights) is ignored."""

@@ -193,9 +193,10 @@ def describe_stalled(info: DistInfo, rank: int) -> str:
             "--resume auto once that rank's machine is sound (torchrun --max-restarts N does that by itself)")
 
 
-def leave_together(info: DistInfo) -> None:
-    """After a run that ended well on every rank: a rank tearing its connections down while another still
-    works (rank 0 drawing the loss curve) could abort that one at exit."""
+def meet(info: DistInfo) -> None:
+    """Every rank waits here for the others: before rank 0 writes what every rank's success decides (a resume's run
+    files), and at a run's good end (a rank tearing its connections down while another still works, rank 0 drawing
+    the loss curve, could abort that one)."""
     if info.enabled and dist.is_initialized():
         dist.barrier()
 

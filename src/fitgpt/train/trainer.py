@@ -75,7 +75,7 @@ def train(cfg: TrainConfig, planner: Planner | None = None, started: float | Non
             # --resume auto is decided once, by rank 0 under the lock, for every rank.
             cfg = dataclasses.replace(cfg, resume=dist_utils.from_main(info, claim))
             summary = _train(cfg, info, planner, started)
-            dist_utils.leave_together(info)
+            dist_utils.meet(info)
             return summary
     except Exception as e:
         if info.enabled and not isinstance(e, (TrainingError, UserError)) and dist_utils.is_lost_peer(e):
@@ -184,14 +184,16 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None,
     # Weights, data positions and RNG: read into the model as it trains (under FSDP, each rank's shards).
     t_resume = time.perf_counter()
     start_step, state = resume_run(cfg, info, model, scaler, sampler, device, data) if cfg.resume else (0, None)
-    if info.is_main and cfg.resume:  # only once the checkpoint is known good: a refused resume changes nothing
-        write_run_files(cfg)
     # Built after sharding: under FSDP the optimizer holds only this rank's shard of every state.
     # Offloaded, the parameters live in host memory and the optimizer steps there.
     optimizer = build_optimizer(model, cfg.optim, torch.device("cpu") if cfg.fsdp_offload else device, seed=cfg.seed)
     if state is not None:
         load_optimizer(optimizer, state["optimizer"], info, getattr(model, "numbering", None))
         log.info("checkpoint read in %.2fs (weights, optimizer state, data positions, RNG)", time.perf_counter() - t_resume)
+        # Only once every rank has read every part of the checkpoint: a refused resume changes nothing in the run.
+        dist_utils.meet(info)
+        if info.is_main:
+            write_run_files(cfg)
     _log_start(cfg, info, model, device, dtype, start_step)
     metrics = MetricsWriter(cfg.run_dir, cfg.tensorboard, resume_step=start_step) if info.is_main else None
     amp_dtype, _ = precision_roles(dtype, cfg.parallel == "fsdp" and info.enabled)  # FSDP: pure half precision, no autocast
