@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -19,9 +20,16 @@ from fitgpt.units import format_bytes
 def parse(args: list[str]) -> TrainConfig:
     # Only --preset and --config are looked at first, to pick the defaults; tyro parses every flag.
     cfg = tyro.cli(TrainConfig, default=load_config_named_in(args), args=args, prog="fitgpt train")
-    if cfg.time_budget is not None and any(a == "--max-steps" or a.startswith("--max-steps=") for a in args):
+    steps, budget = _given("--max-steps", args), _given("--time-budget", args)
+    if steps and budget and cfg.time_budget is not None:
         raise UserError("--time-budget and --max-steps each say how long to train: drop one of them")
+    if steps and cfg.time_budget is not None:  # a run of a time budget (its --config) continued by steps
+        cfg = dataclasses.replace(cfg, time_budget=None)
     return cfg
+
+
+def _given(flag: str, args: list[str]) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
 def _planner(cfg: TrainConfig):

@@ -53,7 +53,8 @@ class ModelConfig:
     weights_dtype: Literal["fp32", "bf16"] = "fp32"
     """The dtype the weights, and so their gradients, are kept in: fp32, or bf16 (pure bf16: 2 bytes a weight and 2 a
     gradient, every op in bf16; the optimizer steps each parameter in fp32 and rounds the result into its bf16
-    weights, stochastically by default: --optim.rounding). One process."""
+    weights, stochastically by default: --optim.rounding). One process, DDP, FSDP or tensor parallelism; not yet over
+    pipeline stages."""
 
     def __post_init__(self) -> None:
         require_finite(self, "model.")

@@ -24,6 +24,8 @@ class StepBudget:
     """A run of --max-steps."""
 
     max_steps: int
+    clock: Callable[[], float] = time.perf_counter
+    """What the run's evaluations and saves are timed by (as a Deadline's)."""
 
     def lr(self, step: int, cfg: TrainConfig) -> float:
         return lr_at(step, cfg.optim, self.max_steps)
@@ -101,10 +103,11 @@ class Deadline:
 
 
 def run_length(cfg: TrainConfig, info: dist_utils.DistInfo, device: torch.device, started: float, spent_before: float,
-               state_bytes: int) -> StepBudget | Deadline:
+               state_bytes: int, clock: Callable[[], float] = time.perf_counter) -> StepBudget | Deadline:
     """The run's length as its config gives it: a deadline reserves, for the last checkpoint, its ``state_bytes`` at
-    SAVE_BYTES_PER_S until a save is timed."""
+    SAVE_BYTES_PER_S until a save is timed. ``clock``: the seconds it reads (``started`` is on it); a test's own."""
     if cfg.time_budget is None:
-        return StepBudget(cfg.max_steps)
+        return StepBudget(cfg.max_steps, clock)
     return Deadline(cfg.budget_seconds, spent_before, started, info, device,
-                    eval_steps=cfg.eval_batches / (3 * cfg.grad_accum), save_seconds=state_bytes / SAVE_BYTES_PER_S)
+                    eval_steps=cfg.eval_batches / (3 * cfg.grad_accum), save_seconds=state_bytes / SAVE_BYTES_PER_S,
+                    clock=clock)

@@ -146,16 +146,16 @@ def run_loop(run: LoopState, start_step: int) -> Progress:
                     if info.is_main and log_due and applied:
                         t_log = _log_metrics(run, p, lr, bar, t_log)
                 if eval_due:
-                    t_eval = time.perf_counter()
+                    t_eval = run.length.clock()
                     p.val_loss = evaluate(run.step_model, run.data, cfg, run.device, run.amp)
-                    run.length.timed("eval", time.perf_counter() - t_eval)
+                    run.length.timed("eval", run.length.clock() - t_eval)
                     if run.metrics:
                         run.metrics.write({"step": p.step, "val_loss": p.val_loss})
                     log.info("step %d: train loss %.4f, val loss %.4f", p.step, p.loss, p.val_loss)
                 if save_due or stopping:
-                    t_save = time.perf_counter()
+                    t_save = run.length.clock()
                     p.checkpoint = _save(run, p.step, deadline_reached=timed and last) or p.checkpoint
-                    run.length.timed("save", time.perf_counter() - t_save)
+                    run.length.timed("save", run.length.clock() - t_save)
             if stopping:
                 p.interrupted = stop.signal or ("SIGNAL" if not last else None)
                 log.warning("stopped by %s at step %d; resume with --resume latest", stop.signal or "a signal on another rank", p.step)

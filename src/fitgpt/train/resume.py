@@ -67,9 +67,11 @@ def _check_left_to_train(path: Path, step: int, ck_meta: dict, cfg: TrainConfig)
     if cfg.time_budget is None and step >= cfg.max_steps:
         raise UserError(f"--resume {path}: the checkpoint is at step {step} and --max-steps is {cfg.max_steps}, so "
                         "there is nothing to train; raise --max-steps to continue (nothing was changed)")
+    if cfg.time_budget is None:  # continued by steps (a run of a time budget too): the steps above decide
+        return
     spent, budget = _time_spent(path, ck_meta), ck_meta["config"].get("time_budget")
     ended = ck_meta.get("deadline_reached") and budget and cfg.budget_seconds <= parse_duration(budget)
-    if cfg.time_budget is not None and (spent >= cfg.budget_seconds or ended):
+    if spent >= cfg.budget_seconds or ended:
         raise UserError(f"--resume {path}: the run has spent {format_duration(spent)} of --time-budget "
                         f"{cfg.time_budget}, so there is nothing to train; raise --time-budget to continue (nothing was "
                         "changed)")

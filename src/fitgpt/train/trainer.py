@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,15 +55,17 @@ from fitgpt.utils import DirLock
 log = logging.getLogger(__name__)
 
 
-def train(cfg: TrainConfig, planner: Planner | None = None, started: float | None = None) -> dict:
+def train(cfg: TrainConfig, planner: Planner | None = None, started: float | None = None,
+          clock: Callable[[], float] = time.perf_counter) -> dict:
     """Train per cfg and return a summary (steps, losses, time, run directory).
 
     ``planner`` turns --activation-checkpointing auto into a plan for this device and process count (the CLI hands
     in the planner's ``plan_for``; the loop itself never imports the planner). Under torchrun every rank
     runs this function; rank 0 alone logs, writes metrics and checkpoints. ``started`` (`time.perf_counter`'s clock):
-    when the run's time began, for --time-budget (the CLI's process start; default: now).
+    when the run's time began, for --time-budget (the CLI's process start; default: now). ``clock``: what a
+    --time-budget's deadline reads (a test's own, whose verdict then never depends on how busy the machine is).
     """
-    started = time.perf_counter() if started is None else started  # a --time-budget counts from here
+    started = clock() if started is None else started  # a --time-budget counts from here
     info = dist_utils.init_distributed(cfg.device, cfg.dist_timeout)
     heartbeat = dist_utils.Heartbeat.start(info, on_stalled=lambda rank: _stop_stalled(info, rank))
     try:
@@ -74,7 +77,7 @@ def train(cfg: TrainConfig, planner: Planner | None = None, started: float | Non
 
             # --resume auto is decided once, by rank 0 under the lock, for every rank.
             cfg = dataclasses.replace(cfg, resume=dist_utils.from_main(info, claim))
-            summary = _train(cfg, info, planner, started)
+            summary = _train(cfg, info, planner, started, clock)
             dist_utils.meet(info)
             return summary
     except Exception as e:
@@ -139,7 +142,8 @@ def _check_launch(cfg: TrainConfig, info: dist_utils.DistInfo) -> None:
             raise UserError(why)
 
 
-def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None, started: float) -> dict:
+def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None, started: float,
+           clock: Callable[[], float]) -> dict:
     device = dist_utils.local_device(info, resolve_device(cfg.device))
     dtype = autocast_dtype(cfg.precision, device)
     if not info.is_main:
@@ -200,7 +204,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None,
     saver = (DistributedSaver(info, cfg.run_dir, cfg.keep_last, cfg.background_saves(device.type), cfg.dist_timeout)
              if info.enabled else None)
     state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights and two moments, about
-    length = run_length(cfg, info, device, started, state["time_spent"] if state else 0.0, state_bytes)
+    length = run_length(cfg, info, device, started, state["time_spent"] if state else 0.0, state_bytes, clock)
     run = LoopState(cfg, info, device, data, model, step_model, optimizer, scaler, sampler, autocast(device, amp_dtype), policy,
                     planned, metrics, saver, length)
     t_start = time.perf_counter()
