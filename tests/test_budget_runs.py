@@ -6,7 +6,7 @@ import json
 import shlex
 
 import pytest
-from test_budget import TRUE
+from test_budget import TRUE, Simulated
 from test_doors import one_line, run_cli
 
 from fitgpt.cli import main
@@ -15,17 +15,22 @@ from fitgpt.data.loader import TokenData
 from fitgpt.errors import UserError
 from fitgpt.plan.budget import DEPTHS, STARTUP_SECONDS
 from fitgpt.scaling.family import non_embedding_params, shape
-from fitgpt.scaling.ladder import branch_steps, run_ladder
+from fitgpt.scaling.ladder import FIT_RESERVE, LadderStopped, branch_steps, run_ladder
 from fitgpt.scaling.law import fit_law, read_law
 
 pytestmark = pytest.mark.slow
 
 
-def test_a_ladder_gives_three_points_a_depth_each_its_runs_loss_and_fits_a_law_through_them(make_cfg, tmp_path):
-    base = make_cfg(tmp_path / "unused", eval_batches=4)
-    work = tmp_path / "ladder"
-    law = run_ladder(base, 30.0, (1, 2), work, overwrite=False)
-    assert len(law.points) == 6 and {p["depth"] for p in law.points} == {1, 2}
+def _simulated(monkeypatch, base, step: float = 1.0):
+    """A simulated machine whose step takes ``step`` seconds, its throughput probe measuring as much."""
+    from fitgpt.scaling import ladder
+
+    tokens_per_step = base.batch_size * base.grad_accum * base.model.context_length
+    monkeypatch.setattr(ladder, "measured_tokens_per_s", lambda cfg, device: tokens_per_step / step)
+    return Simulated(monkeypatch, step=step)
+
+
+def _check_points(law, base):
     tokens_per_step = base.batch_size * base.model.context_length
     for p in law.points:
         assert p["n_params"] == non_embedding_params(shape(p["depth"], dataclasses.replace(base.model, vocab_size=512)))
@@ -35,11 +40,75 @@ def test_a_ladder_gives_three_points_a_depth_each_its_runs_loss_and_fits_a_law_t
         if p["how"] != "end":  # a cooldown over a fifth of the branch: from step s to s / 0.8
             start = int(p["how"].rsplit(" ", 1)[1])
             assert last["step"] == branch_steps(start, 0.2)
+
+
+def test_a_ladder_gives_three_points_a_depth_each_its_runs_loss_and_fits_a_law_through_them(make_cfg, tmp_path,
+                                                                                            monkeypatch):
+    """On a simulated clock (a step 0.25 s, an evaluation 0.1 s, a save 0.01 s): the ladder keeps its budget, its
+    fit's share aside, however busy the machine is."""
+    base = make_cfg(tmp_path / "unused", eval_batches=4)
+    work = tmp_path / "ladder"
+    clock = _simulated(monkeypatch, base)
+    law = run_ladder(base, 30.0, (1, 2), work, overwrite=False, clock=clock)
+    assert clock() - 1000.0 <= 30.0 * (1 - FIT_RESERVE)
+    assert len(law.points) == 6 and {p["depth"] for p in law.points} == {1, 2}
+    _check_points(law, base)
     assert law.data["tokenizer_sha256"] == TokenData(base.data.path).tokenizer_sha256
     law.write(tmp_path / "law.json")
     assert read_law(tmp_path / "law.json").points == law.points
     with pytest.raises(UserError, match="--work-dir .* holds an earlier ladder's runs: add --overwrite"):
-        run_ladder(base, 30.0, (1, 2), work, overwrite=False)
+        run_ladder(base, 30.0, (1, 2), work, overwrite=False, clock=clock)
+
+
+def test_a_ladder_stopped_by_ctrl_c_keeps_its_finished_depths_and_the_same_call_continues_it(make_cfg, tmp_path,
+                                                                                             monkeypatch):
+    """Ctrl-C in depth 1's run (issue 68: a traceback, a law with a null loss, and the same command refused): the
+    ladder stops, depth 2 kept as it was; the same call trains depth 1 again, takes depth 2's points, counts the time
+    the first try spent, and fits every point."""
+    import os
+    import signal
+
+    from fitgpt.train import loop
+
+    base = make_cfg(tmp_path / "unused", eval_batches=4)
+    work = tmp_path / "ladder"
+    clock = _simulated(monkeypatch, base)
+    stepped = loop._run_step
+
+    def ctrl_c_in_depth_1(run, *args, **kwargs):
+        if run.cfg.out_dir.endswith("depth1"):
+            os.kill(os.getpid(), signal.SIGINT)
+        return stepped(run, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "_run_step", ctrl_c_in_depth_1)
+    with pytest.raises(LadderStopped, match="stopped by SIGINT in .*depth1"):
+        run_ladder(base, 30.0, (1, 2), work, overwrite=False, clock=clock)
+    record = json.loads((work / "ladder.json").read_text())
+    assert list(record["done"]) == ["2"] and not record["finished"]
+    kept = {p: p.stat().st_mtime_ns for p in (work / "depth2").rglob("*")}
+    monkeypatch.setattr(loop, "_run_step", stepped)
+    spent_before = clock() - 1000.0
+    law = run_ladder(base, 30.0, (1, 2), work, overwrite=False, clock=clock)
+    assert len(law.points) == 6 and all(p["val_loss"] is not None for p in law.points)
+    assert {p: p.stat().st_mtime_ns for p in (work / "depth2").rglob("*")} == kept
+    assert [{k: p[k] for k in kept_point} for p, kept_point in zip(law.points, record["done"]["2"]["points"])] == \
+        record["done"]["2"]["points"]
+    assert clock() - 1000.0 - spent_before <= 30.0  # the second try had what the first left
+    _check_points(law, base)
+
+
+def test_the_ladder_command_stopped_says_so_in_one_line_and_writes_no_law(data_dir, tmp_path, capsys, monkeypatch):
+    from fitgpt.scaling import ladder
+
+    def stopped(*args, **kwargs):
+        raise ladder.LadderStopped("stopped by SIGINT in runs/ladder/depth1")
+
+    monkeypatch.setattr(ladder, "run_ladder", stopped)
+    code, err = run_cli(["ladder", "--time-budget", "1m", "--out", str(tmp_path / "law.json"), "--data.dir",
+                         str(data_dir), "--work-dir", str(tmp_path / "w")], capsys)
+    lines = [line for line in err.splitlines() if line.startswith("fitgpt ladder: ")]
+    assert code == 130 and len(lines) == 1 and "Traceback" not in err and "the same command continues it" in err, err
+    assert not (tmp_path / "law.json").exists()
 
 
 def test_a_cooldown_branch_trains_past_its_checkpoint_however_short_the_ladders_run():

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import tyro
 
+from fitgpt.cli import command_started
 from fitgpt.cli.workload import unchecked_default
 from fitgpt.config import load_config, load_config_named_in, to_dict
 from fitgpt.data.config import DataConfig
@@ -70,11 +72,17 @@ def run(args: list[str]) -> int:
     train_cfg = load_config(cfg.preset, cfg.config, {"data": dataclasses.asdict(cfg.data) | {"inputs": list(cfg.data.inputs)},
                                                      "eval_batches": cfg.eval_batches, "seed": cfg.seed,
                                                      "device": cfg.device})
-    from fitgpt.scaling.ladder import run_ladder
+    from fitgpt.scaling.ladder import LadderStopped, run_ladder
     from fitgpt.scaling.picture import draw_law
 
     budget = parse_duration(cfg.time_budget)
-    law = run_ladder(train_cfg, budget, tuple(sorted(set(cfg.depths))), Path(cfg.work_dir), cfg.overwrite)
+    try:  # counted from the command's start: the imports and the data's preparation too
+        law = run_ladder(train_cfg, budget, tuple(sorted(set(cfg.depths))), Path(cfg.work_dir), cfg.overwrite,
+                         started=command_started())
+    except (LadderStopped, KeyboardInterrupt) as e:
+        print(f"fitgpt ladder: {e or 'interrupted'}; the depths it finished are kept in {cfg.work_dir} (ladder.json): "
+              "the same command continues it, their time counted", file=sys.stderr)
+        return 130
     out = Path(cfg.out)
     law.write(out)
     png = draw_law(law, out.with_suffix(".png"))

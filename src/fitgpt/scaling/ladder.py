@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,9 +31,13 @@ from fitgpt.estimate.throughput import measured_tokens_per_s
 from fitgpt.memory.tracker import round_up
 from fitgpt.scaling.family import non_embedding_params, shape, warmup_for
 from fitgpt.scaling.law import Law, fit_law
+from fitgpt.scaling.record import LadderRecord
+from fitgpt.train import checkpoint as ckpt
 from fitgpt.train.trainer import train
 
 log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
 
 BRANCHES = (0.25, 0.5)
 """Where along each depth's run a cooldown branches off (fractions of its steps)."""
@@ -41,6 +45,9 @@ FIT_RESERVE = 0.06
 """The budget's share kept for the fit, its bootstrap and the picture."""
 MIN_STEPS = 8
 """A depth's run at the least: two steps a quarter, so that its branches start past a warmup of one step."""
+BRANCH_SLACK = 0.15
+"""A depth's share kept beside its branches' steps, for their own setup, evaluation and save (what the next depths
+do not need is theirs)."""
 OVERHEAD = 1.3
 """Wall seconds per second of a depth's steps (its runs' setup, evaluations and saves), until one depth measures it."""
 
@@ -67,18 +74,25 @@ def _quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _branch(main: Path, step: int, out: Path, cfg: TrainConfig, overwrite: bool) -> dict:
+def _branch(main: Path, step: int, out: Path, cfg: TrainConfig, clock: Clock) -> dict:
     """From checkpoint ``step`` of the run in ``main``: a run of its own in ``out`` that cools down over a fifth of its
     length (its --max-steps, so that the checkpoint's step is where the decay begins)."""
-    if out.exists() and overwrite:
-        shutil.rmtree(out)
+    shutil.rmtree(out, ignore_errors=True)  # this ladder's own, left by a try that stopped
     (out / "checkpoints").mkdir(parents=True)
     name = f"step_{step:08d}"
     shutil.copytree(main / "checkpoints" / name, out / "checkpoints" / name)
     for f in ("config.json", "tokenizer.json"):
         shutil.copyfile(main / f, out / f)
-    return train(dataclasses.replace(cfg, out_dir=str(out), max_steps=branch_steps(step, cfg.optim.cooldown),
-                                     resume="latest", overwrite=False))
+    return _trained(dataclasses.replace(cfg, out_dir=str(out), time_budget=None, max_steps=branch_steps(step, cfg.optim.cooldown),
+                                        resume="latest", overwrite=False), clock)
+
+
+def _trained(cfg: TrainConfig, clock: Clock) -> dict:
+    """One of the ladder's runs; a signal that stopped it stops the ladder (its point would be a cut-short run's)."""
+    summary = train(cfg, clock=clock)
+    if summary["interrupted"]:
+        raise LadderStopped(f"stopped by {summary['interrupted']} in {summary['run_dir']}")
+    return summary
 
 
 def branch_steps(step: int, cooldown: float) -> int:
@@ -87,58 +101,74 @@ def branch_steps(step: int, cooldown: float) -> int:
     return max(step + 1, round(step / (1 - cooldown)))
 
 
-def run_ladder(base: TrainConfig, budget: float, depths: tuple[int, ...], work: Path, overwrite: bool) -> Law:
+class LadderStopped(Exception):
+    """A signal stopped one of the ladder's runs: the depths finished before it are kept in --work-dir (ladder.json),
+    and the same command continues the ladder from them."""
+
+
+def run_ladder(base: TrainConfig, budget: float, depths: tuple[int, ...], work: Path, overwrite: bool,
+               started: float | None = None, clock: Clock = time.perf_counter) -> Law:
     """Train the ladder of ``depths`` on ``base``'s data and recipe (its schedule made WSD) within ``budget``
-    seconds, in run directories under ``work``, and fit the law through its points."""
-    started = time.perf_counter()
-    if work.exists() and any(work.iterdir()) and not overwrite:
-        raise UserError(f"--work-dir {work} holds an earlier ladder's runs: add --overwrite to replace them, or name "
-                        "another --work-dir")
+    seconds counted from ``started`` (`time.perf_counter`'s clock: the command's start), in run directories under
+    ``work``, and fit the law through its points. A ladder stopped part way (LadderStopped, or any signal) keeps the
+    depths it finished in ``work``: the same call continues it, its time spent counted. ``clock``: what the budget
+    is read on (a test's own)."""
+    started = clock() if started is None else started
     data_cfg, meta = ensure_prepared(base.data, progress=False)
     data = TokenData(data_cfg.path, meta)
     data.check_context(base.model.context_length)
     model = dataclasses.replace(base.model, vocab_size=round_up(data.vocab_size, 64))
     recipe = dataclasses.replace(base, data=data_cfg, model=model, optim=dataclasses.replace(base.optim, schedule="wsd"),
                                  time_budget=None, eval_interval=10**9, log_interval=10**9, progress=False,
-                                 tensorboard=False, activation_checkpointing="none", keep_last=len(BRANCHES) + 3)
+                                 tensorboard=False, activation_checkpointing="none", keep_last=10**6)
+    record = LadderRecord.open(work, recipe, depths, budget, overwrite)
+    origin = started - record.spent  # an earlier try's time counts
     with _quiet():
-        points, rungs = _rungs(recipe, depths, budget, started, work, overwrite)
+        points, rungs = _rungs(recipe, depths, budget, origin, work, record, clock)
     info = {"tokenizer_sha256": data.tokenizer_sha256, "vocab_size": data.vocab_size, "unique_tokens":
             int(meta["train_tokens"]), "dir": str(data_cfg.path)}
-    return fit_law(points, info, _recipe_record(recipe, rungs, budget))
+    law = fit_law(points, info, _recipe_record(recipe, rungs, budget))
+    record.finish(clock() - origin)
+    return law
 
 
 def _rungs(recipe: TrainConfig, depths: tuple[int, ...], budget: float, started: float, work: Path,
-           overwrite: bool) -> tuple[list[dict], list[Rung]]:
+           record: LadderRecord, clock: Clock) -> tuple[list[dict], list[Rung]]:
     """Each depth trained, the largest first (the smallest, last, absorb what the timing missed), its share of the time
-    left set from its measured throughput and the overhead the depth before took: the points and the rungs."""
+    left set from its measured throughput and the overhead the depth before took; a depth finished by an earlier try
+    of the same ladder is taken as it was. The points and the rungs."""
     model = recipe.model
     tokens_per_step = recipe.batch_size * recipe.grad_accum * model.context_length
     branching = sum(BRANCHES) * recipe.optim.cooldown / (1 - recipe.optim.cooldown)  # the branches' extra steps
     points, rungs, overhead = [], [], OVERHEAD
     order = sorted(depths, reverse=True)
     for i, depth in enumerate(order):
-        t_depth = time.perf_counter()
+        if depth in record.done:
+            rung, kept = record.done[depth]
+            rungs.append(rung)
+            points += kept
+            log.info("depth %d: its %d points kept from the ladder's earlier try", depth, len(kept))
+            continue
+        t_depth = clock()
         cfg = dataclasses.replace(recipe, model=shape(depth, model))
         tps = measured_tokens_per_s(cfg, resolve_device(cfg.device))
         share = (budget * (1 - FIT_RESERVE) - (t_depth - started)) / (len(order) - i)
-        steps = 4 * int(share / overhead / (1 + branching) * tps / tokens_per_step / 4)  # checkpoints at each quarter
+        steps = int(share / overhead / (1 + branching) * tps / tokens_per_step)
         if steps < MIN_STEPS and not points:  # nothing trained yet: refused before any run
             raise UserError(f"--time-budget {budget:.0f}s leaves depth {depth} {share:.1f}s, under {MIN_STEPS} steps at "
                             f"the {tps:,.0f} tokens/s measured: give the ladder more time, or fewer or smaller --depths")
-        if steps < MIN_STEPS:  # the depths before took longer than measured: this one's points are not thrown away
-            log.warning("depth %d: %.1fs left for it, under %d steps at %.0f tokens/s: trained for %d steps, past "
-                        "--time-budget", depth, share, MIN_STEPS, tps, MIN_STEPS)
-            steps = MIN_STEPS
+        steps = max(steps, MIN_STEPS)
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, warmup_steps=warmup_for(cfg.optim.warmup_steps, steps)))
-        rung = Rung(depth, non_embedding_params(cfg.model), tps, steps)
+        deadline = t_depth + share
+        rung, rung_points = _rung_points(depth, cfg, work, tokens_per_step, steps, deadline, clock)
         rungs.append(rung)
-        points += _rung_points(rung, cfg, work, overwrite, tokens_per_step)
+        points += rung_points
+        record.add(rung, rung_points, clock() - started)
         # Wall seconds per second of the steps' own compute (setup, evaluation, saves): the next depths' shares.
-        overhead = (time.perf_counter() - t_depth) / (steps * (1 + branching) * tokens_per_step / tps)
+        overhead = (clock() - t_depth) / max(1e-9, rung.steps * (1 + branching) * tokens_per_step / tps)
         log.info("depth %d (%s parameters): %d steps at %.0f tokens/s, %d points, %.2fx the steps' time; %.0fs of %.0fs "
-                 "spent", depth, f"{rung.n_params:,}", steps, tps, sum(p["depth"] == depth for p in points), overhead,
-                 time.perf_counter() - started, budget)
+                 "spent", depth, f"{rung.n_params:,}", rung.steps, tps, len(rung_points), overhead,
+                 clock() - started, budget)
     return points, rungs
 
 
@@ -155,18 +185,37 @@ def _recipe_record(recipe: TrainConfig, rungs: list[Rung], budget: float) -> dic
             "eval_batches": recipe.eval_batches, "budget_seconds": budget, "rungs": [dataclasses.asdict(r) for r in rungs]}
 
 
-def _rung_points(rung: Rung, cfg: TrainConfig, work: Path, overwrite: bool, tokens_per_step: int) -> list[dict]:
-    """One depth's run and its cooldown branches from a quarter and a half of it: a point each."""
-    quarter = rung.steps // 4
-    main = work / f"depth{rung.depth}"
-    run_cfg = dataclasses.replace(cfg, out_dir=str(main), max_steps=rung.steps, checkpoint_interval=quarter,
-                                  overwrite=overwrite and main.exists())
-    points = [_point(rung, rung.steps, tokens_per_step, train(run_cfg), "end")]
+def _rung_points(depth: int, cfg: TrainConfig, work: Path, tokens_per_step: int, steps: int, deadline: float,
+                 clock: Clock) -> tuple[Rung, list[dict]]:
+    """One depth's run, of the time its ``steps`` were planned to take, ended by that deadline (whatever the machine
+    does meanwhile), then its cooldown branches from about a quarter and a half of the steps it took, each where it
+    still fits before ``deadline`` (on ``clock``): a point each."""
+    main = work / f"depth{depth}"
+    shutil.rmtree(main, ignore_errors=True)  # this ladder's own, left by a try that stopped
+    branching = sum(BRANCHES) * cfg.optim.cooldown / (1 - cfg.optim.cooldown)
+    seconds = (1 - BRANCH_SLACK) * (deadline - clock()) / (1 + branching)
+    run_cfg = dataclasses.replace(cfg, out_dir=str(main), time_budget=f"{max(1.0, seconds):.3f}s", max_steps=10**9,
+                                  checkpoint_interval=max(1, steps // 8), overwrite=False)
+    t0 = clock()
+    summary = _trained(run_cfg, clock)
+    setup = clock() - t0 - summary["seconds"]  # the model built, the checkpoint read: a branch's too
+    rung = Rung(depth, non_embedding_params(cfg.model), tokens_per_step * summary["steps"] / max(1e-9, summary["seconds"]),
+                summary["steps"])
+    points = [_point(rung, rung.steps, tokens_per_step, summary, "end")]
+    step_seconds = summary["seconds"] / max(1, rung.steps)  # its evaluation and saves too: a branch's are alike
+    saved = [s for s in (ckpt.step_of(p) for p in ckpt.list_checkpoints(main)) if cfg.optim.warmup_steps < s < rung.steps]
     for f in BRANCHES:
-        at = round(f * 4) * quarter
-        summary = _branch(main, at, work / f"depth{rung.depth}-from{at}", run_cfg, overwrite)
-        points.append(_point(rung, summary["steps"], tokens_per_step, summary, f"cooldown from step {at}"))
-    return points
+        at = min(saved, key=lambda s: abs(s - f * rung.steps), default=None)
+        if at is None or at in {int(p["how"].rsplit(" ", 1)[1]) for p in points[1:]}:
+            continue
+        need = (branch_steps(at, cfg.optim.cooldown) - at) * step_seconds + setup
+        if clock() + need > deadline:
+            log.warning("depth %d: no cooldown from step %d (about %.0fs, and %.0fs of its share are left)", depth, at,
+                        need, deadline - clock())
+            continue
+        branch = _branch(main, at, work / f"depth{depth}-from{at}", run_cfg, clock)
+        points.append(_point(rung, branch["steps"], tokens_per_step, branch, f"cooldown from step {at}"))
+    return rung, points
 
 
 def _point(rung: Rung, steps: int, tokens_per_step: int, summary: dict, how: str) -> dict:

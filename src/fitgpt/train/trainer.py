@@ -207,7 +207,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None,
     length = run_length(cfg, info, device, started, state["time_spent"] if state else 0.0, state_bytes, clock)
     run = LoopState(cfg, info, device, data, model, step_model, optimizer, scaler, sampler, autocast(device, amp_dtype), policy,
                     planned, metrics, saver, length)
-    t_start = time.perf_counter()
+    t_start = clock()
     try:
         with tensor_parallel.step_context(model):  # loss_parallel, over a head split on the vocabulary
             progress = run_loop(run, start_step)
@@ -222,7 +222,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None,
     remove_activation_checkpointing(model)
     return {
         "run_dir": str(cfg.run_dir), "steps": progress.step, "train_loss": progress.loss, "val_loss": progress.val_loss,
-        "seconds": time.perf_counter() - t_start, "interrupted": progress.interrupted,
+        "seconds": clock() - t_start, "interrupted": progress.interrupted,
         "checkpoint": str(progress.checkpoint) if progress.checkpoint else None, "loss_png": str(png) if png else None,
         "activation_bytes": act and act.measured, "memory_plan": planned, "data_tokens": data.meta["train_tokens"],
         "world_size": info.world, "rank": info.rank, "time_spent": length.spent_now(),
