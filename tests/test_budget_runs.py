@@ -21,7 +21,7 @@ from fitgpt.scaling.law import fit_law, read_law
 pytestmark = pytest.mark.slow
 
 
-def _simulated(monkeypatch, base, step: float = 1.0):
+def _simulated(monkeypatch, base, step: float = 0.5):
     """A simulated machine whose step takes ``step`` seconds, its throughput probe measuring as much."""
     from fitgpt.scaling import ladder
 
@@ -49,15 +49,15 @@ def test_a_ladder_gives_three_points_a_depth_each_its_runs_loss_and_fits_a_law_t
     base = make_cfg(tmp_path / "unused", eval_batches=4)
     work = tmp_path / "ladder"
     clock = _simulated(monkeypatch, base)
-    law = run_ladder(base, 30.0, (1, 2), work, overwrite=False, clock=clock)
-    assert clock() - 1000.0 <= 30.0 * (1 - FIT_RESERVE)
+    law = run_ladder(base, 16.0, (1, 2), work, overwrite=False, clock=clock)
+    assert clock() - 1000.0 <= 16.0 * (1 - FIT_RESERVE)
     assert len(law.points) == 6 and {p["depth"] for p in law.points} == {1, 2}
     _check_points(law, base)
     assert law.data["tokenizer_sha256"] == TokenData(base.data.path).tokenizer_sha256
     law.write(tmp_path / "law.json")
     assert read_law(tmp_path / "law.json").points == law.points
     with pytest.raises(UserError, match="--work-dir .* holds an earlier ladder's runs: add --overwrite"):
-        run_ladder(base, 30.0, (1, 2), work, overwrite=False, clock=clock)
+        run_ladder(base, 16.0, (1, 2), work, overwrite=False, clock=clock)
 
 
 def test_a_ladder_stopped_by_ctrl_c_keeps_its_finished_depths_and_the_same_call_continues_it(make_cfg, tmp_path,
@@ -82,18 +82,18 @@ def test_a_ladder_stopped_by_ctrl_c_keeps_its_finished_depths_and_the_same_call_
 
     monkeypatch.setattr(loop, "_run_step", ctrl_c_in_depth_1)
     with pytest.raises(LadderStopped, match="stopped by SIGINT in .*depth1"):
-        run_ladder(base, 30.0, (1, 2), work, overwrite=False, clock=clock)
+        run_ladder(base, 16.0, (1, 2), work, overwrite=False, clock=clock)
     record = json.loads((work / "ladder.json").read_text())
     assert list(record["done"]) == ["2"] and not record["finished"]
     kept = {p: p.stat().st_mtime_ns for p in (work / "depth2").rglob("*")}
     monkeypatch.setattr(loop, "_run_step", stepped)
     spent_before = clock() - 1000.0
-    law = run_ladder(base, 30.0, (1, 2), work, overwrite=False, clock=clock)
+    law = run_ladder(base, 16.0, (1, 2), work, overwrite=False, clock=clock)
     assert len(law.points) == 6 and all(p["val_loss"] is not None for p in law.points)
     assert {p: p.stat().st_mtime_ns for p in (work / "depth2").rglob("*")} == kept
     assert [{k: p[k] for k in kept_point} for p, kept_point in zip(law.points, record["done"]["2"]["points"])] == \
         record["done"]["2"]["points"]
-    assert clock() - 1000.0 - spent_before <= 30.0  # the second try had what the first left
+    assert clock() - 1000.0 - spent_before <= 16.0  # the second try had what the first left
     _check_points(law, base)
 
 

@@ -114,3 +114,17 @@ def test_searches_side_by_side_keep_their_processes_for_the_next_call():
         in_processes(_pid_or_killed, [(None,), (7,)], workers=2)
     after = in_processes(_pid_or_killed, [(8,), (9,)], workers=2)
     assert [v for _, v in after] == [16, 18] and not {pid for pid, _ in after} & {pid for pid, _ in first}
+    # A worker's error that cannot be pickled arrives as its text (it broke the pool's own result: a traceback of
+    # pickling, `fit --world-size 2 --model.weights-dtype bf16` in issue 68), and a user error as itself.
+    with pytest.raises(RuntimeError, match="_Unpicklable: the reason"):
+        in_processes(_unpicklable_or, [(None,), (10,)], workers=2)
+    with pytest.raises(UserError, match="change --flag"):
+        in_processes(_unpicklable_or, [("user",), (11,)], workers=2)
+
+
+def _unpicklable_or(x):
+    if x is None:
+        _fails_unpicklably()
+    if x == "user":
+        _fails()
+    return os.getpid(), x * 2

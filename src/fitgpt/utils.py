@@ -160,10 +160,20 @@ def in_processes(fn, jobs: list[tuple], workers: int | None = None) -> list:
         # Spawned, not forked: a forked worker is safe only for work like Forked's (fake tensors, one intra-op thread).
         pool = _POOLS[n] = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"))
     try:
-        return list(pool.map(fn, *zip(*jobs)))
+        outcomes = list(pool.map(_carried, [fn] * len(jobs), jobs))
     except BrokenProcessPool:  # a worker died (killed, out of memory): the next call starts a new pool
         _POOLS.pop(n, None)
         raise
+    for ok, value in outcomes:
+        if not ok:
+            raise value
+    return [value for _, value in outcomes]
+
+
+def _carried(fn, job: tuple) -> tuple[bool, Any]:
+    """In a worker: ``(True, fn(*job))``, or ``(False, its error)``, the error as its text where it cannot be pickled
+    (a worker's unpicklable error once broke the pool's own result, a traceback of pickling in place of the error)."""
+    return pickle.loads(_outcome(fn, job, threads=None))
 
 
 _POOLS: dict[int, ProcessPoolExecutor] = {}
@@ -228,15 +238,17 @@ class Forked:
             self.pid = None
 
 
-def _outcome(fn, args) -> bytes:
-    """``(True, fn(*args))`` pickled, or ``(False, its error)`` (its text where the error cannot be pickled)."""
+def _outcome(fn, args, threads: int | None = 1) -> bytes:
+    """``(True, fn(*args))`` pickled, or ``(False, its error)`` (its text where the error cannot be pickled), computed
+    with ``threads`` intra-op threads (None: as they are)."""
     import torch  # here, not at the top: this module stays light for the commands that need no torch
 
-    torch.set_num_threads(1)
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         return pickle.dumps((True, fn(*args)))
     except BaseException as e:  # noqa: BLE001 - whatever ended the child is the parent's to raise
-        e.add_note(f"raised in a forked copy of the process:\n{traceback.format_exc()}")  # shown with --verbose
+        e.add_note(f"raised in another process:\n{traceback.format_exc()}")  # shown with --verbose
         try:
             return pickle.dumps((False, e))
         except Exception:  # noqa: BLE001

@@ -31,12 +31,28 @@ def split_twice(t) -> bool:
     return isinstance(t, DTensor) and t.device_mesh.ndim == 2 and isinstance(t.placements[1], _StridedShard)
 
 
+def _split_only(t) -> bool:
+    """A DTensor split by heads over a tensor-parallel mesh alone (strided rows, no FSDP): PyTorch gathers it with
+    index arithmetic on tensors (``.tolist()``), which fake tensors cannot give, so a plan of a whole-matrix step over
+    it stopped on a data-dependent op."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(t, DTensor) and t.device_mesh.ndim == 1 and isinstance(t.placements[0], _StridedShard)
+
+
+def _sizes(mesh) -> tuple[int, int]:
+    """(data-parallel, tensor-parallel) sizes of a (dp, tp) mesh, or of a tensor-parallel one (dp 1)."""
+    return (mesh.size(0), mesh.size(1)) if mesh.ndim == 2 else (1, mesh.size(0))
+
+
 def rows_held(t, dp_rank: int, tp_rank: int) -> torch.Tensor:
-    """The rows of the whole ``t`` (split twice) that rank (dp_rank, tp_rank) holds, in its order: its heads' rows in
-    each of the split's parts (q_r, k_r, v_r), then FSDP's chunk of those (torch.chunk's, as ``fully_shard`` cuts)."""
-    mesh, split = t.device_mesh, t.placements[1]
-    rows = torch.arange(t.shape[0]).view(split.split_factor, mesh.size(1), -1)[:, tp_rank].reshape(-1)
-    chunks = torch.chunk(rows, mesh.size(0))
+    """The rows of the whole ``t`` (split twice, or split by heads alone) that rank (dp_rank, tp_rank) holds, in its
+    order: its heads' rows in each of the split's parts (q_r, k_r, v_r), then FSDP's chunk of those (torch.chunk's,
+    as ``fully_shard`` cuts)."""
+    split, (dp, tp) = t.placements[-1], _sizes(t.device_mesh)
+    rows = torch.arange(t.shape[0]).view(split.split_factor, tp, -1)[:, tp_rank].reshape(-1)
+    chunks = torch.chunk(rows, dp)
     return chunks[dp_rank] if dp_rank < len(chunks) else rows[:0]
 
 
@@ -44,7 +60,7 @@ def gather_whole(t: torch.Tensor) -> torch.Tensor:
     """``t`` whole on every rank (a collective where ``t`` is a DTensor); a plain tensor as it is."""
     import torch.distributed as dist
 
-    if not split_twice(t):
+    if not (split_twice(t) or _split_only(t)):
         return t.full_tensor() if hasattr(t, "full_tensor") else t
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -53,14 +69,17 @@ def gather_whole(t: torch.Tensor) -> torch.Tensor:
         at = mesh.mesh.flatten().tolist()  # the mesh's ranks in (dp, tp) order
     # The mesh's own ranks (a pipeline stage's, of all the processes): the group the trainer's meshes flatten them
     # into ahead (`training_mesh`), so that no rank makes a group here, which every process would have to join.
-    group = mesh._flatten("dp_tp").get_group() if hasattr(mesh, "_flatten") else None
+    if mesh.ndim == 1:
+        group = mesh.get_group()
+    else:
+        group = mesh._flatten("dp_tp").get_group() if hasattr(mesh, "_flatten") else None
     order = at if group is not None else list(range(dist.get_world_size()))  # the pieces' ranks, as gathered
     most = len(rows_held(t, 0, 0))  # the first chunk is the longest
     pieces = [local.new_empty((most, *local.shape[1:])) for _ in order]
     dist.all_gather(pieces, torch.cat([local, local.new_zeros((most - len(local), *local.shape[1:]))]), group=group)
     whole = local.new_empty(t.shape)
     for rank, piece in zip(order, pieces):
-        rows = rows_held(t, *divmod(at.index(rank), mesh.size(1)))
+        rows = rows_held(t, *divmod(at.index(rank), _sizes(mesh)[1]))
         whole[rows] = piece[:len(rows)]
     return whole
 

@@ -203,11 +203,7 @@ def _rung_points(depth: int, cfg: TrainConfig, work: Path, tokens_per_step: int,
                 summary["steps"])
     points = [_point(rung, rung.steps, tokens_per_step, summary, "end")]
     step_seconds = summary["seconds"] / max(1, rung.steps)  # its evaluation and saves too: a branch's are alike
-    saved = [s for s in (ckpt.step_of(p) for p in ckpt.list_checkpoints(main)) if cfg.optim.warmup_steps < s < rung.steps]
-    for f in BRANCHES:
-        at = min(saved, key=lambda s: abs(s - f * rung.steps), default=None)
-        if at is None or at in {int(p["how"].rsplit(" ", 1)[1]) for p in points[1:]}:
-            continue
+    for at in _branch_points(main, rung.steps, cfg):
         need = (branch_steps(at, cfg.optim.cooldown) - at) * step_seconds + setup
         if clock() + need > deadline:
             log.warning("depth %d: no cooldown from step %d (about %.0fs, and %.0fs of its share are left)", depth, at,
@@ -216,6 +212,17 @@ def _rung_points(depth: int, cfg: TrainConfig, work: Path, tokens_per_step: int,
         branch = _branch(main, at, work / f"depth{depth}-from{at}", run_cfg, clock)
         points.append(_point(rung, branch["steps"], tokens_per_step, branch, f"cooldown from step {at}"))
     return rung, points
+
+
+def _branch_points(main: Path, steps: int, cfg: TrainConfig) -> list[int]:
+    """The checkpoints of the run in ``main`` (of ``steps`` steps) nearest each of BRANCHES, in its stable part: past
+    the warmup, and before the cooldown of its last fifth of its time (its steps a little later than that, the first
+    step being the slowest: a twentieth kept aside)."""
+    stable = 0.95 * (1 - cfg.optim.cooldown) * steps
+    saved = [s for s in (ckpt.step_of(p) for p in ckpt.list_checkpoints(main)) if cfg.optim.warmup_steps < s <= stable]
+    if not saved:
+        return []
+    return sorted({min(saved, key=lambda s: abs(s - f * steps)) for f in BRANCHES})
 
 
 def _point(rung: Rung, steps: int, tokens_per_step: int, summary: dict, how: str) -> dict:
