@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import signal
 import socket
 import subprocess
 import sys
@@ -53,6 +54,8 @@ def main() -> None:
         work = Path(tmp)
         subprocess.run([sys.executable, "-m", "fitgpt", "prepare", "--dir", str(work / "data")], check=True,
                        capture_output=True)
+        # A SIGTERM (kill, a scheduler) ends the benchmark through its finally: the busy processes with it.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(args.busy)]
         codes: dict[str, collections.Counter] = {o: collections.Counter() for o in OPTIMIZERS}
         t0 = time.monotonic()

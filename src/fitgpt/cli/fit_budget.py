@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
+from fitgpt.cli import command_started
 from fitgpt.command import train_command
 from fitgpt.data.loader import TokenData
 from fitgpt.data.prepare import ensure_prepared
@@ -70,6 +72,13 @@ def time_budget(cfg) -> int:
           f"et al. 2023; tokens/s: "
           + (f"each row's step timed for real on {here} (the median of its steps over 1.5 s), its configuration chosen by the time model"
              if here is not None else getattr(w.cost, 'source', 'the roofline')) + ")")
+    timed = [r.timed for r in rows if r.timed is not None]
+    if timed:  # how long the measuring took, and how steady the machine was meanwhile
+        spreads = [t.spread for t in timed]
+        print(f"steps timed: {len(timed)} rows in {sum(t.seconds for t in timed):.1f}s of this command's "
+              f"{time.perf_counter() - command_started():.1f}s; their steps within +-{min(spreads):.1%} to "
+              f"+-{max(spreads):.1%} of each row's median (half the interquartile range): a machine busier when it "
+              "trains than now trains fewer tokens than a row says")
     for i, command in enumerate(commands):
         print(f"{'pick' if i == pick else f'row {i}'}: {command}")
     print(json.dumps({"rows": [r.as_json(command) for r, command in zip(rows, commands)], "pick": pick,

@@ -16,7 +16,7 @@ import torch
 from fitgpt.config import TrainConfig
 from fitgpt.errors import UserError
 from fitgpt.estimate.source import OwnModel, param_count
-from fitgpt.estimate.throughput import measured_tokens_per_s
+from fitgpt.estimate.throughput import Throughput, measure_throughput
 from fitgpt.estimate.workload import Workload
 from fitgpt.plan.fastest import Choice, fastest
 from fitgpt.scaling.family import non_embedding_params, shape, warmup_for
@@ -48,6 +48,8 @@ class Row:
     train: TrainConfig
     modelled_tokens_per_s: float
     """The per-op time model's tokens/s (where the step was timed for real, beside it)."""
+    timed: Throughput | None = None
+    """The step timed for real on the device at hand (its spread, and how long the timing took); None: modelled."""
 
     def as_json(self, command: str) -> dict:
         c = self.choice
@@ -56,6 +58,7 @@ class Row:
                 "modelled_tokens_per_s": self.modelled_tokens_per_s, "micro_batch": c.micro_batch,
                 "grad_accum": c.grad_accum, "precision": c.precision, "parallel": c.layout.name, "policy": c.policy,
                 "predicted_peak": c.peak, "predicted_loss": self.loss, "loss_low": self.low, "loss_high": self.high,
+                "tokens_per_s_spread": self.timed and self.timed.spread, "timed_seconds": self.timed and self.timed.seconds,
                 "command": command}
 
 
@@ -76,7 +79,7 @@ def predicted(law: Law | None, n: float, tokens: float, unique: float) -> tuple[
 def budget_row(w: Workload, depth: int, memory: int, seconds: float, law: Law | None, unique: float,
                here: torch.device | None = None) -> Row | None:
     """Depth ``depth``'s row, or None where no configuration of it fits ``memory``. ``here``: the device at hand, on
-    which the chosen configuration's step is timed for real (`measured_tokens_per_s`); otherwise (a card named) its
+    which the chosen configuration's step is timed for real (`measure_throughput`); otherwise (a card named) its
     tokens/s are the time model's."""
     model = shape(depth, w.train.model)
     wd = w.vary(model=model)
@@ -84,17 +87,17 @@ def budget_row(w: Workload, depth: int, memory: int, seconds: float, law: Law | 
     if not result["choices"]:
         return None
     c = result["choices"][0]
-    modelled = c.tokens_per_s
+    modelled, timed = c.tokens_per_s, None
     if here is not None:
-        c = dataclasses.replace(c, compute_seconds=c.tokens / measured_tokens_per_s(c.config(wd.train), here),
-                                link_seconds=0.0)
+        timed = measure_throughput(c.config(wd.train), here)
+        c = dataclasses.replace(c, compute_seconds=c.tokens / timed.tokens_per_s, link_seconds=0.0)
     tokens = int(c.tokens_per_s * usable_seconds(seconds, w.train))
     n = non_embedding_params(model)
     loss, low, high = predicted(law, n, tokens, unique)
     steps = tokens // max(1, c.tokens)
     optim = dataclasses.replace(w.train.optim, schedule="wsd", warmup_steps=warmup_for(w.train.optim.warmup_steps, steps))
     train = dataclasses.replace(c.config(wd.train), optim=optim, time_budget=None)
-    return Row(depth, n, param_count(OwnModel(model)), c, tokens, tokens / unique, loss, low, high, train, modelled)
+    return Row(depth, n, param_count(OwnModel(model)), c, tokens, tokens / unique, loss, low, high, train, modelled, timed)
 
 
 def budget_rows(w: Workload, memory: int, seconds: float, law: Law | None, unique: float,

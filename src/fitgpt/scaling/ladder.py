@@ -123,8 +123,12 @@ def run_ladder(base: TrainConfig, budget: float, depths: tuple[int, ...], work: 
                                  tensorboard=False, activation_checkpointing="none", keep_last=10**6)
     record = LadderRecord.open(work, recipe, depths, budget, overwrite)
     origin = started - record.spent  # an earlier try's time counts
-    with _quiet():
-        points, rungs = _rungs(recipe, depths, budget, origin, work, record, clock)
+    try:
+        with _quiet():
+            points, rungs = _rungs(recipe, depths, budget, origin, work, record, clock)
+    except BaseException:  # stopped (Ctrl-C, a signal, an error): the time it took counts when the ladder continues
+        record.spend(clock() - origin)
+        raise
     info = {"tokenizer_sha256": data.tokenizer_sha256, "vocab_size": data.vocab_size, "unique_tokens":
             int(meta["train_tokens"]), "dir": str(data_cfg.path)}
     law = fit_law(points, info, _recipe_record(recipe, rungs, budget))

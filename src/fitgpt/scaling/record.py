@@ -62,6 +62,11 @@ class LadderRecord:
         self.spent = spent_now
         self._write()
 
+    def spend(self, spent_now: float) -> None:
+        """The ladder stopped ``spent_now`` seconds in (earlier tries too): its next try has what is left."""
+        self.spent = spent_now
+        self._write()
+
     def finish(self, spent_now: float) -> None:
         self.spent = spent_now
         self._write(finished=True)
