@@ -134,6 +134,24 @@ def test_a_run_of_a_time_budget_continues_by_steps(make_cfg, tmp_path, capsys, m
     assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "step_00000006"
 
 
+
+def test_under_torchrun_a_budget_counts_from_the_launch_not_the_worker(monkeypatch):
+    """torchrun's own start-up and its workers' start came before the workers' clocks: time-budgeted launches ended
+    2-4 s past their budget (issue 68). A first attempt counts from its launcher's start; a restarted one from its
+    own (its checkpoint holds the time spent before)."""
+    import os
+
+    from fitgpt.utils import launch_age, process_age
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert launch_age() == pytest.approx(process_age(), abs=0.05)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    parent = process_age(os.getppid())
+    assert parent > process_age() and launch_age() == pytest.approx(parent, abs=0.05)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert launch_age() == pytest.approx(process_age(), abs=0.05)
+
 @pytest.mark.parametrize("args,needle", [(["--time-budget", "4m", "--max-steps", "10"], "drop one of them"),
                                          (["--time-budget", "soon"], "--time-budget 'soon' is not a duration")])
 def test_train_refuses_a_time_budget_it_cannot_keep(args, needle, capsys, tmp_path):

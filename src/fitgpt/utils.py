@@ -129,15 +129,24 @@ class DirLock:
             self._fd = None
 
 
-def process_age() -> float:
-    """Seconds since this process started (its interpreter's start-up and imports included), from Linux's /proc; 0
-    where that cannot be read."""
+def process_age(pid: int | str = "self") -> float:
+    """Seconds since process ``pid`` (this one) started (its interpreter's start-up and imports included), from
+    Linux's /proc; 0 where that cannot be read."""
     try:
-        start_ticks = float(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        start_ticks = float(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
         uptime = float(Path("/proc/uptime").read_text().split()[0])
         return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+def launch_age() -> float:
+    """Seconds since this command was launched: this process's age, or under torchrun (its first attempt) its
+    launcher's, whose own start-up and the workers' start count against a --time-budget too (they ended 2-4 s past
+    it). A restarted attempt counts from its own start: its checkpoint holds the time spent before."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        return max(process_age(), process_age(os.getppid()))
+    return process_age()
 
 
 def host_memory() -> int:

@@ -38,15 +38,16 @@ _started: float | None = None  # when the running command began
 def command_started() -> float:
     """When the running command began (`time.perf_counter`'s clock): the process's start for the command line's
     (`fitgpt ...`, `python -m fitgpt ...`: the interpreter and the imports count, so that `train --time-budget` keeps
-    to the wall clock), the call of ``main(argv)`` for a program's (a test's, a notebook's)."""
+    to the wall clock; under torchrun, its launcher's start), the call of ``main(argv)`` for a program's (a test's, a
+    notebook's)."""
     return time.perf_counter() if _started is None else _started
 
 
 def main(argv: list[str] | None = None) -> int:
     global _started
-    from fitgpt.utils import process_age
+    from fitgpt.utils import launch_age
 
-    _started = time.perf_counter() - (process_age() if argv is None else 0.0)
+    _started = time.perf_counter() - (launch_age() if argv is None else 0.0)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
