@@ -17,7 +17,6 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ from fitgpt.estimate.throughput import measured_tokens_per_s
 from fitgpt.memory.tracker import round_up
 from fitgpt.scaling.family import non_embedding_params, shape, warmup_for
 from fitgpt.scaling.law import Law, fit_law
-from fitgpt.scaling.record import LadderRecord
+from fitgpt.scaling.record import LadderRecord, Rung
 from fitgpt.train import checkpoint as ckpt
 from fitgpt.train.trainer import train
 
@@ -50,14 +49,6 @@ BRANCH_SLACK = 0.15
 do not need is theirs)."""
 OVERHEAD = 1.3
 """Wall seconds per second of a depth's steps (its runs' setup, evaluations and saves), until one depth measures it."""
-
-
-@dataclass
-class Rung:
-    depth: int
-    n_params: int
-    tokens_per_s: float
-    steps: int
 
 
 @contextlib.contextmanager

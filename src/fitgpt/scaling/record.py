@@ -22,6 +22,16 @@ RECORD = "ladder.json"
 
 
 @dataclass
+class Rung:
+    """One depth of the ladder as it trained: its parameters (non-embedding), the tokens/s its run had, its steps."""
+
+    depth: int
+    n_params: int
+    tokens_per_s: float
+    steps: int
+
+
+@dataclass
 class LadderRecord:
     path: Path
     key: dict
@@ -35,8 +45,6 @@ class LadderRecord:
     def open(cls, work: Path, recipe: TrainConfig, depths: tuple[int, ...], budget: float, overwrite: bool) -> LadderRecord:
         """The record of ``work``: new where it is empty (or --overwrite), continued where it holds the same ladder
         stopped part way; otherwise refused in one line (nothing is changed)."""
-        from fitgpt.scaling.ladder import Rung
-
         key = {"recipe": to_dict(recipe), "depths": sorted(depths), "budget_seconds": budget}
         path = work / RECORD
         if overwrite and work.exists():  # the ladder's own runs and record, nothing else of the folder's
