@@ -227,10 +227,15 @@ def test_too_few_points_for_a_law_is_one_line():
     (["ladder"], "--time-budget is required"),
     (["ladder", "--time-budget", "8m", "--depths", "3"], "at least two different depths"),
     (["ladder", "--time-budget", "8m", "--out", "law.txt"], "name a .json file"),
+    # Below its runs' own start-ups, whatever the machine: refused before any run (once trained 37 s past a 2 s one)
+    (["ladder", "--time-budget", "2s", "--depths", "1", "2"], "less than 2 depths' fixed costs"),
 ])
-def test_fit_and_ladder_refuse_a_budget_they_cannot_answer_in_one_line(args, needle, data_dir, capsys):
-    code, err = run_cli([*args, "--data.dir", str(data_dir)], capsys)
+def test_fit_and_ladder_refuse_a_budget_they_cannot_answer_in_one_line(args, needle, data_dir, capsys, tmp_path):
+    out = ["--work-dir", str(tmp_path / "w")] + ([] if "--out" in args else ["--out", str(tmp_path / "law.json")])
+    out = out if args[0] == "ladder" else []
+    code, err = run_cli([*args, *out, "--data.dir", str(data_dir)], capsys)
     assert code == 2 and one_line(err) and needle in err, err
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 def test_a_ladder_never_writes_over_a_law_or_an_earlier_ladder(data_dir, tmp_path, capsys):

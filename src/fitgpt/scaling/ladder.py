@@ -47,6 +47,11 @@ MIN_STEPS = 8
 BRANCH_SLACK = 0.15
 """A depth's share kept beside its branches' steps, for their own setup, evaluation and save (what the next depths
 do not need is theirs)."""
+RUN_START_S = 2.0
+"""A ladder's run's time besides its steps, at the least (its model built and its activations measured, its evaluation
+and last save): 1-3 s on this project's 2-core CPU."""
+PROBE_S = 2.0
+"""A depth's step timed before its run (`measure_throughput`: a model built, two steps of warm-up, 1.5 s of steps)."""
 OVERHEAD = 1.3
 """Wall seconds per second of a depth's steps (its runs' setup, evaluations and saves), until one depth measures it."""
 
@@ -105,6 +110,11 @@ def run_ladder(base: TrainConfig, budget: float, depths: tuple[int, ...], work: 
     depths it finished in ``work``: the same call continues it, its time spent counted. ``clock``: what the budget
     is read on (a test's own)."""
     started = clock() if started is None else started
+    least = len(depths) * ((1 + len(BRANCHES)) * RUN_START_S + PROBE_S)
+    if budget < least:  # the runs' own start-ups alone would overrun it, however fast the steps
+        raise UserError(f"--time-budget {budget:.0f}s is less than {len(depths)} depths' fixed costs (each depth's step "
+                        f"timed, then {1 + len(BRANCHES)} runs' start-up, evaluation and save: about {least:.0f}s): give "
+                        "the ladder more time, or fewer --depths")
     data_cfg, meta = ensure_prepared(base.data, progress=False)
     data = TokenData(data_cfg.path, meta)
     data.check_context(base.model.context_length)
