@@ -95,6 +95,7 @@ class Simulated:
         return self.now
 
 
+@pytest.mark.slow
 def test_a_run_of_a_time_budget_ends_with_its_last_evaluation_and_checkpoint_and_resumes_counting_its_time(
         make_cfg, tmp_path, monkeypatch):
     run = tmp_path / "run"
@@ -118,6 +119,7 @@ def test_a_run_of_a_time_budget_ends_with_its_last_evaluation_and_checkpoint_and
         train(make_cfg(run, time_budget="9s", resume=str(meta_file.parent)), clock=clock)
 
 
+@pytest.mark.slow
 def test_a_run_of_a_time_budget_continues_by_steps(make_cfg, tmp_path, capsys, monkeypatch):
     """``--config RUN/config.json --resume latest --max-steps N`` of a run of a time budget trains on to step N (it
     was refused, naming --time-budget, which the user never passed); ``--time-budget None`` says the same (it was a
@@ -211,6 +213,16 @@ def test_a_corrupt_or_hand_edited_law_is_one_line_naming_the_file(tmp_path, edit
     with pytest.raises(UserError, match=rf"--law {tmp_path / 'law.json'}: .*{needle}"):
         read_law(tmp_path / "law.json")
 
+
+
+def test_a_laws_bootstrap_ends_at_its_deadline():
+    """The ladder's 200 refits took 20-60 s of a 2-minute budget beside other work (issue 68): past its deadline the
+    bootstrap stops, MIN_RESAMPLES refits at the least."""
+    from fitgpt.scaling.law import MIN_RESAMPLES
+
+    late = fit_law(_points(0.01), DATA, {}, resamples=200, deadline=0.0, clock=lambda: 1.0)
+    assert len(late.bootstrap) == MIN_RESAMPLES
+    assert len(fit_law(_points(0.01), DATA, {}, resamples=30, deadline=2.0, clock=lambda: 1.0).bootstrap) == 30
 
 def test_too_few_points_for_a_law_is_one_line():
     with pytest.raises(UserError, match="at least 6 points"):

@@ -115,6 +115,7 @@ def test_a_crafted_entry_of_a_dcp_checkpoint_is_refused_and_never_runs(dcp_run, 
 
 
 
+@pytest.mark.slow
 def test_a_resume_that_refuses_a_crafted_checkpoint_changes_nothing_in_the_run(dcp_run, cli_train_args, tmp_path, capsys):
     """The refusal came after the run's config.json had been rewritten with the new flags (issue 68): now the run's
     files are written only once every part of the checkpoint was read."""

@@ -18,6 +18,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -129,9 +131,15 @@ class Law:
         path.write_text(json.dumps(self.to_json(), indent=1))
 
 
-def fit_law(points: list[dict], data: dict, recipe: dict, resamples: int = 200, seed: int = 0) -> Law:
+MIN_RESAMPLES = 20
+"""Bootstrap refits a law is given whatever its deadline: enough for a 5th to 95th percentile interval."""
+
+
+def fit_law(points: list[dict], data: dict, recipe: dict, resamples: int = 200, seed: int = 0,
+            deadline: float | None = None, clock: Callable[[], float] = time.perf_counter) -> Law:
     """The law through ``points`` (each with n_params, tokens and val_loss; effective tokens counted here), with
-    ``resamples`` bootstrap refits (each from the full fit and a few of the grid's starts)."""
+    ``resamples`` bootstrap refits (each from the full fit and a few of the grid's starts), as many of them as end
+    before ``deadline`` (on ``clock``), MIN_RESAMPLES at the least."""
     if len(points) < 6:
         raise UserError(f"a law of five coefficients needs at least 6 points, the ladder measured {len(points)}: give "
                         "it a larger --time-budget")
@@ -145,6 +153,8 @@ def fit_law(points: list[dict], data: dict, recipe: dict, resamples: int = 200, 
     rng = np.random.default_rng(seed)
     boot = []
     for _ in range(resamples):
+        if deadline is not None and len(boot) >= MIN_RESAMPLES and clock() > deadline:
+            break
         i = rng.integers(0, len(pts), len(pts))
         if len(set(n[i])) < 2 or len(set(d[i])) < 2:
             continue
