@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     budget = parse_duration(args.time_budget)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through the finally: the busy processes end too
-    print(f"| budget | busy processes | seed | wall (s) | wall / budget | points | law |\n|---:|---:|---:|---:|---:|---:|---|")
+    print("| budget | busy processes | seed | wall (s) | wall / budget | points | law |\n|---:|---:|---:|---:|---:|---:|---|")
     with tempfile.TemporaryDirectory() as tmp:
         busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(args.busy)]
         try:
