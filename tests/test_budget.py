@@ -224,6 +224,7 @@ def test_a_corrupt_or_hand_edited_law_is_one_line_naming_the_file(tmp_path, edit
 
 
 
+@pytest.mark.slow
 def test_a_laws_bootstrap_ends_at_its_deadline():
     """The ladder's 200 refits took 20-60 s of a 2-minute budget beside other work (issue 68): past its deadline the
     bootstrap stops, MIN_RESAMPLES refits at the least."""
