@@ -87,6 +87,16 @@ def test_a_ladder_stopped_by_ctrl_c_keeps_its_finished_depths_and_the_same_call_
         run_ladder(base, 16.0, (1, 2), work, overwrite=False, clock=clock)  # a finished ladder is not continued
 
 
+
+def test_a_ladder_refused_at_its_first_depth_records_nothing(make_cfg, tmp_path, monkeypatch):
+    """A first depth too slow for its share is refused before any run, and leaves no ladder.json behind (a larger
+    budget then starts afresh rather than meeting "an earlier ladder's runs")."""
+    base = make_cfg(tmp_path / "unused", eval_batches=4)
+    _simulated(monkeypatch, base, step=60.0)  # a minute a step
+    with pytest.raises(UserError, match="under 8 steps"):
+        run_ladder(base, 60.0, (1, 2), tmp_path / "ladder", overwrite=False)
+    assert not any((tmp_path / "ladder").iterdir())
+
 def test_the_ladder_command_stopped_says_so_in_one_line_and_writes_no_law(data_dir, tmp_path, capsys, monkeypatch):
     from fitgpt.scaling import ladder
 

@@ -127,6 +127,8 @@ def run_ladder(base: TrainConfig, budget: float, depths: tuple[int, ...], work: 
     try:
         with _quiet():
             points, rungs = _rungs(recipe, depths, budget, origin, work, record, clock)
+    except UserError:  # refused before any run (a budget too small for the first depth): nothing recorded
+        raise
     except BaseException:  # stopped (Ctrl-C, a signal, an error): the time it took counts when the ladder continues
         record.spend(clock() - origin)
         raise

@@ -60,9 +60,7 @@ class LadderRecord:
                      saved["spent"])
             return cls(path, key, float(saved["spent"]), done)
         work.mkdir(parents=True, exist_ok=True)
-        record = cls(path, key)
-        record._write()
-        return record
+        return cls(path, key)  # written once a depth ends or the ladder stops: a refusal before any run leaves none
 
     def add(self, rung, points: list[dict], spent_now: float) -> None:
         """Depth ``rung.depth`` finished with ``points``, ``spent_now`` seconds into the ladder (earlier tries too)."""
