@@ -215,6 +215,9 @@ def shutdown(info: DistInfo) -> None:
         return
     dist.destroy_process_group()
     release_meshes()
+    if left := gloo_threads():  # something else of PyTorch's still holds a group: say so before any abort at exit
+        log.warning("%d of gloo's threads still run after the process groups were destroyed (%s): this process may "
+                    "abort at exit, its run already saved", len(left), ", ".join(sorted(set(left))))
 
 
 def release_meshes() -> None:
