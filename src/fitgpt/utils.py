@@ -169,7 +169,9 @@ def in_processes(fn, jobs: list[tuple], workers: int | None = None) -> list:
         # Spawned, not forked: a forked worker is safe only for work like Forked's (fake tensors, one intra-op thread).
         pool = _POOLS[n] = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"))
     try:
-        outcomes = list(pool.map(_carried, [fn] * len(jobs), jobs))
+        # Each worker sends its outcome already pickled (`_outcome`): an error that cannot be pickled arrives as its
+        # text (it once broke the pool's own result, a traceback of pickling in place of the error).
+        outcomes = [pickle.loads(b) for b in pool.map(_outcome, [fn] * len(jobs), jobs, [None] * len(jobs))]
     except BrokenProcessPool:  # a worker died (killed, out of memory): the next call starts a new pool
         _POOLS.pop(n, None)
         raise
@@ -177,12 +179,6 @@ def in_processes(fn, jobs: list[tuple], workers: int | None = None) -> list:
         if not ok:
             raise value
     return [value for _, value in outcomes]
-
-
-def _carried(fn, job: tuple) -> tuple[bool, Any]:
-    """In a worker: ``(True, fn(*job))``, or ``(False, its error)``, the error as its text where it cannot be pickled
-    (a worker's unpicklable error once broke the pool's own result, a traceback of pickling in place of the error)."""
-    return pickle.loads(_outcome(fn, job, threads=None))
 
 
 _POOLS: dict[int, ProcessPoolExecutor] = {}
