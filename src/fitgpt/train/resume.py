@@ -64,10 +64,10 @@ def resume_run(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, sc
 
 def _check_left_to_train(path: Path, step: int, ck_meta: dict, cfg: TrainConfig) -> None:
     """A resume with nothing left to train is refused, naming the setting to raise (nothing was changed)."""
-    if cfg.time_budget is None and step >= cfg.max_steps:
-        raise UserError(f"--resume {path}: the checkpoint is at step {step} and --max-steps is {cfg.max_steps}, so "
-                        "there is nothing to train; raise --max-steps to continue (nothing was changed)")
-    if cfg.time_budget is None:  # continued by steps (a run of a time budget too): the steps above decide
+    if cfg.time_budget is None:  # a run of steps (a run of a time budget continued by steps too): its steps decide
+        if step >= cfg.max_steps:
+            raise UserError(f"--resume {path}: the checkpoint is at step {step} and --max-steps is {cfg.max_steps}, so "
+                            "there is nothing to train; raise --max-steps to continue (nothing was changed)")
         return
     spent, budget = _time_spent(path, ck_meta), ck_meta["config"].get("time_budget")
     ended = ck_meta.get("deadline_reached") and budget and cfg.budget_seconds <= parse_duration(budget)
