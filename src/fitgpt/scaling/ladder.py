@@ -91,6 +91,11 @@ def _trained(cfg: TrainConfig, clock: Clock) -> dict:
     return summary
 
 
+def _branching(cooldown: float) -> float:
+    """The branches' steps, as a share of their run's: each cools down over a fifth of a run that ends past its start."""
+    return sum(BRANCHES) * cooldown / (1 - cooldown)
+
+
 def branch_steps(step: int, cooldown: float) -> int:
     """A branch's --max-steps from checkpoint ``step``: the run whose last ``cooldown`` share starts there, and at least
     one step past it (round(2 / 0.8) is 2: a branch from step 2 would train nothing)."""
@@ -147,7 +152,7 @@ def _rungs(recipe: TrainConfig, depths: tuple[int, ...], budget: float, started:
     of the same ladder is taken as it was. The points and the rungs."""
     model = recipe.model
     tokens_per_step = recipe.batch_size * recipe.grad_accum * model.context_length
-    branching = sum(BRANCHES) * recipe.optim.cooldown / (1 - recipe.optim.cooldown)  # the branches' extra steps
+    branching = _branching(recipe.optim.cooldown)
     points, rungs, overhead = [], [], OVERHEAD
     order = sorted(depths, reverse=True)
     for i, depth in enumerate(order):
@@ -200,8 +205,7 @@ def _rung_points(depth: int, cfg: TrainConfig, work: Path, tokens_per_step: int,
     still fits before ``deadline`` (on ``clock``): a point each."""
     main = work / f"depth{depth}"
     shutil.rmtree(main, ignore_errors=True)  # this ladder's own, left by a try that stopped
-    branching = sum(BRANCHES) * cfg.optim.cooldown / (1 - cfg.optim.cooldown)
-    seconds = (1 - BRANCH_SLACK) * (deadline - clock()) / (1 + branching)
+    seconds = (1 - BRANCH_SLACK) * (deadline - clock()) / (1 + _branching(cfg.optim.cooldown))
     run_cfg = dataclasses.replace(cfg, out_dir=str(main), time_budget=f"{max(1.0, seconds):.3f}s", max_steps=10**9,
                                   checkpoint_interval=max(1, steps // 8), overwrite=False)
     t0 = clock()
