@@ -74,14 +74,26 @@ def _name_map(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
     return names
 
 
+_INTO_RESIDUAL = ("attn.proj.", "mlp.proj.", "attn.o_proj.", "mlp.down_proj.")
+
+
 def to_hf_state(model: Transformer) -> dict[str, torch.Tensor]:
-    """Our weights under Hugging Face's names and layouts (GPT-2 biases we do not have are zeros)."""
+    """Our weights under Hugging Face's names and layouts (GPT-2 biases we do not have are zeros), muP's multipliers
+    folded in: CompleteP's into the projections that write the residual, the output's into an untied head (a tied
+    one, shared with the embedding, cannot take it)."""
     cfg, sd = model.config, model.state_dict()
+    if cfg.width_mult != 1.0 and cfg.tied:
+        raise UserError(f"this model's head is tied to its embedding and scaled by muP's 1/{cfg.width_mult:g}, which "
+                        "Hugging Face's models have no place for: train it with --model.tie-embeddings false to export it")
     out: dict[str, torch.Tensor] = {}
     for theirs, (ours, transposed) in _name_map(cfg).items():
         w = sd.get(ours)
         if w is None:  # a bias-free GPT-2: Hugging Face's has biases, all zero here
             w = torch.zeros(_gpt2_bias_size(cfg, ours))
+        elif ours.startswith("attn_blocks.") and ours.split(".", 2)[-1].startswith(_INTO_RESIDUAL):
+            w = w * cfg.branch_mult
+        elif ours == "lm_head.weight":
+            w = w / cfg.width_mult
         out[theirs] = (w.t() if transposed else w).detach().contiguous()
     return out
 

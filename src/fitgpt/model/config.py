@@ -55,6 +55,15 @@ class ModelConfig:
     gradient, every op in bf16; the optimizer steps each parameter in fp32 and rounds the result into its bf16
     weights, stochastically by default: --optim.rounding). One process, DDP, FSDP or tensor parallelism; not yet over
     pipeline stages."""
+    mup_base_width: int = 0
+    """muP (Yang et al. 2022, "Tensor Programs V"): the width of the base shape whose learning rate and initialisation
+    this one inherits (0: off, the standard parametrisation). Wider by m = n_embed / base: the hidden matrices drawn
+    with std / sqrt(m), their AdamW (or Muon) learning rate / m and weight decay x m, the head's input x 1 / m. At the
+    base shape the model, its gradients and its steps are the standard parametrisation's, exactly."""
+    mup_base_depth: int = 0
+    """CompleteP (Dey et al. 2025), muP's rule for depth: the base shape's blocks (0: off). Each residual branch's output
+    is scaled by base / n_blocks (alpha 1: the learning rate then transfers across depth unchanged), and the
+    projections into the residual drawn as at the base depth."""
 
     def __post_init__(self) -> None:
         require_finite(self, "model.")
@@ -79,6 +88,11 @@ class ModelConfig:
                              "(change --model.n-embed or --model.n-head)")
         if not self.rope_theta > 0 or not self.norm_eps > 0:
             raise UserError("model.rope_theta and model.norm_eps must be positive (set --model.rope-theta / --model.norm-eps)")
+        for name in ("mup_base_width", "mup_base_depth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UserError(f"model.{name} must be 0 (off) or a positive integer, got {value!r} "
+                                f"(set --model.{name.replace('_', '-')})")
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"model.dropout must be in [0, 1), got {self.dropout} (set --model.dropout)")
 
@@ -101,6 +115,16 @@ class ModelConfig:
         if self.ffn_hidden is not None:
             return self.ffn_hidden
         return -(-8 * self.n_embed // 3 // 64) * 64 if self.arch == "llama" else 4 * self.n_embed
+
+    @property
+    def width_mult(self) -> float:
+        """muP's m: how many times the base shape's width this one is (1 without muP)."""
+        return self.n_embed / self.mup_base_width if self.mup_base_width else 1.0
+
+    @property
+    def branch_mult(self) -> float:
+        """CompleteP's residual branch multiplier, base depth / depth (1 without it)."""
+        return self.mup_base_depth / self.n_blocks if self.mup_base_depth else 1.0
 
     @property
     def head_dim(self) -> int:

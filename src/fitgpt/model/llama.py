@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from fitgpt.model.attention import attend
 from fitgpt.model.config import ModelConfig
 from fitgpt.model.kv_cache import LayerCache
+from fitgpt.model.mup import branch
 
 
 def rotary(T: int, head_dim: int, theta: float, device: torch.device, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,8 +77,9 @@ class LlamaBlock(nn.Module):
         self.ln2 = nn.RMSNorm(config.n_embed, eps=config.norm_eps)
         self.mlp = SwiGLU(config)
         self.dropout = nn.Dropout(config.dropout)
+        self.branch_mult = config.branch_mult
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln1(x), cache))
-        x = x + self.dropout(self.mlp(self.ln2(x)))
+        x = x + branch(self.dropout(self.attn(self.ln1(x), cache)), self.branch_mult)
+        x = x + branch(self.dropout(self.mlp(self.ln2(x))), self.branch_mult)
         return x  # (B, T, C)

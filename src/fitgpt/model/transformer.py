@@ -22,6 +22,7 @@ from fitgpt.model.attention import attend
 from fitgpt.model.config import ModelConfig
 from fitgpt.model.kv_cache import KVCache, LayerCache
 from fitgpt.model.llama import LlamaBlock
+from fitgpt.model.mup import branch
 
 
 class CausalSelfAttention(nn.Module):
@@ -66,7 +67,12 @@ class LMHead(nn.Linear):
     the B x T x vocab logits and their log-softmax are the largest activations of a small model.
     """
 
+    output_mult = 1.0
+    """muP's output multiplier, 1 / width_mult (applied to the input: the same logits, a C-wide tensor not a vocab-wide one)."""
+
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        if self.output_mult != 1.0:
+            x = x * self.output_mult  # (B, T, C)
         logits = F.linear(x, self.weight, self.bias)  # (B, T, vocab)
         if targets is None:
             return logits
@@ -83,10 +89,11 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.n_embed, bias=config.has_bias)
         self.mlp = MLP(config)
+        self.branch_mult = config.branch_mult
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), cache)
-        x = x + self.mlp(self.ln2(x))
+        x = x + branch(self.attn(self.ln1(x), cache), self.branch_mult)
+        x = x + branch(self.mlp(self.ln2(x)), self.branch_mult)
         return x  # (B, T, C)
 
 
@@ -107,6 +114,7 @@ class Transformer(nn.Module):
             self.layer_norm = (nn.RMSNorm(config.n_embed, eps=config.norm_eps) if llama
                                else nn.LayerNorm(config.n_embed, bias=config.has_bias))
             self.lm_head = LMHead(config.n_embed, config.vocab_size, bias=False)
+            self.lm_head.output_mult = 1.0 / config.width_mult
         if config.tied:  # the head reuses the token embedding matrix (GPT-2 does)
             self.lm_head.weight = self.token_embed.weight
         if not any(p.is_meta for p in self.parameters()):  # on the meta device: nothing to fill until materialised
@@ -122,7 +130,7 @@ class Transformer(nn.Module):
         very weights one process does (``fitgpt.parallel.fill_shard``)."""
         fill = fill or fill_whole
         for name, p in self.named_parameters():  # a tied weight once
-            fill(p, init_std(name, p, self.config.n_blocks))
+            fill(p, init_std(name, p, self.config))
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -205,14 +213,19 @@ class Transformer(nn.Module):
 Fill = Callable[[nn.Parameter, "float | None"], None]
 
 
-def init_std(name: str, p: torch.Tensor, n_blocks: int) -> float | None:
+def init_std(name: str, p: torch.Tensor, config: ModelConfig) -> float | None:
     """GPT-2's init: matrices and embeddings N(0, 0.02), biases zero, norm weights one; the projections that write
-    into the residual stream scaled by 1/sqrt(2N), so that the residual's variance does not grow with depth."""
+    into the residual stream scaled by 1/sqrt(2N), so that the residual's variance does not grow with depth. Under
+    muP the hidden matrices' std is divided by sqrt(width_mult) (variance as 1 / fan-in), and under CompleteP N is
+    the base depth (its branch multiplier does the rest)."""
     if p.dim() == 1:
         return 0.0 if name.endswith("bias") else None
+    if name.startswith(("token_embed.", "position_embed.", "lm_head.")):
+        return 0.02
+    std = 0.02 / math.sqrt(config.width_mult)
     if name.endswith(("attn.proj.weight", "mlp.proj.weight", "o_proj.weight", "down_proj.weight")):
-        return 0.02 / math.sqrt(2 * n_blocks)
-    return 0.02
+        return std / math.sqrt(2 * (config.mup_base_depth or config.n_blocks))
+    return std
 
 
 @torch.no_grad()

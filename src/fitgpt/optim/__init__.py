@@ -6,6 +6,7 @@ fp32 and rounded (``bf16_weights``); stepped after the backward, inside it (``in
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -13,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fitgpt.config import OptimConfig
+from fitgpt.model.config import ModelConfig
 from fitgpt.optim import lowrank
 from fitgpt.optim.adamw_bf16 import AdamWBf16
 from fitgpt.optim.bf16_weights import Bf16Weights, rounding_seed
@@ -82,6 +84,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
     steps each parameter whole on one rank (``whole``). ``seed``: the run's, from which stochastic rounding draws."""
     decay, no_decay = _groups(model)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = mup_groups(groups, model, cfg.lr)
 
     hidden = {id(p) for p in hidden_matrices(model)} if cfg.name == "muon" or cfg.projects else set()
     if cfg.projects:  # the attention and MLP matrices projected, as GaLore's and APOLLO's recipes do
@@ -168,13 +171,34 @@ def _muon(groups: list[dict], hidden: set[int], cfg: OptimConfig) -> torch.optim
     return MuonAdamW(muon, adamw, [p for g in groups for p in g["params"]])
 
 
+def mup_groups(groups: list[dict], model: nn.Module, lr: float) -> list[dict]:
+    """``groups`` with muP's per-width learning rates, where ``model`` is a muP one (`ModelConfig.mup_base_width`):
+    its hidden matrices' learning rate divided by the width multiplier m and their weight decay multiplied by it (so
+    AdamW's decoupled decay, lr x wd, stays the base shape's), in groups of their own marked ``lr_scale`` (what
+    `set_lr` keeps). Each group is cut into runs of consecutive parameters, so that the parameters keep their order
+    (the optimizer's state is numbered by it)."""
+    config = next((m.config for m in model.modules() if isinstance(getattr(m, "config", None), ModelConfig)), None)
+    mult = config.width_mult if config is not None else 1.0
+    if mult == 1.0:
+        return groups
+    hidden = {id(p) for p in hidden_matrices(model)}
+    out = []
+    for group in groups:
+        for inside, run in itertools.groupby(group["params"], key=lambda p: id(p) in hidden):
+            scaled = {"lr": lr / mult, "lr_scale": 1 / mult, "weight_decay": group["weight_decay"] * mult}
+            out.append({**group, "params": list(run), **(scaled if inside else {})})
+    return out
+
+
 def set_lr(optimizer: torch.optim.Optimizer | InBackward, lr: float) -> None:
-    """Set every parameter group's learning rate (torchao's optimizers keep it as a tensor, changed in place)."""
+    """Set every parameter group's learning rate, times its muP ``lr_scale`` where it has one (torchao's optimizers
+    keep it as a tensor, changed in place)."""
     for group in optimizer.param_groups:
+        value = lr * group.get("lr_scale", 1.0)
         if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
+            group["lr"].fill_(value)
         else:
-            group["lr"] = lr
+            group["lr"] = value
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int | None = None, fraction: float | None = None) -> float:

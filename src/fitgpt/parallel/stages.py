@@ -113,7 +113,7 @@ def materialise(model: nn.Module, stages: list[Stage], device: torch.device, see
     torch.manual_seed(seed)
     for name, p in order:
         whole = torch.empty(p.shape, dtype=p.dtype)
-        fill_whole(whole, init_std(name, p, model.config.n_blocks))
+        fill_whole(whole, init_std(name, p, model.config))
         for module, attr in places.get(id(p), []) + (head if name == "token_embed.weight" else []):
             assign_whole(getattr(module, attr), whole.to(device))
 
