@@ -1,9 +1,10 @@
 """Does the best learning rate found at the smallest rung stay best at a rung 8x larger? A sweep of AdamW's learning
-rate at two of the ladder family's depths (depth 1: 64 wide, 50K parameters outside the embeddings; depth 2: 128 wide,
-2 blocks, 397K, 8x), under the standard parametrisation and under muP + CompleteP with depth 1 as the base shape
-(`--model.mup-base-width 64 --model.mup-base-depth 1`: at depth 1 the two are the same model, step for step).
+rate at two depths of the ladder's family of 32 a block (`fitgpt ladder --aspect 32`: depth 1, 32 wide, 12K parameters
+outside the embeddings; depth 2, 64 wide, 2 blocks, 98K: 8x), under the standard parametrisation and under muP +
+CompleteP with depth 1 as the base shape (`--model.mup-base-width 32 --model.mup-base-depth 1`: at depth 1 the two are
+the same model, step for step).
 
-    python benchmarks/lr_transfer.py --data DIR --steps 300 --lrs 0.00075 0.0015 0.003 0.006 0.012 0.024 --out DIR
+    python benchmarks/lr_transfer.py --data DIR --steps 400 --lrs 0.00075 0.0015 0.003 0.006 0.012 0.024 --out DIR
 
 Each run is the tiny preset's recipe under WSD for --steps steps (warmup 30, cooldown a fifth), its loss the final
 evaluation over 20 validation batches (the same windows for every run). The runs go learning rate by learning rate,
@@ -19,9 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-SHAPES = {1: ["--model.n-blocks", "1", "--model.n-embed", "64", "--model.n-head", "1"],
-          2: ["--model.n-blocks", "2", "--model.n-embed", "128", "--model.n-head", "2"]}
-MUP = ["--model.mup-base-width", "64", "--model.mup-base-depth", "1"]
+SHAPES = {1: ["--model.n-blocks", "1", "--model.n-embed", "32", "--model.n-head", "1"],
+          2: ["--model.n-blocks", "2", "--model.n-embed", "64", "--model.n-head", "2"]}
+MUP = ["--model.mup-base-width", "32", "--model.mup-base-depth", "1"]
 
 
 def _loss(run: Path) -> float:
@@ -32,7 +33,7 @@ def _loss(run: Path) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--lrs", type=float, nargs="+", default=[0.00075, 0.0015, 0.003, 0.006, 0.012, 0.024])
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--out", required=True)

@@ -14,11 +14,14 @@ from fitgpt.cli.train import parse
 from fitgpt.data.loader import TokenData
 from fitgpt.errors import UserError
 from fitgpt.plan.budget import DEPTHS, STARTUP_SECONDS
-from fitgpt.scaling.family import non_embedding_params, shape
+from fitgpt.scaling.design import Rules
+from fitgpt.scaling.family import Family, non_embedding_params
 from fitgpt.scaling.ladder import FIT_RESERVE, LadderStopped, branch_steps, run_ladder
 from fitgpt.scaling.law import fit_law, read_law
 
 pytestmark = pytest.mark.slow
+MECHANICS = Rules(min_tokens_per_param=0.0, min_range=1.0, identify=False)
+"""The ladder's mechanics alone (stopping, continuing, its clock) on two tiny depths: no design, no law's check."""
 
 
 def _simulated(monkeypatch, base, step: float = 0.5):
@@ -33,7 +36,7 @@ def _simulated(monkeypatch, base, step: float = 0.5):
 def _check_points(law, base):
     tokens_per_step = base.batch_size * base.model.context_length
     for p in law.points:
-        assert p["n_params"] == non_embedding_params(shape(p["depth"], dataclasses.replace(base.model, vocab_size=512)))
+        assert p["n_params"] == non_embedding_params(Family().shape(p["depth"], dataclasses.replace(base.model, vocab_size=512)))
         metrics = [json.loads(line) for line in open(f"{p['run']}/metrics.jsonl")]
         last = [m for m in metrics if "val_loss" in m][-1]
         assert last["val_loss"] == p["val_loss"] and last["step"] * tokens_per_step == p["tokens"]
@@ -66,25 +69,25 @@ def test_a_ladder_stopped_by_ctrl_c_keeps_its_finished_depths_and_the_same_call_
 
     monkeypatch.setattr(loop, "_run_step", ctrl_c_in_depth_1)
     with pytest.raises(LadderStopped, match="stopped by SIGINT in .*depth1"):
-        run_ladder(base, 16.0, (1, 2), work, overwrite=False, clock=clock)
+        run_ladder(base, 48.0, (1, 2), work, overwrite=False, clock=clock, rules=MECHANICS)
     record = json.loads((work / "ladder.json").read_text())
     assert list(record["done"]) == ["2"] and not record["finished"]
     kept = {p: p.stat().st_mtime_ns for p in (work / "depth2").rglob("*")}
     monkeypatch.setattr(loop, "_run_step", stepped)
     spent_before = clock() - 1000.0
-    law = run_ladder(base, 16.0, (1, 2), work, overwrite=False, clock=clock)
+    law = run_ladder(base, 48.0, (1, 2), work, overwrite=False, clock=clock, rules=MECHANICS)
     assert len(law.points) == 6 and all(p["val_loss"] is not None for p in law.points)
     assert {p: p.stat().st_mtime_ns for p in (work / "depth2").rglob("*")} == kept
     assert [{k: p[k] for k in kept_point} for p, kept_point in zip(law.points, record["done"]["2"]["points"])] == \
         record["done"]["2"]["points"]
-    assert clock() - 1000.0 <= 16.0 * (1 - FIT_RESERVE)  # both tries, within the budget
+    assert clock() - 1000.0 <= 48.0 * (1 - FIT_RESERVE)  # both tries, within the budget
     assert spent_before > 0
     _check_points(law, base)
     assert law.data["tokenizer_sha256"] == TokenData(base.data.path).tokenizer_sha256
     law.write(tmp_path / "law.json")
     assert read_law(tmp_path / "law.json").points == law.points
     with pytest.raises(UserError, match="--work-dir .* holds an earlier ladder's runs: add --overwrite"):
-        run_ladder(base, 16.0, (1, 2), work, overwrite=False, clock=clock)  # a finished ladder is not continued
+        run_ladder(base, 48.0, (1, 2), work, overwrite=False, clock=clock, rules=MECHANICS)  # a finished ladder is not continued
 
 
 
@@ -94,7 +97,7 @@ def test_a_ladder_refused_at_its_first_depth_records_nothing(make_cfg, tmp_path,
     base = make_cfg(tmp_path / "unused", eval_batches=4)
     _simulated(monkeypatch, base, step=60.0)  # a minute a step
     with pytest.raises(UserError, match="under 8 steps"):
-        run_ladder(base, 60.0, (1, 2), tmp_path / "ladder", overwrite=False)
+        run_ladder(base, 60.0, (1, 2), tmp_path / "ladder", overwrite=False, rules=MECHANICS)
     assert not any((tmp_path / "ladder").iterdir())
 
 def test_the_ladder_command_stopped_says_so_in_one_line_and_writes_no_law(data_dir, tmp_path, capsys, monkeypatch):

@@ -31,6 +31,19 @@ def _data(cfg):
     return data_cfg, data, law
 
 
+def _beyond(law, row) -> str:
+    """How far past the law's own points a row's prediction reaches: its compute over their largest, its parameters
+    over their largest (or below their least). A law speaks with its interval inside them; past them it extrapolates."""
+    if law is None:
+        return "(no law of yours)"
+    most_flops = law.compute_range()[1]
+    sizes = [p["n_params"] for p in law.points]
+    parts = [f"{row.flops / most_flops:.1f}x their compute"] if row.flops > most_flops else []
+    parts += [f"{row.n_params / max(sizes):.1f}x their parameters"] if row.n_params > max(sizes) else []
+    parts += [f"{min(sizes) / row.n_params:.1f}x below their parameters"] if row.n_params < min(sizes) else []
+    return ", ".join(parts) or "inside"
+
+
 def time_budget(cfg) -> int:
     seconds = parse_duration(cfg.time_budget)
     data_cfg, data, law = _data(cfg)
@@ -57,14 +70,15 @@ def time_budget(cfg) -> int:
           f"{w.train.batch_size * w.train.grad_accum} x {w.context} tokens a step, on {data_cfg.path} "
           f"({unique:,.0f} unique tokens{', --unique-tokens' if cfg.unique_tokens else ''}); the loss from the {whose}:\n")
     print("| # | depth x width | parameters | micro-batch x accum | precision | parallel | checkpointing | peak | "
-          "tokens/s | tokens | epochs | predicted loss |")
-    print("|---:|---|---:|---|---|---|---|---:|---:|---:|---:|---|")
+          "tokens/s | tokens | epochs | predicted loss | beyond the law's points |")
+    print("|---:|---|---:|---|---|---|---|---:|---:|---:|---:|---|---|")
     for i, r in enumerate(rows):
         c = r.choice
         interval = f" ({r.low:.3f} to {r.high:.3f})" if law else " (published law)"
-        print(f"| {i}{' pick' if i == pick else ''} | {r.depth} x {r.depth * 64} | {format_count(r.n_params)} | "
+        print(f"| {i}{' pick' if i == pick else ''} | {r.depth} x {r.width} | {format_count(r.n_params)} | "
               f"{c.micro_batch} x {c.grad_accum} | {c.precision} | {c.layout.name} | `{c.policy}` | {format_bytes(c.peak)} | "
-              f"{c.tokens_per_s:,.0f} | {format_count(r.tokens)} | {r.epochs:.2f} | {r.loss:.3f}{interval} |")
+              f"{c.tokens_per_s:,.0f} | {format_count(r.tokens)} | {r.epochs:.2f} | {r.loss:.3f}{interval} | "
+              f"{_beyond(law, r)} |")
     commands = [train_command(dataclasses.replace(r.train, time_budget=cfg.time_budget), cfg.world_size or 1)
                 for r in rows]
     print(f"\n(parameters: the blocks', as the law counts them; tokens: the time after a start-up, its evaluations "

@@ -23,15 +23,23 @@ from fitgpt.utils import writable_dir
 
 @dataclass
 class LadderConfig:
-    """Train the family of shapes set by depth (width 64 a block) at each of --depths on your data, within
-    --time-budget, and fit the scaling law L(N, D) = E + A/N^alpha + B/D^beta through their losses."""
+    """Train the family of shapes set by depth (width --aspect a block) at the --depths its design keeps for the
+    budget, on your data, within --time-budget, and fit the scaling law L(N, D) = E + A/N^alpha + B/D^beta through
+    their losses (and the iso-FLOP profiles of the same points beside it)."""
 
     time_budget: Optional[str] = None
     """How long the whole ladder may take, fit included, e.g. 8m, 1h."""
     out: str = "law.json"
     """The law file to write (its picture beside it, with .png)."""
-    depths: tuple[int, ...] = (1, 2, 3, 4, 5)
-    """The family's depths to train (width 64 x depth): at least two sizes, three points each where the budget allows."""
+    depths: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    """The family's depths the design may train: from the smallest up, as many as the budget gives every point
+    enough tokens a parameter (0.5), spanning 10x in parameters at the least; three points each."""
+    aspect: int = 64
+    """The family's width a block (n_embed = aspect x depth): 64 as nanochat's; 32 gives smaller models, for a
+    budget too small to identify a law with 64."""
+    mup: bool = True
+    """Every depth muP + CompleteP over depth 1 (--model.mup-base-width, --model.mup-base-depth): the recipe's
+    learning rate, good at depth 1, is good at each (benchmarks/lr_transfer.py); --no-mup: the same rate for all."""
     work_dir: str = "runs/ladder"
     """Where the ladder's runs go, a run directory each (their checkpoints, metrics and logs: the points' evidence)."""
     overwrite: bool = False
@@ -52,6 +60,9 @@ class LadderConfig:
         if self.time_budget is None:
             raise UserError("--time-budget is required: how long the ladder may take, e.g. --time-budget 8m")
         parse_duration(self.time_budget)
+        from fitgpt.scaling.family import Family
+
+        Family(self.aspect, self.mup)  # --aspect checked
         if len(set(self.depths)) < 2 or min(self.depths) < 1:
             raise UserError(f"--depths {' '.join(map(str, self.depths))}: give at least two different depths of 1 or more")
         if self.eval_batches < 1:
@@ -64,6 +75,32 @@ class LadderConfig:
         writable_dir(out.parent, "--out")  # "law.json"'s parent is "."
 
 
+def _points_table(law) -> None:
+    print("| depth | parameters (non-embedding) | tokens | tokens a parameter | FLOPs | val loss (+- s.e.) | law | "
+          "residual (log) | how |\n|---:|---:|---:|---:|---:|---|---:|---:|---|")
+    for p, r in zip(law.points, law.residuals):
+        predicted = law.predict(p["n_params"], p["tokens"])[0]
+        se = f" +- {p['val_loss_se']:.4f}" if p.get("val_loss_se") is not None else ""
+        print(f"| {p['depth']} | {p['n_params']:,} | {p['tokens']:,} | {p['tokens'] / p['n_params']:.1f} | "
+              f"{p.get('flops', 0):.3g} | {p['val_loss']:.4f}{se} | {predicted:.4f} | {r:+.4f} | {p['how']} |")
+
+
+def _iso_flop_table(law) -> None:
+    """Approach 2 beside approach 3: each compute level's optimal size from the points' parabola and from the law."""
+    iso = law.iso_flop
+    if not iso.get("levels"):
+        print("\niso-FLOP profiles: no compute level holds three depths")
+        return
+    print("\n| FLOPs | depths' losses (N: loss) | N_opt, iso-FLOP parabola (approach 2) | N_opt, the law (approach 3) |"
+          "\n|---:|---|---:|---:|")
+    for lv in iso["levels"]:
+        losses = ", ".join(f"{n:,.0f}: {v:.3f}" for n, v in zip(lv["n_params"], lv["losses"]))
+        two = f"{lv['n_opt']:,.0f}" if lv["n_opt"] else f"at the {lv['edge']} depth"
+        print(f"| {lv['flops']:.3g} | {losses} | {two} | {lv['n_opt_law']:,.0f} |")
+    if iso.get("exponent") is not None:
+        print(f"N_opt ~ C^a: a = {iso['exponent']:.3f} from the profiles, {iso['exponent_law']:.3f} from the law")
+
+
 def run(args: list[str]) -> int:
     base = load_config_named_in(args)
     default = unchecked_default(LadderConfig)
@@ -72,13 +109,14 @@ def run(args: list[str]) -> int:
     train_cfg = load_config(cfg.preset, cfg.config, {"data": dataclasses.asdict(cfg.data) | {"inputs": list(cfg.data.inputs)},
                                                      "eval_batches": cfg.eval_batches, "seed": cfg.seed,
                                                      "device": cfg.device})
+    from fitgpt.scaling.family import Family
     from fitgpt.scaling.ladder import LadderStopped, run_ladder
     from fitgpt.scaling.picture import draw_law
 
     budget = parse_duration(cfg.time_budget)
     try:  # counted from the command's start: the imports and the data's preparation too
         law = run_ladder(train_cfg, budget, tuple(sorted(set(cfg.depths))), Path(cfg.work_dir), cfg.overwrite,
-                         started=command_started())
+                         started=command_started(), family=Family(cfg.aspect, cfg.mup))
     except (LadderStopped, KeyboardInterrupt) as e:
         print(f"fitgpt ladder: {e or 'interrupted'}; the depths it finished are kept in {cfg.work_dir} (ladder.json): "
               "the same command continues it, their time counted", file=sys.stderr)
@@ -87,10 +125,8 @@ def run(args: list[str]) -> int:
     law.write(out)
     png = draw_law(law, out.with_suffix(".png"))
     c = law.coefficients
-    print("| depth | parameters (non-embedding) | tokens | val loss | law | residual (log) | how |\n|---:|---:|---:|---:|---:|---:|---|")
-    for p, r in zip(law.points, law.residuals):
-        predicted = law.predict(p["n_params"], p["tokens"])[0]
-        print(f"| {p['depth']} | {p['n_params']:,} | {p['tokens']:,} | {p['val_loss']:.4f} | {predicted:.4f} | {r:+.4f} | {p['how']} |")
+    _points_table(law)
+    _iso_flop_table(law)
     print(f"\nlaw: L = {c.E:.3f} + {c.A:.4g} / N^{c.alpha:.3f} + {c.B:.4g} / D^{c.beta:.3f}, fitted on {len(law.points)} "
           f"points (rms log residual {law.rms_residual:.4f}; {len(law.bootstrap)} bootstrap refits), on "
           f"{law.data['dir']} (vocabulary {law.data['vocab_size']}, {law.data['unique_tokens']:,} unique tokens) "

@@ -19,7 +19,7 @@ from fitgpt.estimate.source import OwnModel, param_count
 from fitgpt.estimate.throughput import Throughput, measure_throughput
 from fitgpt.estimate.workload import Workload
 from fitgpt.plan.fastest import Choice, fastest
-from fitgpt.scaling.family import non_embedding_params, shape, warmup_for
+from fitgpt.scaling.family import Family, compute_params, non_embedding_params, warmup_for
 from fitgpt.scaling.law import Coefficients, Law, effective_tokens
 
 PUBLISHED = Coefficients(E=1.69, A=406.4, alpha=0.34, B=410.7, beta=0.28)
@@ -50,6 +50,9 @@ class Row:
     """The per-op time model's tokens/s (where the step was timed for real, beside it)."""
     timed: Throughput | None = None
     """The step timed for real on the device at hand (its spread, and how long the timing took); None: modelled."""
+    flops: float = 0.0
+    """6 x its compute parameters x its tokens: what it spends, beside the law's points'."""
+    width: int = 0
 
     def as_json(self, command: str) -> dict:
         c = self.choice
@@ -59,7 +62,7 @@ class Row:
                 "grad_accum": c.grad_accum, "precision": c.precision, "parallel": c.layout.name, "policy": c.policy,
                 "predicted_peak": c.peak, "predicted_loss": self.loss, "loss_low": self.low, "loss_high": self.high,
                 "tokens_per_s_spread": self.timed and self.timed.spread, "timed_seconds": self.timed and self.timed.seconds,
-                "command": command}
+                "flops": self.flops, "command": command}
 
 
 def usable_seconds(seconds: float, train: TrainConfig) -> float:
@@ -77,11 +80,11 @@ def predicted(law: Law | None, n: float, tokens: float, unique: float) -> tuple[
 
 
 def budget_row(w: Workload, depth: int, memory: int, seconds: float, law: Law | None, unique: float,
-               here: torch.device | None = None) -> Row | None:
-    """Depth ``depth``'s row, or None where no configuration of it fits ``memory``. ``here``: the device at hand, on
-    which the chosen configuration's step is timed for real (`measure_throughput`); otherwise (a card named) its
-    tokens/s are the time model's."""
-    model = shape(depth, w.train.model)
+               here: torch.device | None = None, family: Family = Family()) -> Row | None:
+    """Depth ``depth``'s row of ``family`` (the law's), or None where no configuration of it fits ``memory``.
+    ``here``: the device at hand, on which the chosen configuration's step is timed for real (`measure_throughput`);
+    otherwise (a card named) its tokens/s are the time model's."""
+    model = family.shape(depth, w.train.model)
     wd = w.vary(model=model)
     result = fastest(wd, memory, top=1)
     if not result["choices"]:
@@ -97,7 +100,8 @@ def budget_row(w: Workload, depth: int, memory: int, seconds: float, law: Law | 
     steps = tokens // max(1, c.tokens)
     optim = dataclasses.replace(w.train.optim, schedule="wsd", warmup_steps=warmup_for(w.train.optim.warmup_steps, steps))
     train = dataclasses.replace(c.config(wd.train), optim=optim, time_budget=None)
-    return Row(depth, n, param_count(OwnModel(model)), c, tokens, tokens / unique, loss, low, high, train, modelled, timed)
+    return Row(depth, n, param_count(OwnModel(model)), c, tokens, tokens / unique, loss, low, high, train, modelled, timed,
+               6.0 * compute_params(model) * tokens, family.width(depth))
 
 
 def budget_rows(w: Workload, memory: int, seconds: float, law: Law | None, unique: float,
@@ -108,8 +112,9 @@ def budget_rows(w: Workload, memory: int, seconds: float, law: Law | None, uniqu
         raise UserError(f"--time-budget {seconds:.0f}s is spent before a run's first step (its start-up: about "
                         f"{STARTUP_SECONDS:.0f}s): give it more time")
     rows: list[Row] = []
+    family = Family.of_recipe(law.recipe) if law is not None else Family()
     for depth in DEPTHS:
-        row = budget_row(w, depth, memory, seconds, law, unique, here)
+        row = budget_row(w, depth, memory, seconds, law, unique, here, family)
         if row is None or row.tokens < row.choice.tokens:  # it does not fit, or trains not one step in the time
             break
         rows.append(row)

@@ -5,9 +5,12 @@ Each depth trains once under warmup-stable-decay (WSD): the learning rate held a
 the run's last fifth. Its stable part is the same whatever the run's length, so a checkpoint taken there and trained
 on through a cooldown of its own (a fifth of the branch) is the shorter run's end: Hägele et al. (2024) find such
 cooldowns give the loss a run of that length would (cosine's, too). Each depth gives three points for about 1.2 times
-one run's compute: its end, and two branches from a quarter and a half of it (where they are past the warmup). The
-depths share the budget equally (about equal compute each: the smaller ones see more tokens), each share set anew
-from the time left once the depth before has run, at the throughput measured for it."""
+one run's compute: its end, and two branches from a quarter and a half of it (where they are past the warmup).
+
+Which depths, and each one's share of the time, is the design's (`design`): every depth's step is timed first, then
+each trains to the same compute (the smaller ones see more tokens), so that the three points of every depth sit at
+three shared compute levels (the iso-FLOP profiles, `isoflop`), each past the tokens a parameter where the law's form
+applies; the shares are set anew from the time left once a depth has run."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fitgpt.config import TrainConfig
@@ -28,7 +32,9 @@ from fitgpt.device import autocast_dtype, resolve_device
 from fitgpt.errors import UserError
 from fitgpt.estimate.throughput import measured_tokens_per_s
 from fitgpt.memory.tracker import round_up
-from fitgpt.scaling.family import non_embedding_params, shape, warmup_for
+from fitgpt.scaling import design
+from fitgpt.scaling.family import Family, compute_params, non_embedding_params, warmup_for
+from fitgpt.scaling.isoflop import iso_flop
 from fitgpt.scaling.law import Law, fit_law
 from fitgpt.scaling.record import LadderRecord, Rung
 from fitgpt.train import checkpoint as ckpt
@@ -108,18 +114,20 @@ class LadderStopped(Exception):
 
 
 def run_ladder(base: TrainConfig, budget: float, depths: tuple[int, ...], work: Path, overwrite: bool,
-               started: float | None = None, clock: Clock = time.perf_counter) -> Law:
-    """Train the ladder of ``depths`` on ``base``'s data and recipe (its schedule made WSD) within ``budget``
-    seconds counted from ``started`` (`time.perf_counter`'s clock: the command's start), in run directories under
-    ``work``, and fit the law through its points. A ladder stopped part way (LadderStopped, or any signal) keeps the
-    depths it finished in ``work``: the same call continues it, its time spent counted. ``clock``: what the budget
-    is read on (a test's own)."""
+               started: float | None = None, clock: Clock = time.perf_counter, family: Family = Family(),
+               rules: design.Rules = design.Rules()) -> Law:
+    """Train the ladder on ``base``'s data and recipe (its schedule made WSD) within ``budget`` seconds counted from
+    ``started`` (`time.perf_counter`'s clock: the command's start): the depths of ``family`` among ``depths`` its
+    design keeps (``rules``), in run directories under ``work``, and fit the law through its points. A ladder stopped
+    part way (LadderStopped, or any signal) keeps the depths it finished in ``work``: the same call continues it, its
+    time spent counted. A law its points cannot identify (`Law.problems`) is refused in one line, its runs kept.
+    ``clock``: what the budget is read on (a test's own)."""
     started = clock() if started is None else started
-    least = len(depths) * ((1 + len(BRANCHES)) * RUN_START_S + PROBE_S)
+    least = 2 * ((1 + len(BRANCHES)) * RUN_START_S + PROBE_S)
     if budget < least:  # the runs' own start-ups alone would overrun it, however fast the steps
-        raise UserError(f"--time-budget {budget:.0f}s is less than {len(depths)} depths' fixed costs (each depth's step "
+        raise UserError(f"--time-budget {budget:.0f}s is less than 2 depths' fixed costs (each depth's step "
                         f"timed, then {1 + len(BRANCHES)} runs' start-up, evaluation and save: about {least:.0f}s): give "
-                        "the ladder more time, or fewer --depths")
+                        "the ladder more time")
     data_cfg, meta = ensure_prepared(base.data, progress=False)
     data = TokenData(data_cfg.path, meta)
     data.check_context(base.model.context_length)
@@ -127,12 +135,12 @@ def run_ladder(base: TrainConfig, budget: float, depths: tuple[int, ...], work: 
     recipe = dataclasses.replace(base, data=data_cfg, model=model, optim=dataclasses.replace(base.optim, schedule="wsd"),
                                  time_budget=None, eval_interval=10**9, log_interval=10**9, progress=False,
                                  tensorboard=False, activation_checkpointing="none", keep_last=10**6)
-    record = LadderRecord.open(work, recipe, depths, budget, overwrite)
+    record = LadderRecord.open(work, recipe, depths, budget, overwrite, dataclasses.asdict(family))
     origin = started - record.spent  # an earlier try's time counts
     try:
         with _quiet():
-            points, rungs = _rungs(recipe, depths, budget, origin, work, record, clock)
-    except UserError:  # refused before any run (a budget too small for the first depth): nothing recorded
+            points, rungs = _rungs(recipe, family, depths, budget, origin, work, record, clock, rules)
+    except UserError:  # refused before any run (its design, or a budget too small for the first depth): nothing recorded
         raise
     except BaseException:  # stopped (Ctrl-C, a signal, an error): the time it took counts when the ladder continues
         record.spend(clock() - origin)
@@ -140,57 +148,98 @@ def run_ladder(base: TrainConfig, budget: float, depths: tuple[int, ...], work: 
     info = {"tokenizer_sha256": data.tokenizer_sha256, "vocab_size": data.vocab_size, "unique_tokens":
             int(meta["train_tokens"]), "dir": str(data_cfg.path)}
     # The bootstrap refits as many times as the budget leaves (its picture's second aside): 200 took 20-60 s here
-    law = fit_law(points, info, _recipe_record(recipe, rungs, budget), deadline=origin + budget - 1.0, clock=clock)
+    law = fit_law(points, info, _recipe_record(recipe, family, rungs, budget), deadline=origin + budget - 1.0, clock=clock)
+    law.iso_flop = iso_flop(law, compute_curve(family, model, 2 * max(r.depth for r in rungs) + 2))
     record.finish(clock() - origin)
+    problems = law.problems() if rules.identify else []
+    if problems:
+        law.write(work / "unidentified-law.json")
+        raise UserError(f"the ladder's points do not identify a law ({'; '.join(problems)}); its fit is in "
+                        f"{work / 'unidentified-law.json'} and its runs in {work}: give it a larger --time-budget "
+                        "(each point more tokens a parameter) and --overwrite")
     return law
 
 
-def _rungs(recipe: TrainConfig, depths: tuple[int, ...], budget: float, started: float, work: Path,
-           record: LadderRecord, clock: Clock) -> tuple[list[dict], list[Rung]]:
-    """Each depth trained, the largest first (the smallest, last, absorb what the timing missed), its share of the time
-    left set from its measured throughput and the overhead the depth before took; a depth finished by an earlier try
-    of the same ladder is taken as it was. The points and the rungs."""
-    model = recipe.model
-    tokens_per_step = recipe.batch_size * recipe.grad_accum * model.context_length
+def compute_curve(family: Family, base, upto: int) -> Callable[[float], float]:
+    """The compute parameters (`compute_params`) of the family's model of N non-embedding parameters, for any N: log-
+    linear between its depths 1 to ``upto`` (held at the ends)."""
+    shapes = [family.shape(d, base) for d in range(1, upto + 1)]
+    n = np.log([non_embedding_params(m) for m in shapes])
+    c = np.log([compute_params(m) for m in shapes])
+    return lambda x: float(np.exp(np.interp(np.log(x), n, c)))
+
+
+def _probe(recipe: TrainConfig, family: Family) -> Callable[[int], design.Candidate]:
+    def probe(depth: int) -> design.Candidate:
+        cfg = dataclasses.replace(recipe, model=family.shape(depth, recipe.model))
+        tps = measured_tokens_per_s(cfg, resolve_device(cfg.device))
+        return design.Candidate(depth, non_embedding_params(cfg.model), compute_params(cfg.model), tps)
+    return probe
+
+
+def _design(recipe: TrainConfig, family: Family, depths: tuple[int, ...], budget: float, started: float,
+            record: LadderRecord, clock: Clock, rules: design.Rules) -> list[design.Candidate]:
+    """The depths to train, each with its throughput timed now: the design's (recorded), or an earlier try's."""
+    probe = _probe(recipe, family)
+    if record.design:  # the same depths as the try that was stopped (the machine's speed may have changed since)
+        return [probe(d) if d not in record.done else design.Candidate(d, 0, 0, 1.0) for d in record.design]
+    cost = (1 + _branching(recipe.optim.cooldown)) * OVERHEAD
+    spent = clock() - started
+    steps_seconds = (budget * (1 - FIT_RESERVE) - spent) / cost
+    chosen = design.plan(probe, list(depths), steps_seconds, lambda s: (s * cost + spent) / (1 - FIT_RESERVE), rules)
+    record.design = [c.depth for c in chosen.depths]
+    log.info("the ladder's design: depths %s, each to %.3g FLOPs (%s tokens a parameter at the least)",
+             record.design, chosen.flops, min(design.LOWEST * c.tokens(chosen.flops) / c.n_params for c in chosen.depths))
+    return chosen.depths
+
+
+def _rungs(recipe: TrainConfig, family: Family, depths: tuple[int, ...], budget: float, started: float, work: Path,
+           record: LadderRecord, clock: Clock, rules: design.Rules) -> tuple[list[dict], list[Rung]]:
+    """Each depth the design keeps trained, the largest first (the smallest, last, absorb what the timing missed), to
+    the compute level the time left gives the depths not yet trained, at the overhead the depth before took; a depth
+    finished by an earlier try of the same ladder is taken as it was. The points and the rungs."""
+    tokens_per_step = recipe.batch_size * recipe.grad_accum * recipe.model.context_length
     branching = _branching(recipe.optim.cooldown)
+    chosen = _design(recipe, family, depths, budget, started, record, clock, rules)
     points, rungs, overhead = [], [], OVERHEAD
-    order = sorted(depths, reverse=True)
-    for i, depth in enumerate(order):
-        if depth in record.done:
-            rung, kept = record.done[depth]
+    order = sorted(chosen, key=lambda c: c.depth, reverse=True)
+    for i, c in enumerate(order):
+        if c.depth in record.done:
+            rung, kept = record.done[c.depth]
             rungs.append(rung)
             points += kept
-            log.info("depth %d: its %d points kept from the ladder's earlier try", depth, len(kept))
+            log.info("depth %d: its %d points kept from the ladder's earlier try", c.depth, len(kept))
             continue
         t_depth = clock()
-        cfg = dataclasses.replace(recipe, model=shape(depth, model))
-        tps = measured_tokens_per_s(cfg, resolve_device(cfg.device))
-        share = (budget * (1 - FIT_RESERVE) - (t_depth - started)) / (len(order) - i)
-        steps = int(share / overhead / (1 + branching) * tps / tokens_per_step)
+        left = [d for d in order[i:] if d.depth not in record.done]
+        flops = design.top_flops(left, (budget * (1 - FIT_RESERVE) - (t_depth - started)) / ((1 + branching) * overhead))
+        share = c.seconds(flops) * (1 + branching) * overhead
+        steps = int(c.tokens(flops) / tokens_per_step)
         if steps < MIN_STEPS and not points:  # nothing trained yet: refused before any run
-            raise UserError(f"--time-budget {budget:.0f}s leaves depth {depth} {share:.1f}s, under {MIN_STEPS} steps at "
-                            f"the {tps:,.0f} tokens/s measured: give the ladder more time, or fewer or smaller --depths")
+            raise UserError(f"--time-budget {budget:.0f}s leaves depth {c.depth} {share:.1f}s, under {MIN_STEPS} steps at "
+                            f"the {c.tokens_per_s:,.0f} tokens/s measured: give the ladder more time, or fewer or "
+                            "smaller --depths")
         steps = max(steps, MIN_STEPS)
+        cfg = dataclasses.replace(recipe, model=family.shape(c.depth, recipe.model))
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, warmup_steps=warmup_for(cfg.optim.warmup_steps, steps)))
-        deadline = t_depth + share
-        rung, rung_points = _rung_points(depth, cfg, work, tokens_per_step, steps, deadline, clock)
+        rung, rung_points = _rung_points(c.depth, cfg, work, tokens_per_step, steps, t_depth + share, clock)
         rungs.append(rung)
         points += rung_points
         record.add(rung, rung_points, clock() - started)
         # Wall seconds per second of the steps' own compute (setup, evaluation, saves): the next depths' shares.
-        overhead = (clock() - t_depth) / max(1e-9, rung.steps * (1 + branching) * tokens_per_step / tps)
+        overhead = (clock() - t_depth) / max(1e-9, rung.steps * (1 + branching) * tokens_per_step / c.tokens_per_s)
         log.info("depth %d (%s parameters): %d steps at %.0f tokens/s, %d points, %.2fx the steps' time; %.0fs of %.0fs "
-                 "spent", depth, f"{rung.n_params:,}", rung.steps, tps, len(rung_points), overhead,
+                 "spent", c.depth, f"{rung.n_params:,}", rung.steps, c.tokens_per_s, len(rung_points), overhead,
                  clock() - started, budget)
     return points, rungs
 
 
-def _recipe_record(recipe: TrainConfig, rungs: list[Rung], budget: float) -> dict:
+def _recipe_record(recipe: TrainConfig, family: Family, rungs: list[Rung], budget: float) -> dict:
     """How the law's points were trained, for law.json: what a run must share with them for the law to speak of it."""
     device = resolve_device(recipe.device)
     dtype = autocast_dtype(recipe.precision, device)
     o = recipe.optim
-    return {"family": "n_embed = 64 x depth, heads of 64", "arch": recipe.model.arch, "device": device.type,
+    return {"family": family.describe(), "aspect": family.aspect, "mup": family.mup, "arch": recipe.model.arch, "device": device.type,
             "precision": {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"),
             "context": recipe.model.context_length, "batch_size": recipe.batch_size, "grad_accum": recipe.grad_accum,
             "optimizer": o.name, "lr": o.lr, "min_lr": o.min_lr, "warmup_steps": f"min({o.warmup_steps}, a tenth of the run)",
@@ -211,7 +260,7 @@ def _rung_points(depth: int, cfg: TrainConfig, work: Path, tokens_per_step: int,
     t0 = clock()
     summary = _trained(run_cfg, clock)
     setup = clock() - t0 - summary["seconds"]  # the model built, the checkpoint read: a branch's too
-    rung = Rung(depth, non_embedding_params(cfg.model), tokens_per_step * summary["steps"] / max(1e-9, summary["seconds"]),
+    rung = Rung(depth, non_embedding_params(cfg.model), compute_params(cfg.model), tokens_per_step * summary["steps"] / max(1e-9, summary["seconds"]),
                 summary["steps"])
     points = [_point(rung, rung.steps, tokens_per_step, summary, "end")]
     step_seconds = summary["seconds"] / max(1, rung.steps)  # its evaluation and saves too: a branch's are alike
@@ -238,5 +287,7 @@ def _branch_points(main: Path, steps: int, cfg: TrainConfig) -> list[int]:
 
 
 def _point(rung: Rung, steps: int, tokens_per_step: int, summary: dict, how: str) -> dict:
-    return {"depth": rung.depth, "n_params": rung.n_params, "tokens": steps * tokens_per_step,
-            "val_loss": summary["val_loss"], "run": summary["run_dir"], "how": how}
+    tokens = steps * tokens_per_step
+    return {"depth": rung.depth, "n_params": rung.n_params, "compute_params": rung.compute_params, "tokens": tokens,
+            "flops": 6.0 * rung.compute_params * tokens, "val_loss": summary["val_loss"],
+            "val_loss_se": summary.get("val_loss_se"), "run": summary["run_dir"], "how": how}

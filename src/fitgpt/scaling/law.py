@@ -31,6 +31,7 @@ FORM = "L = E + A / N^alpha + B / D^beta"
 R_STAR = 15.4
 """Muennighoff et al. (2023): the number of repeats after which repeated data's worth has decayed by 1/e."""
 HUBER_DELTA = 1e-3
+EXPONENT_BOUNDS = (0.01, 3.0)
 VERSION = 1
 
 
@@ -79,7 +80,7 @@ def _fit(n: np.ndarray, d: np.ndarray, loss: np.ndarray, starts: list) -> Coeffi
     from scipy.optimize import minimize
 
     args = (np.log(n), np.log(d), np.log(loss))
-    bounds = [(-10, 40), (-10, 40), (-5, math.log(loss.min())), (0.01, 3), (0.01, 3)]
+    bounds = [(-10, 40), (-10, 40), (-5, math.log(loss.min())), EXPONENT_BOUNDS, EXPONENT_BOUNDS]
     best = min((minimize(_objective, np.array(s, dtype=float), args=args, jac=True, method="L-BFGS-B", bounds=bounds)
                 for s in starts), key=lambda r: r.fun)
     a, b, e, alpha, beta = (float(x) for x in best.x)
@@ -108,6 +109,24 @@ class Law:
     """What it was fitted on: tokenizer_sha256, vocab_size, unique_tokens, dir."""
     recipe: dict = field(default_factory=dict)
     """How the points were trained: the family's shape rule, batch, context, schedule, optimizer."""
+    iso_flop: dict = field(default_factory=dict)
+    """Hoffmann et al.'s approach 2 on the same points, beside this law's optimum (`fitgpt.scaling.isoflop`)."""
+
+    def problems(self) -> list[str]:
+        """Why these coefficients are not a law the points identify (none: they are): an irreducible loss at zero or
+        at the best measured loss, an exponent on its bound (the fit ran into the box, the points left it free)."""
+        c, best = self.coefficients, min(p["val_loss"] for p in self.points)
+        out = [f"E {c.E:.3g} at zero"] if c.E < 0.01 * best else []
+        out += [f"E {c.E:.3f} at the best measured loss {best:.3f}"] if c.E > 0.995 * best else []
+        for name, value in (("alpha", c.alpha), ("beta", c.beta)):
+            if not EXPONENT_BOUNDS[0] * 1.1 < value < EXPONENT_BOUNDS[1] * 0.99:
+                out.append(f"{name} {value:.3f} on its bound")
+        return out
+
+    def compute_range(self) -> tuple[float, float]:
+        """The least and most FLOPs among the points (6 x N x D where a point does not say)."""
+        flops = [p.get("flops") or 6.0 * p["n_params"] * p["tokens"] for p in self.points]
+        return min(flops), max(flops)
 
     def predict(self, n: float, tokens: float) -> tuple[float, float, float]:
         """(loss, low, high): the law's loss for ``n`` parameters trained on ``tokens`` of this data (repeats counted),
@@ -123,7 +142,7 @@ class Law:
     def to_json(self) -> dict:
         return {"version": VERSION, "form": FORM, "coefficients": asdict(self.coefficients),
                 "bootstrap": [asdict(c) for c in self.bootstrap], "points": self.points, "residuals": self.residuals,
-                "rms_log_residual": self.rms_residual, "data": self.data, "recipe": self.recipe,
+                "rms_log_residual": self.rms_residual, "data": self.data, "recipe": self.recipe, "iso_flop": self.iso_flop,
                 "param_count": "non-embedding (the blocks and the final norm)",
                 "repeated_data": f"Muennighoff et al. 2023, R* = {R_STAR}"}
 
@@ -209,8 +228,13 @@ def read_law(path: str | Path, flag: str = "--law") -> Law:
             raise ValueError("recipe must be an object")
         if recipe.get("precision", "fp32") not in ("fp32", "bf16", "fp16"):  # the precision fit's rows train in
             raise ValueError(f"recipe.precision must be fp32, bf16 or fp16, got {recipe['precision']!r}")
+        if recipe.get("aspect", 64) not in (16, 32, 64, 128) or not isinstance(recipe.get("mup", False), bool):
+            raise ValueError("recipe.aspect must be 16, 32, 64 or 128 and recipe.mup true or false")
+        iso = raw.get("iso_flop", {})
+        if not isinstance(iso, dict):
+            raise ValueError("iso_flop must be an object")
     except OSError as e:
         raise UserError(f"{flag} {p}: cannot read it ({e.strerror or e}); write one with fitgpt ladder") from None
     except (ValueError, TypeError, AttributeError) as e:  # json's errors are ValueErrors too
         raise UserError(f"{flag} {p}: not a valid law file ({e}); write one with fitgpt ladder --out {p}") from None
-    return Law(coefficients, points, [float(r) for r in residuals], bootstrap, data, recipe)
+    return Law(coefficients, points, [float(r) for r in residuals], bootstrap, data, recipe, iso)

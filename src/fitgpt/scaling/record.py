@@ -23,10 +23,12 @@ RECORD = "ladder.json"
 
 @dataclass
 class Rung:
-    """One depth of the ladder as it trained: its parameters (non-embedding), the tokens/s its run had, its steps."""
+    """One depth of the ladder as it trained: its parameters (non-embedding, and those a token's compute passes
+    through), the tokens/s its run had, its steps."""
 
     depth: int
     n_params: int
+    compute_params: int
     tokens_per_s: float
     steps: int
 
@@ -40,12 +42,15 @@ class LadderRecord:
     """Seconds the earlier tries took."""
     done: dict = field(default_factory=dict)
     """depth -> (Rung, its points), for each depth finished."""
+    design: list[int] | None = None
+    """The depths the first try's design chose (`fitgpt.scaling.design`): a try that continues trains the same."""
 
     @classmethod
-    def open(cls, work: Path, recipe: TrainConfig, depths: tuple[int, ...], budget: float, overwrite: bool) -> LadderRecord:
+    def open(cls, work: Path, recipe: TrainConfig, depths: tuple[int, ...], budget: float, overwrite: bool,
+             family: dict | None = None) -> LadderRecord:
         """The record of ``work``: new where it is empty (or --overwrite), continued where it holds the same ladder
         stopped part way; otherwise refused in one line (nothing is changed)."""
-        key = {"recipe": to_dict(recipe), "depths": sorted(depths), "budget_seconds": budget}
+        key = {"recipe": to_dict(recipe), "depths": sorted(depths), "budget_seconds": budget, "family": family or {}}
         path = work / RECORD
         if overwrite and work.exists():  # the ladder's own runs and record, nothing else of the folder's
             for own in [path, *work.glob("depth*")]:
@@ -58,7 +63,8 @@ class LadderRecord:
             done = {int(d): (Rung(**r["rung"]), r["points"]) for d, r in saved["done"].items()}
             log.info("continuing the ladder in %s: %d of %d depths done, %.0fs spent", work, len(done), len(depths),
                      saved["spent"])
-            return cls(path, key, float(saved["spent"]), done)
+            design = saved.get("design")
+            return cls(path, key, float(saved["spent"]), done, [int(d) for d in design] if design else None)
         work.mkdir(parents=True, exist_ok=True)
         return cls(path, key)  # written once a depth ends or the ladder stops: a refusal before any run leaves none
 
@@ -78,7 +84,7 @@ class LadderRecord:
         self._write(finished=True)
 
     def _write(self, finished: bool = False) -> None:
-        body = {"key": self.key, "spent": self.spent, "finished": finished,
+        body = {"key": self.key, "spent": self.spent, "finished": finished, "design": self.design,
                 "done": {str(d): {"rung": dataclasses.asdict(r), "points": p} for d, (r, p) in self.done.items()}}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(body, indent=1))

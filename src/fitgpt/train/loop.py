@@ -42,8 +42,9 @@ class TrainingError(RuntimeError):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: TokenData, cfg: TrainConfig, device: torch.device, amp) -> float:
-    """Mean val loss over cfg.eval_batches fixed batches (the same windows at every evaluation)."""
+def evaluate(model: nn.Module, data: TokenData, cfg: TrainConfig, device: torch.device, amp) -> tuple[float, float]:
+    """Mean val loss over cfg.eval_batches fixed batches (the same windows at every evaluation), and its standard
+    error over them (how well those windows stand for the validation split: a scaling law's point's noise)."""
     was_training = model.training
     model.eval()
     sampler = BatchSampler(data.splits["val"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed + 1,
@@ -55,7 +56,8 @@ def evaluate(model: nn.Module, data: TokenData, cfg: TrainConfig, device: torch.
             _, loss = model(x, y)
         losses.append(loss.item())
     model.train(was_training)
-    return float(np.mean(losses))
+    se = float(np.std(losses, ddof=1) / np.sqrt(len(losses))) if len(losses) > 1 else float("nan")
+    return float(np.mean(losses)), se
 
 
 @dataclass
@@ -89,6 +91,8 @@ class Progress:
     loss: float = float("nan")
     grad_norm: float = float("nan")
     val_loss: float | None = None
+    val_loss_se: float | None = None
+    """The standard error of val_loss over its evaluation's batches."""
     bad_steps: int = 0
     checkpoint: Path | None = None
     interrupted: str | None = None
@@ -147,10 +151,10 @@ def run_loop(run: LoopState, start_step: int) -> Progress:
                         t_log = _log_metrics(run, p, lr, bar, t_log)
                 if eval_due:
                     t_eval = run.length.clock()
-                    p.val_loss = evaluate(run.step_model, run.data, cfg, run.device, run.amp)
+                    p.val_loss, p.val_loss_se = evaluate(run.step_model, run.data, cfg, run.device, run.amp)
                     run.length.timed("eval", run.length.clock() - t_eval)
                     if run.metrics:
-                        run.metrics.write({"step": p.step, "val_loss": p.val_loss})
+                        run.metrics.write({"step": p.step, "val_loss": p.val_loss, "val_loss_se": p.val_loss_se})
                     log.info("step %d: train loss %.4f, val loss %.4f", p.step, p.loss, p.val_loss)
                 if save_due or stopping:
                     t_save = run.length.clock()

@@ -222,7 +222,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None,
     remove_activation_checkpointing(model)
     return {
         "run_dir": str(cfg.run_dir), "steps": progress.step, "train_loss": progress.loss, "val_loss": progress.val_loss,
-        "seconds": clock() - t_start, "interrupted": progress.interrupted,
+        "val_loss_se": progress.val_loss_se, "seconds": clock() - t_start, "interrupted": progress.interrupted,
         "checkpoint": str(progress.checkpoint) if progress.checkpoint else None, "loss_png": str(png) if png else None,
         "activation_bytes": act and act.measured, "memory_plan": planned, "data_tokens": data.meta["train_tokens"],
         "world_size": info.world, "rank": info.rank, "time_spent": length.spent_now(),

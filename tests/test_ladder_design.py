@@ -1,0 +1,123 @@
+"""The ladder's design (which depths a budget trains where the law's form applies, each to the same compute), the
+law's own check that its points identify it, and approach 2 (iso-FLOP profiles) beside approach 3."""
+
+import pytest
+from test_budget import DATA, TRUE
+
+from fitgpt.errors import UserError
+from fitgpt.scaling import design
+from fitgpt.scaling.isoflop import iso_flop
+from fitgpt.scaling.law import Coefficients, Law, fit_law
+
+# The family's depths 1 to 5 on the tiny preset (vocabulary 2048): non-embedding and compute parameters, and the
+# tokens/s this 2-core CPU measured for them (fp32, 16 x 128 a step), width 64 and 32 a block.
+W64 = {1: (50_112, 181_184, 53_836), 2: (396_800, 658_944, 18_872), 3: (1_334_976, 1_728_192, 9_047),
+       4: (3_159_552, 3_683_840, 4_073), 5: (6_165_440, 6_820_800, 2_516)}
+W32 = {1: (12_768, 78_304, 68_059), 2: (100_096, 231_168, 46_932), 3: (335_712, 532_320, 20_631),
+       4: (793_344, 1_055_488, 12_189), 5: (1_546_720, 1_874_400, 8_036)}
+
+
+def test_the_tables_are_the_familys_own_counts():
+    from fitgpt.model import ModelConfig
+    from fitgpt.scaling.family import Family, compute_params, non_embedding_params
+
+    base = ModelConfig(vocab_size=2048, context_length=128)
+    for aspect, table in ((64, W64), (32, W32)):
+        shapes = {d: Family(aspect).shape(d, base) for d in table}
+        assert {d: (non_embedding_params(m), compute_params(m)) for d, m in shapes.items()} == \
+            {d: v[:2] for d, v in table.items()}
+
+
+def _probe(table, probed):
+    def probe(depth):
+        probed.append(depth)
+        return design.Candidate(depth, *table[depth])
+    return probe
+
+
+def test_a_budget_keeps_the_depths_whose_every_point_sees_enough_tokens_a_parameter_each_to_one_compute():
+    probed = []
+    chosen = design.plan(_probe(W32, probed), [1, 2, 3, 4, 5], 200.0, lambda s: s)
+    assert [c.depth for c in chosen.depths] == [1, 2, 3]  # depth 4 would see 0.27 tokens a parameter at its quarter
+    assert probed == [1, 2, 3, 4]  # depth 5 is not timed: past a depth that does not fit, none does
+    lowest = [design.LOWEST * c.tokens(chosen.flops) / c.n_params for c in chosen.depths]
+    assert min(lowest) >= design.MIN_TOKENS_PER_PARAM and lowest[-1] == min(lowest)
+    assert sum(c.seconds(chosen.flops) for c in chosen.depths) == pytest.approx(200.0)
+    # every depth to one compute level: its FLOPs are 6 x its compute parameters x its tokens
+    assert {round(6 * c.compute_params * c.tokens(chosen.flops)) for c in chosen.depths} == {round(chosen.flops)}
+    assert chosen.share(chosen.depths[0]) == pytest.approx(chosen.depths[0].seconds(chosen.flops) / 200.0)
+
+
+def test_a_budget_that_cannot_span_a_decade_is_refused_naming_the_budget_that_would():
+    """Width 64 at this CPU's speed: in 200 s of steps only depths 1 and 2 (7.9x) see enough tokens; the budget that
+    gives depth 3 (26.6x) half a token a parameter at its quarter is said, and depth 4 never timed."""
+    probed = []
+    with pytest.raises(UserError, match=r"beyond depth 2 \(7.9x depth 1's parameters, a law needs 10x\): depths 1 to 3 "
+                                        r"need --time-budget (\d+\.\d)m") as e:
+        design.plan(_probe(W64, probed), [1, 2, 3, 4, 5], 200.0, lambda s: 2 * s)
+    assert probed == [1, 2, 3]
+    need = float(e.value.args[0].split("--time-budget ")[1].split("m")[0]) * 60 / 2  # to_budget doubled it
+    again = design.plan(_probe(W64, []), [1, 2, 3], need * 1.01, lambda s: s)
+    assert [c.depth for c in again.depths] == [1, 2, 3]
+
+
+def test_depths_that_span_under_a_decade_are_refused_naming_the_flag():
+    with pytest.raises(UserError, match="--depths 1 2 span 7.9x in parameters; a law needs 10x: add larger --depths"):
+        design.plan(_probe(W64, []), [1, 2], 1e6, lambda s: s)
+
+
+def _law(coefficients, points=None):
+    points = points or [{"n_params": 1e5, "tokens": 1e6, "val_loss": 3.0}, {"n_params": 1e6, "tokens": 1e6, "val_loss": 2.5}]
+    return Law(coefficients, points, [0.0] * len(points), [], DATA)
+
+
+@pytest.mark.parametrize("c,needle", [
+    (Coefficients(E=0.007, A=4.5e-5, alpha=0.3, B=20.6, beta=0.114), "E 0.007 at zero"),
+    (Coefficients(E=2.499, A=1.0, alpha=0.3, B=20.6, beta=0.114), "at the best measured loss 2.500"),
+    (Coefficients(E=1.0, A=1.0, alpha=3.0, B=20.6, beta=0.114), "alpha 3.000 on its bound"),
+    (Coefficients(E=1.0, A=1.0, alpha=0.3, B=20.6, beta=0.01), "beta 0.010 on its bound"),
+])
+def test_a_law_its_points_do_not_identify_says_why(c, needle):
+    assert any(needle in p for p in _law(c).problems()), _law(c).problems()
+
+
+def test_a_law_of_plausible_coefficients_has_no_problems():
+    assert _law(TRUE).problems() == []
+
+
+def _design_points():
+    """A design's points under TRUE: four sizes, each to 1e15 FLOPs and its branches to a quarter and a half (compute
+    parameters: the non-embedding ones and a head of 2048 x a width that grows as their cube root)."""
+    sizes = (5e4, 2e5, 8e5, 3.2e6)
+    points = []
+    for n in sizes:
+        for f in (0.25, 0.5, 1.0):
+            flops = 1e15 * f
+            tokens = flops / (6 * _compute(n))
+            points.append({"n_params": n, "tokens": tokens, "flops": flops, "val_loss": float(TRUE.loss(n, tokens))})
+    return points
+
+
+def _compute(n):
+    return n + 2048 * 64 * (n / 5e4) ** (1 / 3)
+
+
+def test_the_iso_flop_profiles_find_the_laws_own_optimum():
+    points = _design_points()
+    law = Law(TRUE, points, [0.0] * len(points), [], {**DATA, "unique_tokens": 10**12})
+    iso = iso_flop(law, _compute)
+    assert [round(lv["flops"] / 1e15, 2) for lv in iso["levels"]] == [0.25, 0.5, 1.0]
+    for lv in iso["levels"]:
+        assert len(lv["n_params"]) == 4 and lv["n_opt"] is not None
+        # a parabola in log N through four sizes 4x apart: the law's own optimum within 5%
+        assert lv["n_opt"] == pytest.approx(lv["n_opt_law"], rel=0.05), lv
+    assert iso["exponent"] == pytest.approx(iso["exponent_law"], abs=0.02)  # 0.421 and 0.412
+
+
+@pytest.mark.slow
+def test_a_law_fitted_on_a_designs_points_is_identified_and_finds_its_coefficients():
+    points = _design_points()
+    law = fit_law(points, {**DATA, "unique_tokens": 10**12}, {}, resamples=5)
+    assert law.problems() == []
+    assert law.coefficients.alpha == pytest.approx(TRUE.alpha, rel=0.05)
+    assert law.coefficients.E == pytest.approx(TRUE.E, rel=0.05)
