@@ -31,6 +31,14 @@ def _data(cfg):
     return data_cfg, data, law
 
 
+def _laws_rates(law, optim):
+    """The learning rates the law's points trained with (under muP, depth 1's: every depth's by transfer), for the
+    rows' commands: the law speaks of runs of its own recipe."""
+    if law is None or not isinstance(law.recipe.get("lr"), (int, float)):
+        return optim
+    return dataclasses.replace(optim, lr=float(law.recipe["lr"]), min_lr=float(law.recipe.get("min_lr", optim.min_lr)))
+
+
 def _beyond(law, row) -> str:
     """How far past the law's own points a row's prediction reaches: its compute over their largest, its parameters
     over their largest (or below their least). A law speaks with its interval inside them; past them it extrapolates."""
@@ -52,7 +60,7 @@ def time_budget(cfg) -> int:
     precision = law.recipe.get("precision", cfg.precision) if law and cfg.precision == "auto" else cfg.precision
     w = cfg.workload.vary(model=dataclasses.replace(cfg.model, vocab_size=round_up(data.vocab_size, 64)),
                           precision=precision)
-    w = dataclasses.replace(w, train=dataclasses.replace(w.train, data=data_cfg))
+    w = dataclasses.replace(w, train=dataclasses.replace(w.train, data=data_cfg, optim=_laws_rates(law, w.train.optim)))
     here = None if (cfg.gpu or cfg.target) else w.device if not w.fake else resolve_device("auto")
     rows, pick = budget_rows(w, cfg.budget, seconds, law, unique, here)
     if not rows:

@@ -50,6 +50,10 @@ class LadderConfig:
     """A JSON config file (for example a run's config.json) applied over the preset, as for fitgpt train."""
     data: DataConfig = field(default_factory=DataConfig)
     """The data, as fitgpt train takes it (--data.dir: your prepared data; prepared on first use)."""
+    lr: Optional[float] = None
+    """The learning rate of depth 1, where not the recipe's (--optim.lr of --preset or --config): under --mup every
+    depth's by transfer, e.g. the best of a sweep at depth 1 (benchmarks/lr_transfer.py). Its --optim.min-lr a tenth
+    of it."""
     eval_batches: int = 20
     """Validation batches behind each point's loss (the same windows for every point)."""
     seed: int = 1337
@@ -65,6 +69,8 @@ class LadderConfig:
         Family(self.aspect, self.mup)  # --aspect checked
         if len(set(self.depths)) < 2 or min(self.depths) < 1:
             raise UserError(f"--depths {' '.join(map(str, self.depths))}: give at least two different depths of 1 or more")
+        if self.lr is not None and not self.lr > 0:
+            raise UserError(f"--lr {self.lr}: give a positive learning rate")
         if self.eval_batches < 1:
             raise UserError("--eval-batches must be at least 1")
         out = Path(self.out)
@@ -111,6 +117,9 @@ def run(args: list[str]) -> int:
                                                      "device": cfg.device})
     from fitgpt.scaling.family import Family
     from fitgpt.scaling.ladder import LadderStopped, run_ladder
+
+    if cfg.lr is not None:
+        train_cfg = dataclasses.replace(train_cfg, optim=dataclasses.replace(train_cfg.optim, lr=cfg.lr, min_lr=cfg.lr / 10))
     from fitgpt.scaling.picture import draw_law
 
     budget = parse_duration(cfg.time_budget)

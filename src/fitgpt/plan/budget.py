@@ -19,7 +19,7 @@ from fitgpt.estimate.source import OwnModel, param_count
 from fitgpt.estimate.throughput import Throughput, measure_throughput
 from fitgpt.estimate.workload import Workload
 from fitgpt.plan.fastest import Choice, fastest
-from fitgpt.scaling.family import Family, compute_params, non_embedding_params, warmup_for
+from fitgpt.scaling.family import NANOCHAT, Family, compute_params, non_embedding_params, warmup_for
 from fitgpt.scaling.law import Coefficients, Law, effective_tokens
 
 PUBLISHED = Coefficients(E=1.69, A=406.4, alpha=0.34, B=410.7, beta=0.28)
@@ -80,7 +80,7 @@ def predicted(law: Law | None, n: float, tokens: float, unique: float) -> tuple[
 
 
 def budget_row(w: Workload, depth: int, memory: int, seconds: float, law: Law | None, unique: float,
-               here: torch.device | None = None, family: Family = Family()) -> Row | None:
+               here: torch.device | None = None, family: Family = NANOCHAT) -> Row | None:
     """Depth ``depth``'s row of ``family`` (the law's), or None where no configuration of it fits ``memory``.
     ``here``: the device at hand, on which the chosen configuration's step is timed for real (`measure_throughput`);
     otherwise (a card named) its tokens/s are the time model's."""
@@ -112,7 +112,7 @@ def budget_rows(w: Workload, memory: int, seconds: float, law: Law | None, uniqu
         raise UserError(f"--time-budget {seconds:.0f}s is spent before a run's first step (its start-up: about "
                         f"{STARTUP_SECONDS:.0f}s): give it more time")
     rows: list[Row] = []
-    family = Family.of_recipe(law.recipe) if law is not None else Family()
+    family = Family.of_recipe(law.recipe) if law is not None else NANOCHAT
     for depth in DEPTHS:
         row = budget_row(w, depth, memory, seconds, law, unique, here, family)
         if row is None or row.tokens < row.choice.tokens:  # it does not fit, or trains not one step in the time

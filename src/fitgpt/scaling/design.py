@@ -35,6 +35,9 @@ class Rules:
     a simulated machine, turns it off."""
 
 
+RULES = Rules()
+
+
 @dataclass(frozen=True)
 class Candidate:
     depth: int
@@ -79,7 +82,7 @@ def _needed(depths: list[Candidate], rules: Rules) -> float:
 
 
 def plan(probe: Callable[[int], Candidate], depths: list[int], seconds: float, to_budget: Callable[[float], float],
-         rules: Rules = Rules()) -> Design:
+         rules: Rules = RULES) -> Design:
     """The design for ``seconds`` of steps over the smallest of ``depths`` up, each depth probed (``probe``) only
     where the ones below it all fit: as many depths as fit the rules. Refused (UserError) where those span less than
     the rules' range, naming the --time-budget (``to_budget``: steps' seconds -> a ladder's budget) that would do."""

@@ -51,6 +51,10 @@ class Family:
         return cls(int(recipe.get("aspect", 64)), bool(recipe.get("mup", False)))
 
 
+NANOCHAT = Family()
+"""nanochat's family: 64 a block, the standard parametrisation (fit's rows without a law of the user's)."""
+
+
 def non_embedding_params(cfg: ModelConfig) -> int:
     """The parameters a scaling law counts: all but the token and position tables and the head's matrix."""
     with torch.device("meta"):

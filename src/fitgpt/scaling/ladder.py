@@ -33,7 +33,7 @@ from fitgpt.errors import UserError
 from fitgpt.estimate.throughput import measured_tokens_per_s
 from fitgpt.memory.tracker import round_up
 from fitgpt.scaling import design
-from fitgpt.scaling.family import Family, compute_params, non_embedding_params, warmup_for
+from fitgpt.scaling.family import NANOCHAT, Family, compute_params, non_embedding_params, warmup_for
 from fitgpt.scaling.isoflop import iso_flop
 from fitgpt.scaling.law import Law, fit_law
 from fitgpt.scaling.record import LadderRecord, Rung
@@ -114,8 +114,8 @@ class LadderStopped(Exception):
 
 
 def run_ladder(base: TrainConfig, budget: float, depths: tuple[int, ...], work: Path, overwrite: bool,
-               started: float | None = None, clock: Clock = time.perf_counter, family: Family = Family(),
-               rules: design.Rules = design.Rules()) -> Law:
+               started: float | None = None, clock: Clock = time.perf_counter, family: Family = NANOCHAT,
+               rules: design.Rules = design.RULES) -> Law:
     """Train the ladder on ``base``'s data and recipe (its schedule made WSD) within ``budget`` seconds counted from
     ``started`` (`time.perf_counter`'s clock: the command's start): the depths of ``family`` among ``depths`` its
     design keeps (``rules``), in run directories under ``work``, and fit the law through its points. A ladder stopped
@@ -260,8 +260,8 @@ def _rung_points(depth: int, cfg: TrainConfig, work: Path, tokens_per_step: int,
     t0 = clock()
     summary = _trained(run_cfg, clock)
     setup = clock() - t0 - summary["seconds"]  # the model built, the checkpoint read: a branch's too
-    rung = Rung(depth, non_embedding_params(cfg.model), compute_params(cfg.model), tokens_per_step * summary["steps"] / max(1e-9, summary["seconds"]),
-                summary["steps"])
+    tokens_per_s = tokens_per_step * summary["steps"] / max(1e-9, summary["seconds"])
+    rung = Rung(depth, non_embedding_params(cfg.model), compute_params(cfg.model), tokens_per_s, summary["steps"])
     points = [_point(rung, rung.steps, tokens_per_step, summary, "end")]
     step_seconds = summary["seconds"] / max(1, rung.steps)  # its evaluation and saves too: a branch's are alike
     for at in _branch_points(main, rung.steps, cfg):
