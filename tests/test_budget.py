@@ -249,6 +249,10 @@ def test_too_few_points_for_a_law_is_one_line():
     (["ladder"], "--time-budget is required"),
     (["ladder", "--time-budget", "8m", "--depths", "3"], "at least two different depths"),
     (["ladder", "--time-budget", "8m", "--out", "law.txt"], "name a .json file"),
+    (["ladder", "--time-budget", "8m", "--aspect", "48"], "--aspect 48: the family's width a block is 16, 32, 64 or 128"),
+    (["ladder", "--time-budget", "8m", "--lr", "-0.1"], "--lr -0.1: give a positive learning rate"),
+    # two depths a factor 7.9 apart cannot pin a parameter exponent: refused before any depth is timed
+    (["ladder", "--time-budget", "8m", "--depths", "1", "2"], "--depths 1 2 span 7.9x in parameters; a law needs 10x"),
     # Below its runs' own start-ups, whatever the machine: refused before any run (once trained 37 s past a 2 s one)
     (["ladder", "--time-budget", "2s", "--depths", "1", "2"], "less than 2 depths' fixed costs"),
 ])

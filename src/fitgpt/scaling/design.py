@@ -5,8 +5,8 @@ Every depth trains to one top compute level (FLOPs = 6 x the parameters a token'
 `family.compute_params`), its cooldown branches to a quarter and a half of it: three compute levels, the same for
 every depth, the iso-FLOP profiles of Hoffmann et al.'s approach 2 beside the points of approach 3. A depth is in the
 ladder only where each of its points, the quarter branch the least, sees MIN_TOKENS_PER_PARAM tokens a parameter (the
-largest depth binds); the depths kept must span MIN_RANGE in parameters, or the budget is refused, saying how much
-would do."""
+largest depth binds), and the two smallest end saturated (SATURATED_TOKENS_PER_PARAM: the parameter term shows at two
+sizes); the depths kept must span MIN_RANGE in parameters, or the budget is refused, saying how much would do."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ MIN_TOKENS_PER_PARAM = 0.5
 """Each point's tokens a parameter at the least: below it a run is still in its early transient, where a larger model
 is worse than a smaller one at the same tokens (RESULTS, issue 56's ladder: depth 5 at 0.03 and depth 4 at 0.12 tokens
 a parameter ended 12% and 3% off a law the others follow within 1%), which no law decreasing in N can fit."""
+SATURATED_TOKENS_PER_PARAM = 100.0
+"""The two smallest depths' runs end past this many tokens a parameter: where the parameter term has shown. Measured
+here (RESULTS, issue 67): an 8-minute ladder at width 32 a block had depth 1 flatten from 188 to 700 tokens a
+parameter (4.37 to 4.19) while depth 2, at 21, still fell 8% from 12 to 21; its fit put alpha on its bound, the
+parameter term pinned by one size alone. Two sizes where it shows pin it."""
 MIN_RANGE = 10.0
 """The ladder's largest depth's parameters over its smallest's, at the least: a parameter exponent needs a decade."""
 LOWEST = 0.25
@@ -29,6 +34,7 @@ LOWEST = 0.25
 @dataclass(frozen=True)
 class Rules:
     min_tokens_per_param: float = MIN_TOKENS_PER_PARAM
+    saturated_tokens_per_param: float = SATURATED_TOKENS_PER_PARAM
     min_range: float = MIN_RANGE
     identify: bool = True
     """Refuse a fitted law its points do not identify (`Law.problems`); a test of the ladder's mechanics alone, on
@@ -71,21 +77,30 @@ def top_flops(depths: list[Candidate], seconds: float) -> float:
     return seconds / sum(c.seconds(1.0) for c in depths)
 
 
+def _least_flops(depths: list[Candidate], rules: Rules) -> float:
+    """The compute level at which each of ``depths``' lowest points sees the rules' tokens a parameter, and the
+    second smallest's run ends saturated (`SATURATED_TOKENS_PER_PARAM`)."""
+    least = max(6 * c.compute_params * rules.min_tokens_per_param * c.n_params / LOWEST for c in depths)
+    second = sorted(depths, key=lambda c: c.n_params)[1] if len(depths) > 1 else depths[0]
+    return max(least, 6 * second.compute_params * rules.saturated_tokens_per_param * second.n_params)
+
+
 def _fits(depths: list[Candidate], flops: float, rules: Rules) -> bool:
-    return all(LOWEST * c.tokens(flops) >= rules.min_tokens_per_param * c.n_params for c in depths)
+    return flops >= _least_flops(depths, rules) * (1 - 1e-12)
 
 
 def _needed(depths: list[Candidate], rules: Rules) -> float:
-    """The steps' seconds ``depths`` need for each one's lowest point to see the tokens a parameter the rules ask."""
-    flops = max(6 * c.compute_params * rules.min_tokens_per_param * c.n_params / LOWEST for c in depths)
+    """The steps' seconds ``depths`` need for the rules' tokens a parameter."""
+    flops = _least_flops(depths, rules)
     return sum(c.seconds(flops) for c in depths)
 
 
 def plan(probe: Callable[[int], Candidate], depths: list[int], seconds: float, to_budget: Callable[[float], float],
-         rules: Rules = RULES) -> Design:
+         rules: Rules = RULES, hint: str = "") -> Design:
     """The design for ``seconds`` of steps over the smallest of ``depths`` up, each depth probed (``probe``) only
     where the ones below it all fit: as many depths as fit the rules. Refused (UserError) where those span less than
-    the rules' range, naming the --time-budget (``to_budget``: steps' seconds -> a ladder's budget) that would do."""
+    the rules' range, naming the --time-budget (``to_budget``: steps' seconds -> a ladder's budget) that would do
+    (and ``hint``, another way)."""
     order = sorted(depths)
     probed = [probe(order[0])]
     kept: list[Candidate] = probed[:1]
@@ -104,8 +119,8 @@ def plan(probe: Callable[[int], Candidate], depths: list[int], seconds: float, t
         raise UserError(f"--depths {' '.join(map(str, order))} span {span:.1f}x in parameters; a law needs "
                         f"{rules.min_range:g}x: add larger --depths")
     need = to_budget(_needed(probed, rules))
-    raise UserError(f"this budget cannot identify a law: its points would see under {rules.min_tokens_per_param:g} "
-                    f"tokens a parameter beyond depth {kept[-1].depth} ({kept[-1].n_params / kept[0].n_params:.1f}x "
-                    f"depth {kept[0].depth}'s parameters, a law needs {rules.min_range:g}x): depths {probed[0].depth} "
-                    f"to {probed[-1].depth} need --time-budget {format_duration(need)} at the throughput measured "
-                    "now (or a narrower family: --aspect 32)")
+    raise UserError(f"this budget cannot identify a law: past depth {kept[-1].depth} ({kept[-1].n_params / kept[0].n_params:.1f}x "
+                    f"depth {kept[0].depth}'s parameters, a law needs {rules.min_range:g}x) its points would see under "
+                    f"{rules.min_tokens_per_param:g} tokens a parameter, or its second depth under "
+                    f"{rules.saturated_tokens_per_param:g} at its end: depths {probed[0].depth} to {probed[-1].depth} "
+                    f"need --time-budget {format_duration(need)} at the throughput measured now{hint}")

@@ -183,12 +183,17 @@ def _design(recipe: TrainConfig, family: Family, depths: tuple[int, ...], budget
     probe = _probe(recipe, family)
     if record.design:  # the same depths as the try that was stopped (the machine's speed may have changed since)
         return [probe(d) if d not in record.done else design.Candidate(d, 0, 0, 1.0) for d in record.design]
+    small, large = (non_embedding_params(family.shape(d, recipe.model)) for d in (min(depths), max(depths)))
+    if large < rules.min_range * small:  # before any depth is timed
+        raise UserError(f"--depths {' '.join(map(str, sorted(depths)))} span {large / small:.1f}x in parameters; a law "
+                        f"needs {rules.min_range:g}x: add larger --depths")
     cost = (1 + _branching(recipe.optim.cooldown)) * OVERHEAD
     spent = clock() - started
     steps_seconds = (budget * (1 - FIT_RESERVE) - spent) / cost
-    chosen = design.plan(probe, list(depths), steps_seconds, lambda s: (s * cost + spent) / (1 - FIT_RESERVE), rules)
+    hint = " (or a family of smaller models: --aspect 32)" if family.aspect > 32 else ""
+    chosen = design.plan(probe, list(depths), steps_seconds, lambda s: (s * cost + spent) / (1 - FIT_RESERVE), rules, hint)
     record.design = [c.depth for c in chosen.depths]
-    log.info("the ladder's design: depths %s, each to %.3g FLOPs (%s tokens a parameter at the least)",
+    log.info("the ladder's design: depths %s, each to %.3g FLOPs (%.2f tokens a parameter at the least)",
              record.design, chosen.flops, min(design.LOWEST * c.tokens(chosen.flops) / c.n_params for c in chosen.depths))
     return chosen.depths
 

@@ -65,8 +65,7 @@ class LadderRecord:
                      saved["spent"])
             design = saved.get("design")
             return cls(path, key, float(saved["spent"]), done, [int(d) for d in design] if design else None)
-        work.mkdir(parents=True, exist_ok=True)
-        return cls(path, key)  # written once a depth ends or the ladder stops: a refusal before any run leaves none
+        return cls(path, key)  # written once a depth ends or the ladder stops: a refusal before any run leaves nothing
 
     def add(self, rung, points: list[dict], spent_now: float) -> None:
         """Depth ``rung.depth`` finished with ``points``, ``spent_now`` seconds into the ladder (earlier tries too)."""
@@ -86,6 +85,7 @@ class LadderRecord:
     def _write(self, finished: bool = False) -> None:
         body = {"key": self.key, "spent": self.spent, "finished": finished, "design": self.design,
                 "done": {str(d): {"rung": dataclasses.asdict(r), "points": p} for d, (r, p) in self.done.items()}}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(body, indent=1))
         os.replace(tmp, self.path)  # whole or not at all, whenever the ladder stops
