@@ -122,14 +122,14 @@ def test_a_cooldown_branch_trains_past_its_checkpoint_however_short_the_ladders_
 @pytest.fixture
 def law_of(data_dir, tmp_path):
     """A law file of TRUE's coefficients for the tests' data (or another tokenizer's, ``sha``)."""
-    def make(sha=None):
+    def make(sha=None, recipe=None):
         data = TokenData(data_dir)
         meta = data.meta
         points = [{"n_params": n, "tokens": d, "val_loss": float(TRUE.loss(n, d))} for n in (5e4, 4e5, 1.3e6, 3e6)
                   for d in (2e5, 5e5, 1.2e6)]
         law = fit_law(points, {"tokenizer_sha256": sha or data.tokenizer_sha256, "vocab_size": data.vocab_size,
-                               "unique_tokens": int(meta["train_tokens"]), "dir": str(data_dir)}, {"precision": "fp32"},
-                      resamples=10)
+                               "unique_tokens": int(meta["train_tokens"]), "dir": str(data_dir)},
+                      {"precision": "fp32", **(recipe or {})}, resamples=10)
         law.write(tmp_path / "law.json")
         return str(tmp_path / "law.json")
     return make
@@ -137,7 +137,9 @@ def law_of(data_dir, tmp_path):
 
 def test_fit_time_budget_prints_a_row_per_depth_the_pick_the_least_loss_and_commands_that_train_them(
         law_of, data_dir, capsys):
-    law = law_of()
+    """The law's family (32 a block, muP) and learning rate are the rows' (issue 67), and each row says how far past
+    the law's points it reaches."""
+    law = law_of(recipe={"aspect": 32, "mup": True, "lr": 0.006, "min_lr": 0.0006})
     capsys.readouterr()
     assert main(["fit", "--time-budget", "2m", "--law", law, "--data.dir", str(data_dir), "--batch-size", "4",
                  "--context", "32", "--memory-budget", "2GiB"]) == 0
@@ -158,8 +160,18 @@ def test_fit_time_budget_prints_a_row_per_depth_the_pick_the_least_loss_and_comm
         assert command[:2] == ["fitgpt", "train"] and "--time-budget" in command
         cfg = parse(command[2:])
         assert (cfg.model.n_blocks, cfg.model.n_embed, cfg.time_budget, cfg.optim.schedule) == (
-            r["depth"], 64 * r["depth"], "2m", "wsd")
+            r["depth"], 32 * r["depth"], "2m", "wsd")
+        assert (cfg.model.mup_base_width, cfg.model.mup_base_depth, cfg.optim.lr, cfg.optim.min_lr) == (32, 1, 0.006, 0.0006)
         assert cfg.batch_size * cfg.grad_accum == 4 and cfg.precision == "fp32"  # the law's recipe's precision
+    # The law's points: 5e4 to 3e6 parameters, at most 6 x 3e6 x 1.2e6 FLOPs (points without their own count)
+    table = [line for line in out.splitlines() if line.startswith("| ") and line.split("|")[1].strip()[:1].isdigit()]
+    for r, line in zip(rows, table):
+        beyond = line.rstrip(" |").rsplit("| ", 1)[1]
+        parts = [f"{r['flops'] / (6 * 3e6 * 1.2e6):.1f}x their compute"] if r["flops"] > 6 * 3e6 * 1.2e6 else []
+        parts += [f"{r['params'] / 3e6:.1f}x their parameters"] if r["params"] > 3e6 else []
+        parts += [f"{5e4 / r['params']:.1f}x below their parameters"] if r["params"] < 5e4 else []
+        assert beyond == (", ".join(parts) or "inside"), line
+    assert "below their parameters" in table[0]  # depth 1 at 32 a block: 12,768
 
 
 def test_fit_refuses_a_law_of_another_tokenizer(law_of, data_dir, capsys):
