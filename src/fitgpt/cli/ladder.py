@@ -119,7 +119,8 @@ def run(args: list[str]) -> int:
     from fitgpt.scaling.ladder import LadderStopped, run_ladder
 
     if cfg.lr is not None:
-        train_cfg = dataclasses.replace(train_cfg, optim=dataclasses.replace(train_cfg.optim, lr=cfg.lr, min_lr=float(f"{cfg.lr / 10:.6g}")))
+        optim = dataclasses.replace(train_cfg.optim, lr=cfg.lr, min_lr=float(f"{cfg.lr / 10:.6g}"))
+        train_cfg = dataclasses.replace(train_cfg, optim=optim)
     from fitgpt.scaling.picture import draw_law
 
     budget = parse_duration(cfg.time_budget)
