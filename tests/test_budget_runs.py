@@ -139,7 +139,7 @@ def test_fit_time_budget_prints_a_row_per_depth_the_pick_the_least_loss_and_comm
         law_of, data_dir, capsys):
     """The law's family (32 a block, muP) and learning rate are the rows' (issue 67), and each row says how far past
     the law's points it reaches."""
-    law = law_of(recipe={"aspect": 32, "mup": True, "lr": 0.006, "min_lr": 0.0006})
+    law = law_of(recipe={"aspect": 32, "mup": True, "lr": 0.006, "min_lr": 0.0006, "eval_batches": 20})
     capsys.readouterr()
     assert main(["fit", "--time-budget", "2m", "--law", law, "--data.dir", str(data_dir), "--batch-size", "4",
                  "--context", "32", "--memory-budget", "2GiB"]) == 0
@@ -155,13 +155,14 @@ def test_fit_time_budget_prints_a_row_per_depth_the_pick_the_least_loss_and_comm
     assert rows[-1]["params"] >= 8 * rows[pick]["params"] and rows[0]["depth"] == 1
     for r in rows:
         assert r["loss_low"] <= r["predicted_loss"] <= r["loss_high"]
-        assert r["tokens"] == pytest.approx(r["tokens_per_s"] * (120 - STARTUP_SECONDS) / (1 + 10 / (3 * 100)), abs=1)
+        assert r["tokens"] == pytest.approx(r["tokens_per_s"] * (120 - STARTUP_SECONDS) / (1 + 20 / (3 * 100)), abs=1)
         command = shlex.split(r["command"])
         assert command[:2] == ["fitgpt", "train"] and "--time-budget" in command
         cfg = parse(command[2:])
         assert (cfg.model.n_blocks, cfg.model.n_embed, cfg.time_budget, cfg.optim.schedule) == (
             r["depth"], 32 * r["depth"], "2m", "wsd")
         assert (cfg.model.mup_base_width, cfg.model.mup_base_depth, cfg.optim.lr, cfg.optim.min_lr) == (32, 1, 0.006, 0.0006)
+        assert cfg.eval_batches == 20  # the loss measured as the law's points' were
         assert cfg.batch_size * cfg.grad_accum == 4 and cfg.precision == "fp32"  # the law's recipe's precision
     # The law's points: 5e4 to 3e6 parameters, at most 6 x 3e6 x 1.2e6 FLOPs (points without their own count)
     table = [line for line in out.splitlines() if line.startswith("| ") and line.split("|")[1].strip()[:1].isdigit()]

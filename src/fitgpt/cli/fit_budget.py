@@ -31,12 +31,18 @@ def _data(cfg):
     return data_cfg, data, law
 
 
-def _laws_rates(law, optim):
-    """The learning rates the law's points trained with (under muP, depth 1's: every depth's by transfer), for the
-    rows' commands: the law speaks of runs of its own recipe."""
-    if law is None or not isinstance(law.recipe.get("lr"), (int, float)):
-        return optim
-    return dataclasses.replace(optim, lr=float(law.recipe["lr"]), min_lr=float(law.recipe.get("min_lr", optim.min_lr)))
+def _laws_recipe(law, train):
+    """``train`` with the learning rates the law's points trained with (under muP, depth 1's: every depth's by
+    transfer) and their evaluation's batches, for the rows' commands: the law speaks of runs of its own recipe, and
+    their loss is measured as its points' were."""
+    if law is None:
+        return train
+    r, optim = law.recipe, train.optim
+    if isinstance(r.get("lr"), (int, float)):
+        optim = dataclasses.replace(optim, lr=float(r["lr"]), min_lr=float(r.get("min_lr", optim.min_lr)))
+    batches = r.get("eval_batches")
+    return dataclasses.replace(train, optim=optim, eval_batches=batches if isinstance(batches, int) and batches > 0
+                               else train.eval_batches)
 
 
 def _beyond(law, row) -> str:
@@ -60,7 +66,7 @@ def time_budget(cfg) -> int:
     precision = law.recipe.get("precision", cfg.precision) if law and cfg.precision == "auto" else cfg.precision
     w = cfg.workload.vary(model=dataclasses.replace(cfg.model, vocab_size=round_up(data.vocab_size, 64)),
                           precision=precision)
-    w = dataclasses.replace(w, train=dataclasses.replace(w.train, data=data_cfg, optim=_laws_rates(law, w.train.optim)))
+    w = dataclasses.replace(w, train=_laws_recipe(law, dataclasses.replace(w.train, data=data_cfg)))
     here = None if (cfg.gpu or cfg.target) else w.device if not w.fake else resolve_device("auto")
     rows, pick = budget_rows(w, cfg.budget, seconds, law, unique, here)
     if not rows:
