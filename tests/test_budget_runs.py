@@ -40,6 +40,7 @@ def _check_points(law, base):
         metrics = [json.loads(line) for line in open(f"{p['run']}/metrics.jsonl")]
         last = [m for m in metrics if "val_loss" in m][-1]
         assert last["val_loss"] == p["val_loss"] and last["step"] * tokens_per_step == p["tokens"]
+        assert last["val_loss_se"] == p["val_loss_se"] > 0  # the point's evaluation noise, over its batches
         if p["how"] != "end":  # a cooldown over a fifth of the branch: from step s to s / 0.8
             start = int(p["how"].rsplit(" ", 1)[1])
             assert last["step"] == branch_steps(start, 0.2)
