@@ -160,7 +160,8 @@ def test_under_torchrun_a_budget_counts_from_the_launch_not_the_worker():
     assert before - 0.02 <= launch <= process_age() + 0.02 and launch > own  # this process's age, read by its child
     for env in ({"TORCHELASTIC_RUN_ID": "run", "TORCHELASTIC_RESTART_COUNT": "1"}, {}):
         launch, own = ages(**env)
-        assert launch == own
+        # its own age, read twice a moment apart (a busy machine: a jiffy or two between them)
+        assert launch == pytest.approx(own, abs=0.1) and launch < before
 
 
 @pytest.mark.parametrize("args,needle", [(["--time-budget", "4m", "--max-steps", "10"], "drop one of them"),

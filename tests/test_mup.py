@@ -74,10 +74,10 @@ def _output_change(width: int, mup: bool) -> float:
 def test_mup_keeps_one_steps_change_in_the_output_the_same_size_across_widths():
     """The coordinate check: under the standard parametrisation the logits' change in one step grows with width
     (Adam's update is the same size per coordinate, summed over a wider fan-in); under muP it stays put."""
-    sp = _output_change(1024, False) / _output_change(128, False)
-    mup = _output_change(1024, True) / _output_change(128, True)
-    assert sp > 3.0, sp
-    assert 0.6 < mup < 1.4, mup
+    sp = _output_change(512, False) / _output_change(128, False)
+    mup = _output_change(512, True) / _output_change(128, True)
+    assert sp > 2.5, sp  # 3.0 measured
+    assert 0.6 < mup < 1.4, mup  # 0.72 measured
 
 
 def test_a_negative_base_is_one_line_naming_the_flag():
