@@ -63,11 +63,12 @@ def non_embedding_params(cfg: ModelConfig) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if id(p) not in tables)
 
 
-def compute_params(cfg: ModelConfig) -> int:
+def compute_params(cfg: ModelConfig, n_params: int | None = None) -> int:
     """The parameters each token's compute passes through: the non-embedding ones and the head's matrix (a table's
     lookup costs nothing). A run's FLOPs are about 6 x these x its tokens: the compute of an iso-FLOP level, counted
-    as Porian et al. (2024) count it (at these sizes the head is most of it)."""
-    return non_embedding_params(cfg) + cfg.vocab_size * cfg.n_embed
+    as Porian et al. (2024) count it (at these sizes the head is most of it). ``n_params``: its non-embedding count,
+    where the caller has it (else counted here, on the meta device)."""
+    return (non_embedding_params(cfg) if n_params is None else n_params) + cfg.vocab_size * cfg.n_embed
 
 
 def warmup_for(warmup_steps: int, steps: int) -> int:

@@ -164,8 +164,9 @@ def compute_curve(family: Family, base, upto: int) -> Callable[[float], float]:
     """The compute parameters (`compute_params`) of the family's model of N non-embedding parameters, for any N: log-
     linear between its depths 1 to ``upto`` (held at the ends)."""
     shapes = [family.shape(d, base) for d in range(1, upto + 1)]
-    n = np.log([non_embedding_params(m) for m in shapes])
-    c = np.log([compute_params(m) for m in shapes])
+    counts = [non_embedding_params(m) for m in shapes]
+    n = np.log(counts)
+    c = np.log([compute_params(m, k) for m, k in zip(shapes, counts)])
     return lambda x: float(np.exp(np.interp(np.log(x), n, c)))
 
 
@@ -173,7 +174,8 @@ def _probe(recipe: TrainConfig, family: Family) -> Callable[[int], design.Candid
     def probe(depth: int) -> design.Candidate:
         cfg = dataclasses.replace(recipe, model=family.shape(depth, recipe.model))
         tps = measured_tokens_per_s(cfg, resolve_device(cfg.device))
-        return design.Candidate(depth, non_embedding_params(cfg.model), compute_params(cfg.model), tps)
+        n = non_embedding_params(cfg.model)
+        return design.Candidate(depth, n, compute_params(cfg.model, n), tps)
     return probe
 
 
@@ -266,7 +268,8 @@ def _rung_points(depth: int, cfg: TrainConfig, work: Path, tokens_per_step: int,
     summary = _trained(run_cfg, clock)
     setup = clock() - t0 - summary["seconds"]  # the model built, the checkpoint read: a branch's too
     tokens_per_s = tokens_per_step * summary["steps"] / max(1e-9, summary["seconds"])
-    rung = Rung(depth, non_embedding_params(cfg.model), compute_params(cfg.model), tokens_per_s, summary["steps"])
+    n = non_embedding_params(cfg.model)
+    rung = Rung(depth, n, compute_params(cfg.model, n), tokens_per_s, summary["steps"])
     points = [_point(rung, rung.steps, tokens_per_step, summary, "end")]
     step_seconds = summary["seconds"] / max(1, rung.steps)  # its evaluation and saves too: a branch's are alike
     for at in _branch_points(main, rung.steps, cfg):
