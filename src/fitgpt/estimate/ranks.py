@@ -45,10 +45,11 @@ def fake_ranks(world: int, tp: int = 1, pp: int = 1, rank: int = 0) -> Iterator[
 
 
 @contextlib.contextmanager
-def fake_meshes(world: int, tp: int = 1) -> Iterator[tuple[object, object]]:
-    """(data-parallel mesh, tensor-parallel group's mesh) of ``world`` fake ranks in groups of ``tp``, for as long as
-    the context lasts: each None where that dimension has one rank (both None for one process)."""
-    with fake_ranks(world, tp) if world > 1 else contextlib.nullcontext() as mesh:
+def fake_meshes(world: int, tp: int = 1, rank: int = 0) -> Iterator[tuple[object, object]]:
+    """(data-parallel mesh, tensor-parallel group's mesh) of ``world`` fake ranks in groups of ``tp``, this process as
+    ``rank``, for as long as the context lasts: each None where that dimension has one rank (both None for one
+    process)."""
+    with fake_ranks(world, tp, rank=rank) if world > 1 else contextlib.nullcontext() as mesh:
         if tp > 1 and world > tp:
             yield mesh["dp"], mesh["tp"]
         else:

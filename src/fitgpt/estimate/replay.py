@@ -28,6 +28,7 @@ from fitgpt.device import autocast
 from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
 from fitgpt.estimate.deepen import Event, NotAlike, Recording, deepen
 from fitgpt.estimate.hardware import Target
+from fitgpt.estimate.heaviest import ranks_apart
 from fitgpt.estimate.profile import fake_model
 from fitgpt.estimate.ranks import fake_meshes
 from fitgpt.estimate.source import ModelSource, as_source
@@ -71,15 +72,22 @@ def simulate_step(model: ModelConfig | ModelSource, policy: str, batch: int, con
     if context > source.context_length:
         source = source.at(context=context)
     run = _Run(source, policy, batch, context, min(grad_accum, 2), dtype, optim, target, _data_parallel(parallel, ranks, tp))
-    alloc = allocator if allocator is not None else allocator_model(target.expandable_segments)
-    with _ranks(run, ranks, tp):
-        shallow = _deepened_from(run, deep) if repeat else None
-        if shallow is not None:
-            try:
-                return _deep_replay(run, shallow, alloc)
-            except NotAlike as e:  # exact or not at all: the full depth is stepped instead
-                log.debug("replayed at full depth: %s", e)
-        return _replay(run, alloc, repeat)
+    peaks = []
+    for rank in ranks_apart(source, optim, ranks):  # rank 0, or each owning a matrix stepped in the backward
+        alloc = allocator if allocator is not None else allocator_model(target.expandable_segments)
+        with _ranks(run, ranks, tp, rank):
+            peaks.append(_simulated(run, alloc, repeat, deep))
+    return {k: max(p[k] for p in peaks) for k in peaks[0]}  # the heaviest rank's
+
+
+def _simulated(run: _Run, alloc, repeat: bool, deep: bool | None) -> dict[str, int]:
+    shallow = _deepened_from(run, deep) if repeat else None
+    if shallow is not None:
+        try:
+            return _deep_replay(run, shallow, alloc)
+        except NotAlike as e:  # exact or not at all: the full depth is stepped instead
+            log.debug("replayed at full depth: %s", e)
+    return _replay(run, alloc, repeat)
 
 
 def predicted_snapshot(model: ModelConfig | ModelSource, policy: str, batch: int, context: int, grad_accum: int,
@@ -182,9 +190,10 @@ def _data_parallel(parallel: str, ranks: int, tp: int) -> str | None:
 
 
 @contextlib.contextmanager
-def _ranks(run: _Run, ranks: int, tp: int):
-    """``ranks`` fake ranks for ``run`` while it lasts: its data-parallel mesh, and its tensor-parallel group's."""
-    with fake_meshes(ranks, tp) as (run.mesh, run.tp_mesh):
+def _ranks(run: _Run, ranks: int, tp: int, rank: int = 0):
+    """``ranks`` fake ranks for ``run`` while it lasts, this process as ``rank``: its data-parallel mesh, and its
+    tensor-parallel group's."""
+    with fake_meshes(ranks, tp, rank) as (run.mesh, run.tp_mesh):
         yield
 
 
