@@ -101,5 +101,5 @@ def test_a_mup_model_exports_to_hugging_face_with_its_multipliers_folded_in(arch
     with torch.no_grad():
         assert (model(x)[0] - hf(x).logits).abs().max().item() <= 1e-5
     tied = Transformer(ModelConfig(vocab_size=97, context_length=24, n_embed=64, n_head=2, n_blocks=1, mup_base_width=32))
-    with pytest.raises(UserError, match="--model.tie-embeddings false"):
+    with pytest.raises(UserError, match="--model.tie-embeddings False"):
         to_hf_state(tied)

@@ -84,7 +84,7 @@ def to_hf_state(model: Transformer) -> dict[str, torch.Tensor]:
     cfg, sd = model.config, model.state_dict()
     if cfg.width_mult != 1.0 and cfg.tied:
         raise UserError(f"this model's head is tied to its embedding and scaled by muP's 1/{cfg.width_mult:g}, which "
-                        "Hugging Face's models have no place for: train it with --model.tie-embeddings false to export it")
+                        "Hugging Face's models have no place for: train it with --model.tie-embeddings False to export it")
     out: dict[str, torch.Tensor] = {}
     for theirs, (ours, transposed) in _name_map(cfg).items():
         w = sd.get(ours)
