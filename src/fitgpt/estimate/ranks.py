@@ -1,6 +1,7 @@
 """N ranks in one process: PyTorch's fake process group, on which FSDP2 shards, gathers and reduces as it does
 across N processes, with collectives that move nothing. The planner profiles one rank's step on it (rank 0;
-under FSDP every rank holds the same shapes, shards padded alike)."""
+under FSDP every rank holds the same shapes, shards padded alike), or each rank a whole-matrix step in the backward
+sets apart (`fitgpt.estimate.heaviest`)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ optimizer's state of a parameter lives on its owner alone, whole (on average 1/N
 distributed checkpoint each entry is written by its owner, and read by whichever rank owns it on the layout that
 resumes (any number of ranks, or one process, reads it whole). A step holds, for a moment, one parameter's whole
 weight and gradient (and on its owner the inner step's temporaries): the planner measures that as it measures any
-step, on rank 0, which owns the most (``owners``).
+step, on rank 0, which owns the most (``owners``); stepped in the backward, on every rank that owns a matrix
+(`fitgpt.estimate.heaviest`: the heaviest is the one stepping when the most is alive).
 """
 
 from __future__ import annotations
