@@ -151,12 +151,14 @@ def run_ladder(base: TrainConfig, budget: float, depths: tuple[int, ...], work: 
     law = fit_law(points, info, _recipe_record(recipe, family, rungs, budget), deadline=origin + budget - 1.0, clock=clock)
     law.iso_flop = iso_flop(law, compute_curve(family, model, 2 * max(r.depth for r in rungs) + 2))
     record.finish(clock() - origin)
-    problems = law.problems() if rules.identify else []
+    short = design.shortfalls(points, rules) if rules.identify else []
+    problems = law.problems() + short if rules.identify else []
     if problems:
         law.write(work / "unidentified-law.json")
+        slowed = " (its runs trained fewer tokens than their steps were timed for: or a quieter machine)" if short else ""
         raise UserError(f"the ladder's points do not identify a law ({'; '.join(problems)}); its fit is in "
                         f"{work / 'unidentified-law.json'} and its runs in {work}: give it a larger --time-budget "
-                        "(each point more tokens a parameter) and --overwrite")
+                        f"(each point more tokens a parameter){slowed} and --overwrite")
     return law
 
 
