@@ -82,6 +82,86 @@ def test_no_usable_text_says_what_was_found(tmp_path):
         prepare(DataConfig(dir=str(tmp_path / "out"), inputs=(str(tmp_path / "missing.txt"),)), progress=False)
 
 
+def _steps(sampler_of, cuts, steps):
+    """Each step's global batch as its windows (tuples of ids), rank by rank and micro-batch by micro-batch, for each
+    (ranks, grad_accum, batch_size) of ``cuts``: the samplers of one layout, ``steps`` steps."""
+    out = {}
+    for ranks, accum, batch in cuts:
+        samplers = [sampler_of(ranks, r, accum, batch) for r in range(ranks)]
+        out[(ranks, accum, batch)] = [[list(map(tuple, x.tolist())) for s in samplers for x, _ in
+                                       (s.next_batch() for _ in range(accum))] for _ in range(steps)]
+    return out
+
+
+def test_every_layout_of_a_global_batch_draws_the_same_windows_in_the_same_order(data_dir):
+    """Megatron's rule: a global batch of 8 windows cut as one process of 8 micro-batches of 1, 2 of 4, 4 of 2, 1 of
+    8, DDP 2 x 4 x 1, 2 x 2 x 2, FSDP 4 x 2 x 1 and 8 ranks of one: the same windows, in the same order, step by
+    step (ranks concatenated in their order). One process of one micro-batch a step draws what the per-rank sampler
+    drew (seed's RNG, B integers a step)."""
+    tokens = TokenData(data_dir).splits["train"]
+
+    def sampler_of(ranks, rank, accum, batch):
+        return BatchSampler(tokens, batch, 16, seed=3, ranks=ranks, rank=rank, grad_accum=accum)
+
+    cuts = [(1, 8, 1), (1, 4, 2), (1, 2, 4), (1, 1, 8), (2, 4, 1), (2, 2, 2), (4, 2, 1), (8, 1, 1)]
+    drawn = _steps(sampler_of, cuts, 3)
+    flat = {cut: [sum(step, []) for step in steps] for cut, steps in drawn.items()}
+    assert all(flat[cut] == flat[(1, 1, 8)] for cut in cuts), flat
+    assert len({w for step in flat[(1, 1, 8)] for w in step}) == 24  # every window its own
+    rng = np.random.Generator(np.random.PCG64(3))
+    starts = [rng.integers(0, len(tokens[0]) - 16, size=8) for _ in range(3)]
+    assert flat[(1, 1, 8)] == [[tuple(int(t) for t in tokens[0][i : i + 16]) for i in s] for s in starts]
+
+
+def test_a_run_resumed_on_another_layout_continues_the_same_windows(data_dir):
+    """Two steps on 2 ranks x 2 micro-batches, the position saved (alike on both ranks, through JSON), then resumed
+    in one process of 4 micro-batches and on 4 ranks of one: the third and fourth global batches the straight run's.
+    The per-rank sampler's state (a bare RNG state) resumes, drawing global batches from its position."""
+    tokens = TokenData(data_dir).splits["train"]
+    two = [BatchSampler(tokens, 2, 16, seed=5, ranks=2, rank=r, grad_accum=2) for r in (0, 1)]
+    straight = [BatchSampler(tokens, 2, 16, seed=5, ranks=2, rank=r, grad_accum=2) for r in (0, 1)]
+
+    def step(samplers, accum):
+        return [x[:, 0].tolist() for s in samplers for x, _ in (s.next_batch() for _ in range(accum))]
+
+    for _ in range(2):
+        step(two, 2), step(straight, 2)
+    state = json.loads(json.dumps(two[0].state_dict()))
+    assert state == two[1].state_dict() and state["within"] is None
+    ahead = [sum(step(straight, 2), []) for _ in range(2)]
+    for ranks, accum in ((1, 4), (4, 1)):
+        resumed = [BatchSampler(tokens, 2, 16, seed=999, ranks=ranks, rank=r, grad_accum=accum) for r in range(ranks)]
+        for s in resumed:
+            s.load_state_dict(state)
+        assert [sum(step(resumed, accum), []) for _ in range(2)] == ahead, (ranks, accum)
+    old = np.random.Generator(np.random.PCG64(5))
+    legacy = BatchSampler(tokens, 2, 16, seed=999)
+    legacy.load_state_dict(json.loads(json.dumps(old.bit_generator.state)))
+    assert legacy.next_batch()[0][:, 0].tolist() == [int(tokens[0][i]) for i in old.integers(0, len(tokens[0]) - 16, size=2)]
+
+
+def test_a_checkpoint_of_the_per_rank_sampler_resumes_saying_so_once_and_a_crafted_one_is_refused(data_dir, caplog):
+    """A checkpoint of an earlier fitgpt (each data-parallel rank's own RNG state) resumes from its first rank's
+    position, said once; a changed global batch is said too; a data position that is not one is one line."""
+    from fitgpt.train.distributed import DistInfo
+    from fitgpt.train.resume import _resume_data
+
+    tokens = TokenData(data_dir).splits["train"]
+    old = np.random.Generator(np.random.PCG64(7)).bit_generator.state
+    sampler = BatchSampler(tokens, 2, 16, seed=1, ranks=2, rank=0, grad_accum=2)
+    with caplog.at_level("WARNING", logger="fitgpt"):
+        _resume_data({"sampler": old, "sampler_ranks": [old, old]}, sampler, DistInfo(rank=0, world=2))
+        _resume_data({"sampler": old}, sampler, DistInfo(rank=1, world=2))  # the other ranks say nothing
+    assert [r.message.count("per-rank sampler") for r in caplog.records] == [1]
+    assert sampler.rng.bit_generator.state == old
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fitgpt"):
+        _resume_data({"sampler": BatchSampler(tokens, 4, 16, seed=1).state_dict()}, sampler, DistInfo())
+    assert "the global batch changed (4 windows a step then, 8 now: --grad-accum 1 keeps it)" in caplog.text
+    with pytest.raises(UserError, match="data position .* cannot be read"):
+        _resume_data({"sampler": {"kind": "global-batch", "rng": {"bit_generator": "MT19937"}}}, sampler, DistInfo())
+
+
 def test_sampler_is_deterministic_and_resumable(data_dir):
     tokens = TokenData(data_dir).splits["train"]
     a = BatchSampler(tokens, 4, 16, seed=3)

@@ -228,7 +228,7 @@ def test_torchrun_ddp_trains_and_resumes_exactly(data_dir, corpus_dir, tmp_path)
     for k in a:
         assert torch.equal(a[k], b[k]), k
     meta = json.loads((straight / "checkpoints/step_00000006/meta.json").read_text())
-    assert meta["world_size"] == 2 and len(meta["sampler_ranks"]) == 2 and meta["sampler_ranks"][0] != meta["sampler_ranks"][1]
+    assert meta["world_size"] == 2 and meta["sampler"]["kind"] == "global-batch" and meta["sampler"]["global_batch"] == 8
     # A distributed checkpoint: both ranks wrote shards (DDP's replicas are split between them), all checksummed.
     assert meta["format"] == "dcp" and {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata"} <= set(meta["files"])
 
@@ -258,7 +258,8 @@ def test_fsdp_checkpoints_move_to_one_process_and_back(data_dir, corpus_dir, tmp
     # One process picks up the sharded run's checkpoint ...
     capsys.readouterr()
     assert main(train_flags(data_dir, corpus_dir, run, 6, "--resume", "latest")) == 0
-    assert "resuming a 2-process run on 1 processes" in capsys.readouterr().err
+    # the same stream, cut into the global batch of one process's 4 windows
+    assert "the global batch changed (8 windows a step then, 4 now: --grad-accum 2 keeps it)" in capsys.readouterr().err
     # ... and two FSDP ranks pick up the single-process one.
     out, _ = ranks(2).cli(train_flags(data_dir, corpus_dir, run, 9, "--parallel", "fsdp", "--resume", "latest"))
     assert json.loads(out.strip().splitlines()[-1])["steps"] == 9

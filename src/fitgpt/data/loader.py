@@ -107,7 +107,15 @@ class TokenData:
 
 
 class BatchSampler:
-    """Random (x, y) windows from one split's shards; the RNG state is saved with checkpoints for exact resume.
+    """Random (x, y) windows from one split's shards, drawn a global batch at a time (Megatron's rule), with the RNG
+    state saved with checkpoints for exact resume.
+
+    Each step's global batch (``batch_size`` x ``grad_accum`` x ``ranks`` windows) is drawn whole, in one call, by
+    every data-parallel rank from the same RNG; rank r takes its contiguous slice of ``batch_size`` x ``grad_accum``,
+    a micro-batch at a time. So a global batch is the same windows in the same order whatever the data-parallel
+    degree and accumulation that cut it: one process of 8 micro-batches, DDP 2 of 4, FSDP 4 of 2 train on the same
+    samples, and a run resumed on another layout of the same global batch continues the same stream. One process of
+    one micro-batch a step draws exactly what the per-rank sampler before it drew.
 
     The shards are read as one stream of tokens, in order: a shard closes at a document's end, so a window
     running from one shard into the next crosses a document boundary, as windows inside a shard do, and every
@@ -116,16 +124,25 @@ class BatchSampler:
     """
 
     def __init__(self, tokens: np.ndarray | Sequence[np.ndarray], batch_size: int, context_length: int, seed: int,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, ranks: int = 1, rank: int = 0, grad_accum: int = 1) -> None:
         """``vocab_size``: every batch's ids are checked below it (an id the start's check did not read would index
-        past the embedding), naming the shard that holds one."""
+        past the embedding), naming the shard that holds one. ``ranks``, ``rank``: the data-parallel degree and this
+        process's place in it; ``grad_accum``: micro-batches a step (with ``ranks``, they cut the global batch)."""
         self.shards = [tokens] if isinstance(tokens, np.ndarray) else list(tokens)
         self.vocab_size = vocab_size
         self.batch_size = batch_size
         self.context_length = context_length
+        self.ranks, self.rank, self.grad_accum = ranks, rank, grad_accum
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self._offsets = np.cumsum([0, *(len(s) for s in self.shards)])  # where each shard starts in the stream
         self._starts = max(1, int(self._offsets[-1]) - context_length)  # window starts the stream offers
+        self._global = np.zeros(0, dtype=np.int64)  # (G,) the current global batch's window starts
+        self._taken = grad_accum  # this rank's micro-batches of it taken so far (all: the next draws anew)
+
+    @property
+    def global_batch(self) -> int:
+        """Windows a step draws, over every data-parallel rank and micro-batch."""
+        return self.batch_size * self.grad_accum * self.ranks
 
     def _window(self, start: int, n: int) -> np.ndarray:
         """``n`` tokens of the stream from ``start``, across as many shards as they span."""
@@ -137,9 +154,18 @@ class BatchSampler:
             n, start, k = n - len(piece), start + len(piece), k + 1
         return (pieces[0] if len(pieces) == 1 else np.concatenate(pieces)).astype(np.int64)
 
+    def _next_starts(self) -> np.ndarray:
+        """This rank's next micro-batch's window starts, (B,): its slice of the global batch, drawn when it is spent."""
+        if self._taken >= self.grad_accum:
+            self._global = self.rng.integers(0, self._starts, size=self.global_batch)  # (G,) alike on every rank
+            self._taken = 0
+        lo = (self.rank * self.grad_accum + self._taken) * self.batch_size
+        self._taken += 1
+        return self._global[lo : lo + self.batch_size]
+
     def next_batch(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         T = self.context_length
-        ix = self.rng.integers(0, self._starts, size=self.batch_size)  # (B,) window starts in the stream
+        ix = self._next_starts()  # (B,) window starts in the stream
         xy = torch.from_numpy(np.stack([self._window(int(i), T + 1) for i in ix]))  # (B, T + 1)
         if self.vocab_size is not None and int(xy.max()) >= self.vocab_size:
             row, col = divmod(int(xy.argmax()), T + 1)
@@ -151,7 +177,29 @@ class BatchSampler:
         return x.to(device), y.to(device)
 
     def state_dict(self) -> dict:
-        return self.rng.bit_generator.state
+        """Where the stream stands: the RNG, the global batch, and (between a step's micro-batches) what of the
+        current one is drawn and taken. The same on every data-parallel rank."""
+        within = None
+        if self._taken < self.grad_accum:  # a step's micro-batches part taken (a step's checkpoint comes after them)
+            within = {"starts": self._global.tolist(), "taken": self._taken, "cut": [self.ranks, self.grad_accum]}
+        return {"kind": GLOBAL_BATCH, "global_batch": self.global_batch, "rng": self.rng.bit_generator.state,
+                "within": within}
 
     def load_state_dict(self, state: dict) -> None:
-        self.rng.bit_generator.state = state
+        """A state of ``state_dict``, or of the per-rank sampler before it (its RNG alone: the global batch drawn
+        from there on)."""
+        if state.get("kind") != GLOBAL_BATCH:  # the per-rank sampler's: a bare RNG state
+            self.rng.bit_generator.state = state
+            self._taken = self.grad_accum
+            return
+        self.rng.bit_generator.state = state["rng"]
+        within = state.get("within")
+        if within and within.get("cut") == [self.ranks, self.grad_accum] and state.get("global_batch") == self.global_batch:
+            self._global, self._taken = np.asarray(within["starts"], dtype=np.int64), int(within["taken"])
+        else:  # at a step's end, or a part-taken global batch cut otherwise now: the next is drawn
+            self._taken = self.grad_accum
+
+
+GLOBAL_BATCH = "global-batch"
+"""The state_dict kind of the sampler that draws a global batch at a time (a checkpoint without it: the per-rank
+sampler's)."""

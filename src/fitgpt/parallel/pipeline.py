@@ -9,7 +9,7 @@ given the shapes it receives and sends (PyTorch's static mode): no rank infers t
 each receive buffer is one the planner counts (`fitgpt.estimate.pipeline`).
 
 With data-parallel ranks besides (a mesh of ("pp", "dp")), FSDP shards each stage over its "dp" ranks, each of which
-draws its own rows, as the trainer's FSDP does. A head tied to the token embedding (GPT-2's) lives twice, on the first
+takes its own slice of the global batch, as the trainer's FSDP does. A head tied to the token embedding (GPT-2's) lives twice, on the first
 stage and on the last: the two start equal and, their gradients summed after each step (as Megatron ties them), step
 alike.
 """

@@ -276,13 +276,13 @@ def _log_metrics(run: LoopState, p: Progress, lr: float, bar: tqdm, t_log: float
 
 def _save(run: LoopState, step: int, deadline_reached: bool = False) -> Path | None:
     """Write checkpoint ``step``; returns the newest checkpoint known to be written (a background save's is known
-    at the next). Every rank's data position and RNG are gathered first (collectives every rank joins). One process
+    at the next). Every rank's RNG is gathered first (a collective every rank joins). One process
     writes its own; under torchrun every rank writes its shards (`dist_checkpoint`). A failed write stops every rank."""
     cfg, info = run.cfg, run.info
-    samplers = dist_utils.gather_objects(info, run.sampler.state_dict())
     rngs = dist_utils.gather_objects(info, rng_state(run.device))
     state = {"scaler": run.scaler.state_dict(), "rng": rngs[0], "rng_ranks": rngs}
-    meta = {"config": to_dict(cfg), "sampler": samplers[0], "sampler_ranks": samplers, "world_size": info.world,
+    # The data's position: the same on every rank (each draws every global batch).
+    meta = {"config": to_dict(cfg), "sampler": run.sampler.state_dict(), "world_size": info.world,
             "data": {"dir": str(cfg.data.path), "tokenizer_sha256": run.data.tokenizer_sha256},
             "time_spent": run.length.spent_now(), "deadline_reached": deadline_reached}
     try:

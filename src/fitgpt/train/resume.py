@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from fitgpt.config import OptimConfig, TrainConfig, to_dict
-from fitgpt.data.loader import BatchSampler, TokenData
+from fitgpt.data.loader import GLOBAL_BATCH, BatchSampler, TokenData
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
 from fitgpt.optim import optimizer_params
@@ -41,18 +41,8 @@ def resume_run(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, sc
     path, (ck_meta, state) = ckpt.resolve_resume(
         cfg.run_dir, cfg.resume, lambda p: load_for_resume(p, cfg, model, data.tokenizer_sha256))
     scaler.load_state_dict(state["scaler"])
-    # The data is drawn per data-parallel rank (a tensor-parallel group's ranks draw alike): a 2 x 2 run resumes on
-    # FSDP 2 with the same data order, data-parallel rank d taking the first sampler of group d.
-    ranks, was = ck_meta.get("world_size", 1), ck_meta["config"]
-    ck_tp, ck_pp = was.get("tensor_parallel", 1), was.get("pipeline_parallel", 1)
-    dp_ranks, dp_rank = info.world // cfg.model_splits(), dist_utils.data_rank(cfg, info)
-    if ranks // (ck_tp * ck_pp) != dp_ranks:
-        log.warning("resuming a %d-process run on %d processes: the data order differs from the original run (%d "
-                    "data-parallel ranks then, %d now)", ranks, info.world, ranks // (ck_tp * ck_pp), dp_ranks)
-    samplers, rngs = ck_meta.get("sampler_ranks", [ck_meta["sampler"]]), state.get("rng_ranks", [state["rng"]])
-    first = dp_rank if ck_pp > 1 else dp_rank * ck_tp  # the checkpoint's first rank of that data-parallel rank
-    if first < len(samplers):
-        sampler.load_state_dict(samplers[first])
+    _resume_data(ck_meta, sampler, info)
+    rngs = state.get("rng_ranks", [state["rng"]])
     set_rng_state(rngs[info.rank] if info.rank < len(rngs) else rngs[0], device)
     step = ck_meta["step"]
     _check_left_to_train(path, step, ck_meta, cfg)
@@ -60,6 +50,30 @@ def resume_run(cfg: TrainConfig, info: dist_utils.DistInfo, model: nn.Module, sc
     warn_changed_settings(ck_meta["config"], cfg)
     log.info("resumed from %s at step %d", path, step)
     return step, state
+
+
+def _resume_data(ck_meta: dict, sampler: BatchSampler, info: dist_utils.DistInfo) -> None:
+    """The data's position from the checkpoint: every rank draws each global batch, so any layout continues the same
+    stream where the global batch is the same. A checkpoint of the per-rank sampler (each data-parallel rank its own
+    stream) continues from its first rank's position, drawing global batches from there; said once."""
+    state = ck_meta["sampler"]
+    try:
+        sampler.load_state_dict(state)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"--resume: the checkpoint's data position (meta.json's sampler) cannot be read ({e}); resume "
+                        "from another checkpoint") from None
+    if not info.is_main:
+        return
+    if state.get("kind") != GLOBAL_BATCH:
+        log.warning("this checkpoint's data position is the per-rank sampler's (an earlier fitgpt: each data-parallel "
+                    "rank drew its own windows); the run continues from its first rank's position, every layout now "
+                    "drawing the same global batches (one process of one micro-batch a step: the windows it would have "
+                    "drawn)")
+    elif state.get("global_batch") != sampler.global_batch:
+        was, per_accum = state.get("global_batch"), sampler.batch_size * sampler.ranks
+        keep = f": --grad-accum {was // per_accum} keeps it" if isinstance(was, int) and was % per_accum == 0 else ""
+        log.warning("the global batch changed (%s windows a step then, %d now%s): the stream continues from the same "
+                    "position, cut into steps of %d", was, sampler.global_batch, keep, sampler.global_batch)
 
 
 def _check_left_to_train(path: Path, step: int, ck_meta: dict, cfg: TrainConfig) -> None:

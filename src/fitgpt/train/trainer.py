@@ -161,11 +161,11 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None,
     if cfg.init_from and not cfg.resume and shards == 1:
         init_from_hf(cfg, model, info, device, sharded=False)
     scaler = grad_scaler(device, dtype)
-    # Each data-parallel rank samples its own windows (the ranks of one tensor-parallel group, the same ones); rank 0
-    # draws exactly what a single process would.
-    sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length,
-                           seed=cfg.seed + dist_utils.data_rank(cfg, info),
-                           vocab_size=data.vocab_size)
+    # Every rank draws each step's global batch alike and takes its data-parallel rank's slice (the ranks of one
+    # tensor-parallel group or pipeline, the same one): any layout of the same global batch trains the same windows.
+    sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed,
+                           vocab_size=data.vocab_size, ranks=info.world // cfg.model_splits(),
+                           rank=dist_utils.data_rank(cfg, info), grad_accum=cfg.grad_accum)
     if info.is_main and not cfg.resume:  # a fresh run's, before planning (its retry after a failed plan is not blocked)
         write_run_files(cfg)
     policy, planned = choose_policy(cfg, planner, device, info)
