@@ -13,15 +13,12 @@ takes the profile whose every plan peaks where the heaviest rank does (`heaviest
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fitgpt.config import OptimConfig
 from fitgpt.estimate.source import ModelSource
-
-if TYPE_CHECKING:
-    from fitgpt.estimate.profile import StepProfile
 
 
 def ranks_apart(source: ModelSource, optim: OptimConfig, world: int) -> range:
@@ -45,8 +42,9 @@ RISES = ("embed_fwd_rise", "embed_bwd_rise", "optimizer_rise", "fwd_rise", "bwd_
 """A profile's peaks above its running level (a block's or head's, in its options): where a rank's own step lands."""
 
 
-def heaviest(profiles: list[StepProfile]) -> StepProfile:
-    """One profile whose every plan's predicted peak is the most any of ``profiles``' is (the heaviest rank's).
+def heaviest(profiles: list[Any]) -> Any:
+    """One profile (a `fitgpt.estimate.profile.StepProfile`) whose every plan's predicted peak is the most any of
+    ``profiles``' is (the heaviest rank's).
 
     Each peak is the baseline (weights, gradients and state held) plus a running level plus a rise. The ranks' levels
     are alike; their baselines and rises are not. Taken over the heaviest baseline's rank, each other rank's rises are
