@@ -366,6 +366,7 @@ def test_a_time_budget_under_torchrun_ends_every_rank_at_one_step(ranks, data_di
     flags[at:at + 2] = ["--time-budget", "10s"]
     out, _ = ranks(2).cli(flags)
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["steps"] > 3 and summary["checkpoint"].endswith(f"step_{summary['steps']:08d}")
+    # How many steps 10 s buys is the machine's (a busy one: a few); that every rank ends at the same one is the test's.
+    assert summary["steps"] >= 1 and summary["checkpoint"].endswith(f"step_{summary['steps']:08d}")
     meta = json.loads((Path(summary["checkpoint"]) / "meta.json").read_text())
     assert meta["deadline_reached"] and meta["time_spent"] > 0
