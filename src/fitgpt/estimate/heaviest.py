@@ -13,12 +13,16 @@ takes the profile whose every plan peaks where the heaviest rank does (`heaviest
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from fitgpt.config import OptimConfig
+from fitgpt.estimate.ranks import fake_meshes
 from fitgpt.estimate.source import ModelSource
+
+T = TypeVar("T")
 
 
 def ranks_apart(source: ModelSource, optim: OptimConfig, world: int) -> range:
@@ -31,6 +35,17 @@ def ranks_apart(source: ModelSource, optim: OptimConfig, world: int) -> range:
     with torch.device("meta"):
         n_params = sum(1 for _ in source.build().parameters())
     return range(min(world, n_params))
+
+
+def on_each_rank(source: ModelSource, optim: OptimConfig, world: int, tp: int, step: Callable[[Any, Any], T],
+                 split: bool = True) -> list[T]:
+    """``step(data-parallel mesh, tensor-parallel mesh)`` on ``world`` fake ranks in groups of ``tp``, as each rank
+    `ranks_apart` sets apart (``split`` False: rank 0 alone, the model not split: DDP's replicas step alike)."""
+    out = []
+    for rank in ranks_apart(source, optim, world) if split else range(1):
+        with fake_meshes(world, tp, rank) as (dp_mesh, tp_mesh):
+            out.append(step(dp_mesh, tp_mesh))
+    return out
 
 
 def _bf16_weights(source: ModelSource) -> bool:

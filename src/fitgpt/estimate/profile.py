@@ -27,7 +27,7 @@ from fitgpt.device import autocast
 from fitgpt.estimate.card import offload_option, with_cuda_attention
 from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
 from fitgpt.estimate.hardware import Target
-from fitgpt.estimate.heaviest import heaviest, ranks_apart
+from fitgpt.estimate.heaviest import heaviest, on_each_rank
 from fitgpt.estimate.optimizer import create_state, grads_at_once, host_step_time, optimizer_costs, running_loss, second_pass
 from fitgpt.estimate.options import BlockOption, HeadOption
 from fitgpt.estimate.ranks import fake_meshes
@@ -181,16 +181,13 @@ def profile_model(model: ModelConfig | ModelSource, batch_size: int, context: in
     ``tp_ranks``: above 1, the step of one rank of that many under tensor and sequence parallelism, split as the
     trainer splits (``fitgpt.parallel.tensor``) on a fake process group; with ``fsdp_ranks`` too, one rank of the
     trainer's 2-D mesh (fsdp_ranks x tp_ranks), each split sharded by FSDP over the data-parallel ranks. Rank 0's
-    step, or where a whole-matrix optimizer steps in the backward, every rank's that owns a matrix, bounded by one
-    profile (``fitgpt.estimate.heaviest``).
+    step, or where a whole-matrix optimizer steps in the backward, every rank's that owns a matrix, as one profile
+    whose every plan peaks where the heaviest rank does (``fitgpt.estimate.heaviest``).
     """
-    source, world = as_source(model), fsdp_ranks * tp_ranks
-    profiles = []
-    for rank in ranks_apart(source, optim_cfg or OptimConfig(), world):
-        with fake_meshes(world, tp_ranks, rank) as (dp_mesh, tp_mesh):
-            profiles.append(_profile_model(source, batch_size, context, device, optim_cfg, grad_accum, dtype, seed,
-                                           persistent_grads, fake, target, cost, dp_mesh, extra_options, tp_mesh))
-    return heaviest(profiles)
+    source = as_source(model)
+    return heaviest(on_each_rank(source, optim_cfg or OptimConfig(), fsdp_ranks * tp_ranks, tp_ranks, lambda dp, tp: _profile_model(
+        source, batch_size, context, device, optim_cfg, grad_accum, dtype, seed, persistent_grads, fake, target, cost, dp,
+        extra_options, tp)))
 
 
 def _profile_model(source, batch_size, context, device, optim_cfg, grad_accum, dtype, seed, persistent_grads, fake,

@@ -13,6 +13,7 @@ the optimizer's update taken at full depth; tested equal, allocation by allocati
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from fitgpt.device import autocast
 from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
 from fitgpt.estimate.deepen import Event, NotAlike, Recording, deepen
 from fitgpt.estimate.hardware import Target
-from fitgpt.estimate.heaviest import ranks_apart
+from fitgpt.estimate.heaviest import on_each_rank
 from fitgpt.estimate.profile import fake_model
 from fitgpt.estimate.ranks import fake_meshes
 from fitgpt.estimate.source import ModelSource, as_source
@@ -64,19 +65,20 @@ def simulate_step(model: ModelConfig | ModelSource, policy: str, batch: int, con
     The weights are allocated first, then DDP's gradient buckets, then the cuBLAS workspaces; a first step creates
     the optimizer state; the second is measured, its token batches included. Each step runs up to two micro-batches
     (later ones repeat the second; DDP all-reduces the last one only). ``allocator``: the model replayed through (default:
-    CUDA's). ``repeat``: the second step is the first's allocations replayed again, less the optimizer state, where
-    that is what it would do (``_again``); False: run on fake tensors as the first. ``deep``: with ``repeat``, record a
+    CUDA's, fresh for each rank `fitgpt.estimate.heaviest` sets apart; the heaviest's peaks are returned). ``repeat``:
+    the second step is the first's allocations replayed again, less the optimizer state, where that is what it would
+    do (``_again``); False: run on fake tensors as the first. ``deep``: with ``repeat``, record a
     shallow step and deepen it (None: where the model is deep enough to gain; False: never), else step the full depth.
     """
     source = as_source(model)
     if context > source.context_length:
         source = source.at(context=context)
     run = _Run(source, policy, batch, context, min(grad_accum, 2), dtype, optim, target, _data_parallel(parallel, ranks, tp))
-    peaks = []
-    for rank in ranks_apart(source, optim, ranks):  # rank 0, or each owning a matrix stepped in the backward
+    def peaks_of(dp, tp_mesh) -> dict[str, int]:  # one rank's
         alloc = allocator if allocator is not None else allocator_model(target.expandable_segments)
-        with _ranks(run, ranks, tp, rank):
-            peaks.append(_simulated(run, alloc, repeat, deep))
+        return _simulated(dataclasses.replace(run, mesh=dp, tp_mesh=tp_mesh), alloc, repeat, deep)
+
+    peaks = on_each_rank(source, optim, ranks, tp, peaks_of, split=run.parallel == "fsdp" or tp > 1)
     return {k: max(p[k] for p in peaks) for k in peaks[0]}  # the heaviest rank's
 
 
@@ -190,10 +192,9 @@ def _data_parallel(parallel: str, ranks: int, tp: int) -> str | None:
 
 
 @contextlib.contextmanager
-def _ranks(run: _Run, ranks: int, tp: int, rank: int = 0):
-    """``ranks`` fake ranks for ``run`` while it lasts, this process as ``rank``: its data-parallel mesh, and its
-    tensor-parallel group's."""
-    with fake_meshes(ranks, tp, rank) as (run.mesh, run.tp_mesh):
+def _ranks(run: _Run, ranks: int, tp: int):
+    """``ranks`` fake ranks for ``run`` while it lasts: its data-parallel mesh, and its tensor-parallel group's."""
+    with fake_meshes(ranks, tp) as (run.mesh, run.tp_mesh):
         yield
 
 
