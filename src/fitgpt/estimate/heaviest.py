@@ -21,6 +21,7 @@ import torch
 from fitgpt.config import OptimConfig
 from fitgpt.estimate.ranks import fake_meshes
 from fitgpt.estimate.source import ModelSource
+from fitgpt.optim.whole import steps_whole
 
 T = TypeVar("T")
 
@@ -30,11 +31,11 @@ def ranks_apart(source: ModelSource, optim: OptimConfig, world: int) -> range:
     ``world`` ranks, where each rank that owns a parameter (there are fewer parameters than ranks in a small model)."""
     if world == 1 or not optim.in_backward or optim.offload:
         return range(1)
-    if optim.name == "adamw" and not _bf16_weights(source):  # AdamW steps each rank's own shard, alike on every rank
-        return range(1)
     with torch.device("meta"):
-        n_params = sum(1 for _ in source.build().parameters())
-    return range(min(world, n_params))
+        params = list(source.build().parameters())
+    if not steps_whole(optim.name, any(p.dtype == torch.bfloat16 for p in params)):  # each rank's shard, alike
+        return range(1)
+    return range(min(world, len(params)))
 
 
 def on_each_rank(source: ModelSource, optim: OptimConfig, world: int, tp: int, step: Callable[[Any, Any], T],
@@ -46,11 +47,6 @@ def on_each_rank(source: ModelSource, optim: OptimConfig, world: int, tp: int, s
         with fake_meshes(world, tp, rank) as (dp_mesh, tp_mesh):
             out.append(step(dp_mesh, tp_mesh))
     return out
-
-
-def _bf16_weights(source: ModelSource) -> bool:
-    with torch.device("meta"):
-        return any(p.dtype == torch.bfloat16 for p in source.build().parameters())
 
 
 RISES = ("embed_fwd_rise", "embed_bwd_rise", "optimizer_rise", "fwd_rise", "bwd_rise")
@@ -66,6 +62,8 @@ def heaviest(profiles: list[Any]) -> Any:
     raised by its baseline's difference (never below that rank's own), and each rise is the most any rank's is: the
     largest over the step's events and the largest over the ranks commute, so the peak of any plan is the most of
     the ranks' peaks. Levels that differ (none was seen to) are taken at their most: a bound still."""
+    if len(profiles) == 1:  # every plan but a whole-matrix step in the backward's: nothing to merge
+        return profiles[0]
     top = max(profiles, key=lambda p: p.baseline)
     return dataclasses.replace(_most([_raised(p, p.baseline - top.baseline) for p in profiles]),
                                **{k: getattr(top, k) for k in ("params", "optimizer", "grads", "baseline", "host")})

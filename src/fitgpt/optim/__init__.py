@@ -23,7 +23,7 @@ from fitgpt.optim.in_backward import InBackward
 from fitgpt.optim.lowbit import low_bit_adamw
 from fitgpt.optim.muon import MuonAdamW, hidden_matrices
 from fitgpt.optim.offload import HostOffload
-from fitgpt.optim.whole import WholeMatrices, owners, splits
+from fitgpt.optim.whole import WholeMatrices, owners, splits, steps_whole
 
 
 def _groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -119,7 +119,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
         def make(groups: list[dict], on: torch.device = device) -> Bf16Weights:
             return Bf16Weights(groups, lambda g: inner(g, on), stochastic, numbering, kahan=cfg.rounding == "kahan")
 
-    whole = splits(decay + no_decay) and (bf16 or cfg.name != "adamw")
+    whole = splits(decay + no_decay) and steps_whole(cfg.name, bf16)
     size = _state_size(cfg, hidden, own["rank"] if cfg.projects else 0)
     if cfg.in_backward and whole:  # a whole-matrix step per parameter, each by the owner chosen among them all
         owner = dict(zip(map(id, decay + no_decay), owners([size(p) for p in decay + no_decay], dist.get_world_size())))

@@ -73,6 +73,12 @@ def shaped(stand_in: dict) -> Iterator[None]:
         emptied(stand_in.values())
 
 
+def steps_whole(name: str, bf16_weights: bool) -> bool:
+    """Whether optimizer ``name`` steps each split matrix whole (on its owner): every one but AdamW, whose update is
+    elementwise on any shard, and any over pure bf16 weights (their rounding draws by place)."""
+    return bf16_weights or name != "adamw"
+
+
 def splits(params: list[torch.Tensor]) -> bool:
     """Whether any of ``params`` is split across ranks (a DTensor: FSDP's or tensor parallelism's)."""
     return any(hasattr(p, "full_tensor") for p in params)

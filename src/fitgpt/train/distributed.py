@@ -46,6 +46,11 @@ class DistInfo:
         return self.rank == 0
 
 
+def data_ranks(cfg, info: DistInfo) -> int:
+    """The data-parallel degree under ``cfg`` (a TrainConfig): the processes over the ranks that split one model."""
+    return info.world // cfg.model_splits()
+
+
 def data_rank(cfg, info: DistInfo) -> int:
     """This process's data-parallel rank under ``cfg`` (a TrainConfig): the ranks that split one model (a
     tensor-parallel group, a pipeline's stages) draw the same batches. Tensor-parallel groups are consecutive ranks;

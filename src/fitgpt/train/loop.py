@@ -101,7 +101,7 @@ class Progress:
 
 
 def tokens_per_step(cfg: TrainConfig, info: dist_utils.DistInfo) -> int:
-    return cfg.batch_size * cfg.grad_accum * cfg.model.context_length * info.world // cfg.model_splits()
+    return cfg.batch_size * cfg.grad_accum * cfg.model.context_length * dist_utils.data_ranks(cfg, info)
 
 
 def run_loop(run: LoopState, start_step: int) -> Progress:

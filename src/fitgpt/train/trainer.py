@@ -164,7 +164,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None,
     # Every rank draws each step's global batch alike and takes its data-parallel rank's slice (the ranks of one
     # tensor-parallel group or pipeline, the same one): any layout of the same global batch trains the same windows.
     sampler = BatchSampler(data.splits["train"], cfg.batch_size, cfg.model.context_length, seed=cfg.seed,
-                           vocab_size=data.vocab_size, ranks=info.world // cfg.model_splits(),
+                           vocab_size=data.vocab_size, ranks=dist_utils.data_ranks(cfg, info),
                            rank=dist_utils.data_rank(cfg, info), grad_accum=cfg.grad_accum)
     if info.is_main and not cfg.resume:  # a fresh run's, before planning (its retry after a failed plan is not blocked)
         write_run_files(cfg)
