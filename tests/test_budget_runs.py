@@ -142,7 +142,7 @@ def test_fit_time_budget_prints_a_row_per_depth_the_pick_the_least_loss_and_comm
     the law's points it reaches."""
     law = law_of(recipe={"aspect": 32, "mup": True, "lr": 0.006, "min_lr": 0.0006, "eval_batches": 20})
     capsys.readouterr()
-    assert main(["fit", "--time-budget", "2m", "--law", law, "--data.dir", str(data_dir), "--batch-size", "4",
+    assert main(["fit", "--time-budget", "30s", "--law", law, "--data.dir", str(data_dir), "--batch-size", "4",
                  "--context", "32", "--memory-budget", "2GiB"]) == 0
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
@@ -157,12 +157,12 @@ def test_fit_time_budget_prints_a_row_per_depth_the_pick_the_least_loss_and_comm
     assert rows[-1]["params"] >= 8 * rows[pick]["params"] and rows[0]["depth"] == 1
     for r in rows:
         assert r["loss_low"] <= r["predicted_loss"] <= r["loss_high"]
-        assert r["tokens"] == pytest.approx(r["tokens_per_s"] * (120 - STARTUP_SECONDS) / (1 + 20 / (3 * 100)), abs=1)
+        assert r["tokens"] == pytest.approx(r["tokens_per_s"] * (30 - STARTUP_SECONDS) / (1 + 20 / (3 * 100)), abs=1)
         command = shlex.split(r["command"])
         assert command[:2] == ["fitgpt", "train"] and "--time-budget" in command
         cfg = parse(command[2:])
         assert (cfg.model.n_blocks, cfg.model.n_embed, cfg.time_budget, cfg.optim.schedule) == (
-            r["depth"], 32 * r["depth"], "2m", "wsd")
+            r["depth"], 32 * r["depth"], "30s", "wsd")
         assert (cfg.model.mup_base_width, cfg.model.mup_base_depth, cfg.optim.lr, cfg.optim.min_lr) == (32, 1, 0.006, 0.0006)
         assert cfg.eval_batches == 20  # the loss measured as the law's points' were
         assert cfg.batch_size * cfg.grad_accum == 4 and cfg.precision == "fp32"  # the law's recipe's precision
