@@ -51,12 +51,14 @@ def _body(trace: tuple[int, ...]) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-# A case for each schedule and each policy; FSDP under 1F1B, GPipe and the interleaved schedule; TP under the
-# interleaved one; tied and untied; uneven stages (what the composition tells apart, each met once at least).
 @pytest.mark.parametrize("world, extra", [
     (2, {"pipeline_parallel": 2, "pipeline_schedule": "1f1b", "activation_checkpointing": "none", "model": {"n_blocks": 8}}),
     (2, {"pipeline_parallel": 2, "pipeline_schedule": "gpipe", "activation_checkpointing": "block"}),
+    (2, {"pipeline_parallel": 2, "pipeline_schedule": "interleaved-1f1b", "activation_checkpointing": "block",
+         "model": {"n_blocks": 16}}),
     (4, {"pipeline_parallel": 2, "parallel": "fsdp", "pipeline_schedule": "1f1b", "activation_checkpointing": "selective"}),
+    (4, {"pipeline_parallel": 2, "tensor_parallel": 2, "pipeline_schedule": "1f1b", "activation_checkpointing": "block",
+         "model": {"tie_embeddings": True}}),
     (4, {"pipeline_parallel": 2, "tensor_parallel": 2, "pipeline_schedule": "interleaved-1f1b",
          "activation_checkpointing": "selective", "model": {"n_blocks": 20, "tie_embeddings": True}}),
     (4, {"pipeline_parallel": 4, "pipeline_schedule": "1f1b", "activation_checkpointing": "selective",
@@ -83,7 +85,7 @@ def test_a_composed_plan_is_the_whole_steps(world, extra, monkeypatch):
     checked = list(range(cfg.pipeline_parallel))
     if cfg.pipeline_parallel == 6:
         assert stand_ins(cfg, checked) == {0: 0, 1: 4, 2: 4, 3: 4, 4: 4, 5: 5}
-        checked = [2, 5]  # one served by rank 4 (its first stage has 4 blocks, rank 4's 3; rank 3 alike), the last: run whole
+        checked = [2, 3, 5]  # two served by rank 4 (their first stages have 4 blocks, its 3), and the last; run whole
     whole = pipeline.plan_pipeline(cfg, world, ranks=checked, whole=True)
     composed = pipeline.plan_pipeline(cfg, world)
     assert all(c.composed for c in composed) and not any(w.composed for w in whole)
