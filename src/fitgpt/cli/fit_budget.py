@@ -39,7 +39,8 @@ def _laws_recipe(law, train):
         return train
     r, optim = law.recipe, train.optim
     if isinstance(r.get("lr"), (int, float)):
-        optim = dataclasses.replace(optim, lr=float(r["lr"]), min_lr=float(r.get("min_lr", optim.min_lr)))
+        # To 12 digits: a law of an older ladder saved lr / 10 unrounded, and its commands said 0.0006000000000000001.
+        optim = dataclasses.replace(optim, lr=float(r["lr"]), min_lr=float(f"{float(r.get('min_lr', optim.min_lr)):.12g}"))
     batches = r.get("eval_batches")
     return dataclasses.replace(train, optim=optim, eval_batches=batches if isinstance(batches, int) and batches > 0
                                else train.eval_batches)
