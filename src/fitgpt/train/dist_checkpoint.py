@@ -205,8 +205,9 @@ def _read_whole(where: str, key: str) -> dict:
 @torch.no_grad()
 def init_optimizer_state(optimizer) -> None:
     """Create every state tensor an optimizer keeps, as a checkpoint is read into them: its own ``create_state``, or a
-    step of zero gradients at learning rate 0, which leaves every weight bitwise as it was (and the RNG too)."""
-    if optimizer.state:
+    step of zero gradients at learning rate 0, which leaves every weight bitwise as it was (and the RNG too). State
+    without a tensor is not state made (APOLLO's projection seeds, set as it is built)."""
+    if any(torch.is_tensor(v) for s in optimizer.state.values() if isinstance(s, dict) for v in s.values()):
         return
     if hasattr(optimizer, "create_state"):
         optimizer.create_state()
