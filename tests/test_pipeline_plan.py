@@ -57,6 +57,9 @@ def measured_stage_peak(rank: int, world: int, overrides: dict) -> int:
     (2, {"pipeline_schedule": "interleaved-1f1b", "activation_checkpointing": "block"}),
     (4, {"pipeline_schedule": "1f1b", "parallel": "fsdp", "activation_checkpointing": "none"}),
     (4, {"pipeline_schedule": "interleaved-1f1b", "tensor_parallel": 2, "activation_checkpointing": "selective"}),
+    # every optimizer over stages (issue 69): Muon's matrices, and each stage's whole matrices stepped on their owner
+    (2, {"pipeline_schedule": "1f1b", "activation_checkpointing": "none", "optim": {"name": "muon"}}),
+    (4, {"pipeline_schedule": "1f1b", "parallel": "fsdp", "activation_checkpointing": "none", "optim": {"name": "adafactor"}}),
     # composed from a small step (`fitgpt.estimate.pipeline_compose`): 8 blocks, 8 micro-batches
     (4, {"pipeline_schedule": "1f1b", "parallel": "fsdp", "activation_checkpointing": "block", "batch_size": 8,
          "pipeline_microbatches": 8, "model": {**PLANNED["model"], "n_blocks": 8}}),
@@ -78,7 +81,10 @@ def test_each_pipeline_rank_is_planned_to_the_byte(world, extra, ranks):
     measured = measuring.result()
     per_stage = world // 2  # a stage's FSDP or tensor-parallel ranks, which hold alike
     assert [m for m in measured[::per_stage]] == [p.peak for p in planned]
-    assert all(measured[r] == planned[r // per_stage].peak for r in range(world))
+    if extra.get("optim") and per_stage > 1:  # each matrix's state on its owner: the stage's first the heaviest
+        assert all(measured[r] <= planned[r // per_stage].peak for r in range(world))
+    else:
+        assert all(measured[r] == planned[r // per_stage].peak for r in range(world))
     assert all(p.buffers > 0 for p in planned)
     assert all(p.composed for p in planned) == (extra.get("pipeline_microbatches") == 8)
 

@@ -187,7 +187,7 @@ def _built(cfg: TrainConfig, mesh, world: int, dtype: torch.dtype | None, device
     from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
     from fitgpt.memory.fake import fake_mode, fake_module
     from fitgpt.model import Transformer
-    from fitgpt.optim import build_optimizer, optimizer_params
+    from fitgpt.optim import StateLayout, build_optimizer
     from fitgpt.parallel.fsdp import precision_roles
     from fitgpt.parallel.pipeline import prepare_pipeline
     from fitgpt.parallel.tensor import step_context
@@ -200,7 +200,7 @@ def _built(cfg: TrainConfig, mesh, world: int, dtype: torch.dtype | None, device
     with torch.device("meta"):
         model = fake_module(Transformer(cfg.model), device, mode)
     pipe = prepare_pipeline(model, parse_policy(cfg.activation_checkpointing), cfg, mesh, device, param_dtype,
-                            optimizer_params)
+                            StateLayout(cfg.optim))
     with mode, rules:
         optimizer = build_optimizer(pipe.held, cfg.optim, torch.device(target.device), seed=cfg.seed)
         ids = torch.zeros(cfg.batch_size, cfg.model.context_length, dtype=torch.long, device=device)  # (B, T)

@@ -6,11 +6,11 @@ fp32 and rounded (``bf16_weights``); stepped after the backward, inside it (``in
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from fitgpt.config import OptimConfig
@@ -23,7 +23,7 @@ from fitgpt.optim.in_backward import InBackward
 from fitgpt.optim.lowbit import low_bit_adamw
 from fitgpt.optim.muon import MuonAdamW, hidden_matrices
 from fitgpt.optim.offload import HostOffload
-from fitgpt.optim.whole import WholeMatrices, owners, splits, steps_whole
+from fitgpt.optim.whole import WholeMatrices, owners, sharing_ranks, splits, steps_whole
 
 
 def _groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -91,7 +91,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
         own = lowrank.settings(cfg.name, cfg.rank, cfg.update_proj_gap, cfg.proj_scale,
                                lowrank.rank_limit(hidden_matrices(model)))
         groups = lowrank.projected_groups(groups, hidden, own)
-    numbering = {id(p): i for i, p in enumerate(decay + no_decay)}  # the model's order: the state dict's indices
+    # The whole model's order (the state dict's indices; a pipeline rank's parts numbered as the whole model's, so
+    # that APOLLO's projections and stochastic rounding draw what one process draws for each parameter).
+    parts = getattr(model, "numbering", None)
+    numbering = {id(p): parts.index[i] if parts is not None else i for i, p in enumerate(decay + no_decay)}
     seeds = {k: i + 1 for k, i in numbering.items()}  # APOLLO's numbering, from 1
 
     def make(groups: list[dict], on: torch.device = device) -> torch.optim.Optimizer:
@@ -122,13 +125,33 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
     whole = splits(decay + no_decay) and steps_whole(cfg.name, bf16)
     size = _state_size(cfg, hidden, own["rank"] if cfg.projects else 0)
     if cfg.in_backward and whole:  # a whole-matrix step per parameter, each by the owner chosen among them all
-        owner = dict(zip(map(id, decay + no_decay), owners([size(p) for p in decay + no_decay], dist.get_world_size())))
+        owner = dict(zip(map(id, decay + no_decay), owners([size(p) for p in decay + no_decay],
+                                                                  len(sharing_ranks(decay + no_decay)[1]))))
         return InBackward(groups, lambda g: WholeMatrices(g, make, owner=[owner[id(g[0]["params"][0])]]))
     if cfg.in_backward:
         return InBackward(groups, make)
     if whole:
         return WholeMatrices(groups, make, size)
     return make(groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """How ``cfg``'s optimizer numbers and groups a model's parameters in its state dict: what a pipeline rank needs
+    to write its part of one process's state dict (`fitgpt.parallel.stages.Numbering`)."""
+
+    cfg: OptimConfig
+
+    def order(self, model: nn.Module) -> list[nn.Parameter]:
+        """The parameters in the state dict's order (`optimizer_params`)."""
+        return optimizer_params(model)
+
+    def groups(self, model: nn.Module) -> list[dict]:
+        """The state dict's parameter groups over ``model``, each naming its parameters by their place in ``order``:
+        of an optimizer built for it on the host and never stepped (no state made), so that they are the groups a
+        checkpoint of that optimizer holds, however it splits them (muP's, Muon's parts, GaLore's and APOLLO's
+        projected runs)."""
+        return build_optimizer(model, self.cfg, torch.device("cpu"), seed=0).state_dict()["param_groups"]
 
 
 def _state_size(cfg: OptimConfig, hidden: set[int], rank: int):

@@ -84,6 +84,19 @@ def splits(params: list[torch.Tensor]) -> bool:
     return any(hasattr(p, "full_tensor") for p in params)
 
 
+def sharing_ranks(params: list[torch.Tensor]) -> tuple[object, list[int]]:
+    """The process group over which ``params`` are split and its ranks (the process's numbers): every process, or
+    under pipeline parallelism the ranks of one stage (its data-parallel and tensor-parallel ones), whose mesh the
+    parameters' DTensors name."""
+    world = dist.get_world_size()
+    mesh = next((p.device_mesh for p in params if hasattr(p, "device_mesh")), None)
+    if mesh is None or mesh.size() == world:
+        return None, list(range(world))
+    from fitgpt.parallel.placement import mesh_group
+
+    return mesh_group(mesh)
+
+
 class StandIns:
     """An optimizer whose inner optimizer steps stand-ins of its parameters (``stand_in``: by parameter), filled for
     each step: answers as one optimizer over the parameters, its state dict the inner one's."""
@@ -121,8 +134,9 @@ class WholeMatrices(StandIns):
         ``owner``: each parameter's owner, where they are chosen among more parameters than these (the step in the
         backward makes one of these a parameter)."""
         self.params = [p for g in groups for p in g["params"]]
-        self.rank, world = dist.get_rank(), dist.get_world_size()
-        self.owner = owner or owners([state_size(p) for p in self.params], world)
+        self.group, self.ranks = sharing_ranks(self.params)
+        self.rank = self.ranks.index(dist.get_rank())
+        self.owner = owner or owners([state_size(p) for p in self.params], len(self.ranks))
         self.stand_in = {p: placeholder(p, p.dtype) for p in self.params}
         for p, s in self.stand_in.items():
             s.stands_for = getattr(p, "stands_for", p)  # what an optimizer that numbers parameters numbers it by
@@ -148,7 +162,7 @@ class WholeMatrices(StandIns):
             del grad
             if not weight.is_contiguous():
                 weight = weight.contiguous()
-            dist.broadcast(weight, src=self.owner[i])
+            dist.broadcast(weight, src=self.ranks[self.owner[i]], group=self.group)
             assign_whole(p, weight)
 
     def load_state_dict(self, state_dict: dict) -> None:

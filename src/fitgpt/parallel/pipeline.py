@@ -74,12 +74,8 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
     for flag, on in (("--optim.offload", optim.offload), ("--fsdp-offload", cfg.fsdp_offload), ("--compile", cfg.compile),
                      ("--init-from", bool(cfg.init_from))):
         if on:
-            return (f"--pipeline-parallel with {flag} is not built yet (issue 58: the pipeline trains with FSDP, "
-                    f"tensor parallelism, any checkpointing policy and AdamW): drop {flag}")
-    if optim.name != "adamw" or cfg.model.weights_dtype == "bf16":
-        what = "--model.weights-dtype bf16" if optim.name == "adamw" else f"--optim.name {optim.name}"
-        return (f"--pipeline-parallel steps AdamW (fp32 or bf16 moments) for now; {what} over a pipeline's stages is "
-                f"not built yet (issue 58): use --optim.name adamw with fp32 weights")
+            return (f"--pipeline-parallel with {flag} is not built yet (the pipeline trains with FSDP, tensor "
+                    f"parallelism, any checkpointing policy and any optimizer): drop {flag}")
     if tp > 1:
         from fitgpt.parallel.tensor import launch_refusal as split_refusal
 
@@ -248,12 +244,12 @@ def build_pipeline(model: nn.Module, schedule: str, microbatches: int, mesh, dev
 
 
 def prepare_pipeline(model: nn.Module, policy, cfg: TrainConfig, mesh, device: torch.device,
-                     param_dtype: torch.dtype | None, optimizer_params: Callable[[nn.Module], list]) -> Pipeline:
+                     param_dtype: torch.dtype | None, layout) -> Pipeline:
     """The trainer's pipeline (and the planner's, on fake ranks): ``model`` (on the meta device) cut into this rank's
     stages of ``mesh``, each checkpointed by ``policy``, then sharded by FSDP (parameters gathered in ``param_dtype``)
     over its data-parallel ranks, then run by ``cfg``'s schedule. Its ``held`` parts are what is filled, stepped and
-    saved, numbered for the optimizer's checkpoint as the whole model's (``optimizer_params``: the optimizer's order
-    of a model's parameters, `fitgpt.optim.optimizer_params`)."""
+    saved, numbered for the optimizer's checkpoint as the whole model's (``layout``: how the optimizer numbers and
+    groups a model's parameters, `fitgpt.optim.StateLayout`)."""
     from fitgpt.activation_checkpoint import apply_activation_checkpointing
     from fitgpt.parallel.fsdp import fsdp_shard
     from fitgpt.parallel.stages import Numbering
@@ -265,15 +261,16 @@ def prepare_pipeline(model: nn.Module, policy, cfg: TrainConfig, mesh, device: t
         apply_tensor_parallel(model, mesh["tp"])
     stages = rank_stages(model, cfg.pipeline_schedule, mesh)
     held = held_by(stages, model)
-    held.numbering = Numbering(model, held, optimizer_params)
+    held.numbering = Numbering(model, held, layout)
     for stage in stages:
         apply_activation_checkpointing(stage, stage_policy(policy, stage))
     sharded = "dp" in names
     for stage in stages if sharded else ():
         fsdp_shard(stage, param_dtype, mesh=mesh["dp"])
-    # The hidden states in the dtype the blocks compute in: FSDP's gathered weights', else fp32 (autocast keeps the
-    # residual stream in fp32).
-    dtype = param_dtype if sharded and param_dtype is not None else torch.float32
+    # The hidden states in the dtype the blocks compute in: FSDP's gathered weights', else the weights' own (autocast
+    # keeps the residual stream in fp32 weights' fp32; pure bf16 weights make it bf16).
+    weights = torch.bfloat16 if cfg.model.weights_dtype == "bf16" else torch.float32
+    dtype = param_dtype if sharded and param_dtype is not None else weights
     return schedule_stages(stages, held, cfg.pipeline_schedule, cfg.microbatches, mesh, device,
                            (cfg.batch_size, cfg.model.context_length), dtype)
 

@@ -56,23 +56,28 @@ def rows_held(t, dp_rank: int, tp_rank: int) -> torch.Tensor:
     return chunks[dp_rank] if dp_rank < len(chunks) else rows[:0]
 
 
+def mesh_group(mesh) -> tuple[object, list[int]]:
+    """The process group of ``mesh``'s ranks (None: a 2-D mesh without one, whose ranks are then every process) and
+    those ranks, in (dp, tp) order. The mesh's own ranks (a pipeline stage's, of all the processes): the group the
+    trainer's meshes flatten them into ahead (`training_mesh`), so that no rank makes a group here, which every
+    process would have to join."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # the mesh's ranks are a real tensor, also where the planner steps fake ones
+        at = mesh.mesh.flatten().tolist()
+    if mesh.ndim == 1:
+        return mesh.get_group(), at
+    return (mesh._flatten("dp_tp").get_group() if hasattr(mesh, "_flatten") else None), at
+
+
 def gather_whole(t: torch.Tensor) -> torch.Tensor:
     """``t`` whole on every rank (a collective where ``t`` is a DTensor); a plain tensor as it is."""
     import torch.distributed as dist
 
     if not (split_twice(t) or _split_only(t)):
         return t.full_tensor() if hasattr(t, "full_tensor") else t
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     mesh, local = t.device_mesh, t.to_local()
-    with unset_fake_temporarily():  # the mesh's ranks are a real tensor, also where the planner steps fake ones
-        at = mesh.mesh.flatten().tolist()  # the mesh's ranks in (dp, tp) order
-    # The mesh's own ranks (a pipeline stage's, of all the processes): the group the trainer's meshes flatten them
-    # into ahead (`training_mesh`), so that no rank makes a group here, which every process would have to join.
-    if mesh.ndim == 1:
-        group = mesh.get_group()
-    else:
-        group = mesh._flatten("dp_tp").get_group() if hasattr(mesh, "_flatten") else None
+    group, at = mesh_group(mesh)
     order = at if group is not None else list(range(dist.get_world_size()))  # the pieces' ranks, as gathered
     most = len(rows_held(t, 0, 0))  # the first chunk is the longest
     pieces = [local.new_empty((most, *local.shape[1:])) for _ in order]

@@ -119,26 +119,41 @@ def materialise(model: nn.Module, stages: list[Stage], device: torch.device, see
 
 
 class Numbering:
-    """A rank's optimizer state numbered as one process numbers the whole model's (``optimizer_params``), so that
-    the ranks' states meet in one checkpoint without clashing, and any layout, or one process, reads it back."""
+    """A rank's optimizer state numbered as one process numbers the whole model's, so that the ranks' states meet in
+    one checkpoint without clashing, and any layout, or one process, reads it back: each parameter's entries (its
+    state, and any other entry keyed by parameter: low-bit AdamW's exact moments) under its whole-model index, and
+    the whole model's parameter groups, alike on every rank (DCP keeps one rank's copy of what all of them write)."""
 
-    def __init__(self, model: nn.Module, held: Stage, optimizer_params: Callable[[nn.Module], list]) -> None:
+    def __init__(self, model: nn.Module, held: Stage, layout) -> None:
         """``model`` whole, before its parts are materialised (a tied weight still one); ``held``: this rank's;
-        ``optimizer_params``: the optimizer's order of a model's parameters (`fitgpt.optim.optimizer_params`)."""
+        ``layout``: how the optimizer numbers and groups a model's parameters (`fitgpt.optim.StateLayout`)."""
         names = {id(p): n for n, p in model.named_parameters()}
-        order = [names[id(p)] for p in optimizer_params(model)]
-        self.groups = [[i for i, p in enumerate(optimizer_params(model)) if (p.dim() >= 2) == decay] for decay in (True, False)]
+        order = [names[id(p)] for p in layout.order(model)]
+        self.groups = layout.groups(model)
         tied = {"lm_head.weight": "token_embed.weight"} if model.config.tied else {}
         own = {id(p): n for n, p in held.named_parameters()}
-        self.index = [order.index(tied.get(own[id(p)], own[id(p)])) for p in optimizer_params(held)]
+        self.index = [order.index(tied.get(own[id(p)], own[id(p)])) for p in layout.order(held)]
 
     def to_whole(self, sd: dict) -> dict:
         """This rank's state dict, numbered as the whole model's, with the whole model's groups."""
-        groups = [{**g, "params": whole} for g, whole in zip(sd["param_groups"], self.groups)]
-        return {"state": {self.index[i]: s for i, s in sd["state"].items()}, "param_groups": groups}
+        return {**{k: _renumbered(v, self.index.__getitem__) for k, v in sd.items() if k != "param_groups"},
+                "param_groups": self.groups}
 
     def to_own(self, sd: dict, own: dict) -> dict:
         """A whole-numbered state dict as this rank's (``own``: its optimizer's own state dict, for its groups)."""
-        state = {i: sd["state"][w] for i, w in enumerate(self.index) if w in sd["state"]}
-        groups = [{**g, "params": mine["params"]} for g, mine in zip(sd["param_groups"], own["param_groups"])]
-        return {"state": state, "param_groups": groups}
+        mine = {w: i for i, w in enumerate(self.index)}
+        return {**{k: _renumbered(v, mine.get) for k, v in sd.items() if k != "param_groups"},
+                "param_groups": own["param_groups"]}
+
+
+def _renumbered(entries, to: Callable[[int], int | None]):
+    """A state dict's entry keyed by parameter index (``state``, low-bit AdamW's exact moments), each key ``to``
+    another (None: left out); any other entry as it is."""
+    if not isinstance(entries, dict) or not all(str(k).isdigit() for k in entries):
+        return entries
+    out = {}
+    for k, v in entries.items():
+        new = to(int(k))
+        if new is not None:
+            out[new] = v
+    return out

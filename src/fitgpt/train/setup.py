@@ -23,7 +23,7 @@ from fitgpt.hf import check_tokenizer, hf_weights, import_weights
 from fitgpt.memory import measure_step_memory
 from fitgpt.memory.tracker import round_up
 from fitgpt.model import Transformer
-from fitgpt.optim import optimizer_params
+from fitgpt.optim import StateLayout
 from fitgpt.parallel.fsdp import compile_blocks, fsdp_shard, precision_roles
 from fitgpt.train import distributed as dist_utils
 from fitgpt.train.checkpoint import tied_parameter_names
@@ -186,7 +186,7 @@ def _pipelined(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist_ut
 
     mesh = pipeline.training_mesh(device.type, info.world, cfg.pipeline_parallel, cfg.tensor_parallel)
     pipe = pipeline.prepare_pipeline(model, policy, cfg, mesh, device, precision_roles(dtype, True)[1],
-                                     optimizer_params)
+                                     StateLayout(cfg.optim))
     log.info("checkpointing %s; pipeline stage%s of blocks %s on this rank", policy.describe(cfg.model.n_blocks),
              "s" if len(pipe.stages) > 1 else "", ", ".join(f"{s.blocks[0]}-{s.blocks[-1]}" for s in pipe.stages))
     return pipe
