@@ -94,6 +94,18 @@ def test_a_pipelined_step_gives_one_processs_loss_and_gradients(schedule, arch, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["interleaved-zero-bubble", "zbv"])
+def test_a_zero_bubble_step_gives_one_processs_loss_and_gradients(schedule, ranks):
+    """PyTorch's zero-bubble schedules (issue 69), each backward split into the input's gradient and the weights':
+    Llama over 4 stages on 2 ranks, looped (interleaved) or in a V (ZBV: rank 0 holds the first and the last stage,
+    and the loss), 2 micro-batches: one process's loss and every gradient."""
+    got = ranks(2).run(pipelined, LLAMA, schedule)
+    assert [g["last"] for g in got] == ([True, False] if schedule == "zbv" else [False, True])
+    _check(got, LLAMA)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
 def test_pipeline_stages_sharded_by_fsdp_give_one_processs_loss_and_gradients(schedule, ranks):
     """PP 2 x FSDP 2 on 4 ranks, GPT-2 tied: each stage sharded over its 2 data-parallel ranks, each of which trains

@@ -66,6 +66,10 @@ class StageRank:
         return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in self.blocks)
 
 
+COMPOSED = ("gpipe", "1f1b", "interleaved-1f1b")
+"""The schedules whose large steps are put together from a small one (`fitgpt.estimate.pipeline_compose` knows their
+orders of actions); the zero-bubble schedules' steps are run whole."""
+
 TRACE_POINTS = 600
 
 
@@ -80,7 +84,9 @@ def thinned(points: list[int], most: int | None = None) -> tuple[int, ...]:
 
 def bubble(pp: int, schedule: str, microbatches: int) -> float:
     """The fraction of a step each rank waits (the pipeline filling and draining): (P - 1) / (v M + P - 1), v the
-    stages a rank holds (interleaving shrinks each stage's time by v), M the micro-batches (Narayanan et al. 2021)."""
+    stages a rank holds (interleaving shrinks each stage's time by v), M the micro-batches (Narayanan et al. 2021).
+    The zero-bubble schedules are given interleaved 1F1B's: what they fill of it depends on the weights' gradients'
+    share of the backward, not timed here, so the figure is an upper bound."""
     v = STAGES_PER_RANK[schedule]
     return (pp - 1) / (v * microbatches + pp - 1)
 
@@ -102,7 +108,7 @@ def plan_pipeline(cfg: TrainConfig, world: int, dtype: torch.dtype | None = None
 
     ranks = list(range(cfg.pipeline_parallel)) if ranks is None else ranks
     on = (cfg, world, dtype, torch.device(device), target or Target(torch.device(device).type))
-    if whole:
+    if whole or cfg.pipeline_schedule not in COMPOSED:
         done = _forked(_plan_rank, lambda done: [(r, (*on, r, None)) for r in ranks])
         return [done[r][1] for r in ranks]
     # A small step recorded for each rank, or for several ranks alike (`stand_ins`), each recorder planned beside its

@@ -23,11 +23,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fitgpt.config import STAGES_PER_RANK, TrainConfig
-from fitgpt.parallel.stages import Stage, held_by, pp_group, rank_stages, stage_blocks, stage_policy
+from fitgpt.config import STAGES_PER_RANK, V_SCHEDULES, TrainConfig
+from fitgpt.parallel.stages import Stage, held_by, pp_group, rank_stages, stage_blocks, stage_indices, stage_policy
 
 __all__ = ["Pipeline", "build_pipeline", "launch_refusal", "pipeline_refusal", "prepare_pipeline", "schedule_stages",
            "stage_blocks", "training_mesh"]
+
+
+ZERO_BUBBLE = ("interleaved-zero-bubble", "zbv")
+"""PyTorch's zero-bubble schedules: each backward split into the input's gradient and the weights'."""
 
 
 def pipeline_refusal(n_blocks: int, pp: int, schedule: str, microbatches: int, batch_size: int) -> str | None:
@@ -44,8 +48,8 @@ def pipeline_refusal(n_blocks: int, pp: int, schedule: str, microbatches: int, b
         return (f"--pipeline-schedule 1f1b keeps each of its {pp} stages busy with a micro-batch of its own: use "
                 f"--pipeline-microbatches {pp} or more (a divisor of --batch-size {batch_size})")
     rounds = max(1, microbatches // pp)
-    if schedule == "interleaved-1f1b" and microbatches % rounds:
-        return (f"--pipeline-schedule interleaved-1f1b runs the micro-batches in rounds of {pp}: use a multiple of {pp} "
+    if schedule in ("interleaved-1f1b", "interleaved-zero-bubble") and microbatches % rounds:
+        return (f"--pipeline-schedule {schedule} runs the micro-batches in rounds of {pp}: use a multiple of {pp} "
                 f"for --pipeline-microbatches (it is {microbatches})")
     return None
 
@@ -76,6 +80,14 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
         if on:
             return (f"--pipeline-parallel with {flag} is not built yet (the pipeline trains with FSDP, tensor "
                     f"parallelism, any checkpointing policy and any optimizer): drop {flag}")
+    if cfg.pipeline_schedule in ZERO_BUBBLE and cfg.parallel == "fsdp":
+        return (f"--pipeline-schedule {cfg.pipeline_schedule} with --parallel fsdp gives FSDP's stages wrong weight "
+                "gradients in PyTorch 2.13 (measured: the loss leaves one process's at the second step): use "
+                "--pipeline-schedule 1f1b or interleaved-1f1b with FSDP")
+    if cfg.pipeline_schedule in V_SCHEDULES and cfg.model.tied:
+        return (f"--pipeline-schedule {cfg.pipeline_schedule} puts the first and the last stage on one process, which "
+                "would hold the tied embedding and head twice: use --model.tie-embeddings False, or another "
+                "--pipeline-schedule")
     if tp > 1:
         from fitgpt.parallel.tensor import launch_refusal as split_refusal
 
@@ -106,11 +118,12 @@ class Pipeline:
     and a forward (called as a model is, for evaluation); ``held``: this rank's parts, what is saved and stepped."""
 
     def __init__(self, stages: list[Stage], held: Stage, schedule, group: dist.ProcessGroup,
-                 tie: dist.ProcessGroup | None, wrapped: list, losses: LossTotal) -> None:
+                 tie: dist.ProcessGroup | None, wrapped: list, losses: LossTotal, last_rank: int) -> None:
         self.stages, self.held, self.schedule, self.group, self.tie = stages, held, schedule, group, tie
         self.losses = losses  # the micro-batches' losses added up as the loss function makes them
         self.wrapped = wrapped  # PyTorch's PipelineStage of each
-        self.last_rank = dist.get_global_rank(group, dist.get_world_size(group) - 1)  # the last stage's, looped
+        self.last_rank = last_rank  # the process holding the last stage (the loss)
+        self.evaluator = schedule  # what runs a forward alone (`forward_only`, where the schedule cannot)
 
     def train_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the batch (x, y: (B, T)) through every micro-batch; the batch's mean loss, on
@@ -123,7 +136,7 @@ class Pipeline:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[None, torch.Tensor]:
         """(None, the batch's mean loss), forward only, on every rank of the pipeline."""
-        self.schedule.eval(*self._inputs(x), target=y if self.held.last else None)
+        self.evaluator.eval(*self._inputs(x), target=y if self.held.last else None)
         return None, self._shared(self.losses.mean())
 
     def comm_buffers(self) -> list[torch.Tensor]:
@@ -194,10 +207,11 @@ def schedule_stages(stages: list[Stage], held: Stage, schedule: str, microbatche
                     batch: tuple[int, int], dtype: torch.dtype = torch.float32) -> Pipeline:
     """``stages`` (this rank's, ready: materialised, maybe sharded) run by ``schedule`` in ``microbatches`` of this
     rank's ``batch`` (B, T), the hidden states passed between stages in ``dtype``."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as pt
 
     group = pp_group(mesh)
-    pp, rank = dist.get_world_size(group), dist.get_rank(group)
+    pp = dist.get_world_size(group)
     n_stages = pp * len(stages)
     rows, context = batch[0] // microbatches, batch[1]
     tp = mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
@@ -205,8 +219,8 @@ def schedule_stages(stages: list[Stage], held: Stage, schedule: str, microbatche
     # sent back, its output's received.
     hidden = torch.empty(rows, context // tp, held.config.n_embed, dtype=dtype, device="meta", requires_grad=True)
     ids = torch.empty(rows, context, dtype=torch.long, device="meta")  # (b, T)
-    wrapped = [PipelineStage(s, rank + k * pp, n_stages, device, input_args=ids if s.first else hidden,
-                             output_args=hidden, group=group) for k, s in enumerate(stages)]
+    wrapped = [PipelineStage(s, s.index, n_stages, device, input_args=ids if s.first else hidden,
+                             output_args=hidden, group=group) for s in stages]
 
     last = next((s for s in stages if s.last), None)
     losses = LossTotal(microbatches)
@@ -219,12 +233,28 @@ def schedule_stages(stages: list[Stage], held: Stage, schedule: str, microbatche
         losses.add(loss)
         return loss
 
-    if len(stages) > 1:
-        runner = ScheduleInterleaved1F1B(wrapped, n_microbatches=microbatches, loss_fn=loss_fn)
-    else:
-        cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        runner = cls(wrapped[0], n_microbatches=microbatches, loss_fn=loss_fn)
-    return Pipeline(stages, held, runner, group, _tie_group(mesh) if held.config.tied else None, wrapped, losses)
+    classes = {"gpipe": pt.ScheduleGPipe, "1f1b": pt.Schedule1F1B, "interleaved-1f1b": pt.ScheduleInterleaved1F1B,
+               "interleaved-zero-bubble": pt.ScheduleInterleavedZeroBubble, "zbv": pt.ScheduleZBVZeroBubble}
+    runner = classes[schedule](wrapped if len(stages) > 1 else wrapped[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    last_rank = next(r for r in range(pp) if n_stages - 1 in stage_indices(schedule, pp, r))  # the loss's
+    tie = _tie_group(mesh) if held.config.tied else None
+    pipe = Pipeline(stages, held, runner, group, tie, wrapped, losses, dist.get_global_rank(group, last_rank))
+    if schedule in V_SCHEDULES:
+        pipe.evaluator = forward_only(classes[schedule](wrapped, n_microbatches=microbatches, loss_fn=loss_fn))
+    return pipe
+
+
+def forward_only(runner):
+    """``runner`` (a schedule PyTorch runs from a list of actions, as ZBV) keeping only its forwards, their sends and
+    receives, and FSDP's gathers: in PyTorch 2.13 such a schedule's ``eval`` still runs its backward actions, and under
+    ZBV a stage's gradient handed to the stage beside it on the same rank fails ("can't steal_bwd_input if this stage
+    doesn't have backward")."""
+    from torch.distributed.pipelining.schedules import _ComputationType as kind
+
+    kept = (kind.FORWARD, kind.SEND_F, kind.RECV_F, kind.UNSHARD, kind.RESHARD)
+    runner.pipeline_order_with_comms = {r: [a for a in acts if a.computation_type in kept]
+                                        for r, acts in runner.pipeline_order_with_comms.items()}
+    return runner
 
 
 def build_pipeline(model: nn.Module, schedule: str, microbatches: int, mesh, device: torch.device,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fitgpt.config import STAGES_PER_RANK
+from fitgpt.config import STAGES_PER_RANK, V_SCHEDULES
 
 
 def stage_blocks(n_blocks: int, n_stages: int) -> list[range]:
@@ -46,7 +46,9 @@ class Stage(nn.Module):
     @classmethod
     def of(cls, model: nn.Module, index: int, n_stages: int) -> Stage:
         """Stage ``index`` of ``n_stages``."""
-        return cls(model, list(stage_blocks(len(model.attn_blocks), n_stages)[index]), index == 0, index == n_stages - 1)
+        stage = cls(model, list(stage_blocks(len(model.attn_blocks), n_stages)[index]), index == 0, index == n_stages - 1)
+        stage.index = index
+        return stage
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) on the first stage, else the hidden states (B, T, C); returns the hidden states (B, T, C),
@@ -71,12 +73,18 @@ def held_by(stages: list[Stage], model: nn.Module) -> Stage:
     return Stage(model, blocks, any(s.first for s in stages), any(s.last for s in stages))
 
 
+def stage_indices(schedule: str, pp: int, rank: int) -> list[int]:
+    """The stages rank ``rank`` of ``pp`` holds under ``schedule``: looped, r, r + P, ...; in a V, r and 2P - 1 - r."""
+    if schedule in V_SCHEDULES:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(STAGES_PER_RANK[schedule])]
+
+
 def rank_stages(model: nn.Module, schedule: str, mesh) -> list[Stage]:
-    """This rank's stages of ``schedule`` over the "pp" ranks of ``mesh``: rank r of P holds r, r + P, ..."""
+    """This rank's stages of ``schedule`` over the "pp" ranks of ``mesh`` (`stage_indices`)."""
     group = pp_group(mesh)
     pp, rank = dist.get_world_size(group), dist.get_rank(group)
-    per_rank = STAGES_PER_RANK[schedule]
-    return [Stage.of(model, rank + k * pp, pp * per_rank) for k in range(per_rank)]
+    return [Stage.of(model, i, pp * STAGES_PER_RANK[schedule]) for i in stage_indices(schedule, pp, rank)]
 
 
 def stage_policy(policy, stage: Stage):
