@@ -59,7 +59,8 @@ def test_saved_run_config_loads_back(tmp_path):
     [({"bogus": 1}, "unknown key 'bogus'"), ({"model": {"n_embd": 3}}, "unknown key 'model.n_embd'"),
      ({"batch_size": "8"}, "batch_size must be int"), ({"model": {"n_embed": 30, "n_head": 4}}, "n_head"),
      ({"optim": {"lr": -1.0}}, "optim.lr must be positive"), ({"batch_size": -2}, "--batch-size"),
-     ({"precision": "fp8"}, "precision must be one of"), ({"activation_checkpointing": "group:x"}, "--activation-checkpointing")],
+     ({"precision": "fp8"}, "precision must be one of"), ({"activation_checkpointing": "group:x"}, "--activation-checkpointing"),
+     ({"dist_stall_timeout": 2.0}, "--dist-stall-timeout")],
 )
 def test_config_errors_name_the_key(data, match):
     with pytest.raises(UserError, match=match):

@@ -13,12 +13,14 @@ from test_distributed import train_flags
 from test_elastic import _rank_of, _workers
 
 from fitgpt.train import checkpoint as ckpt
-from fitgpt.train.distributed import STALLED_S
+
+STALLED_S = 8  # --dist-stall-timeout here, against the default's 20 s: a test that waits less
 
 
-def _launch(data_dir, corpus_dir, run, cwd):
+def _launch(data_dir, corpus_dir, run, cwd, *extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "fitgpt", *train_flags(data_dir, corpus_dir, run, 100000, "--checkpoint-interval", "2", "--dist-timeout", "300")]
+           "-m", "fitgpt", *train_flags(data_dir, corpus_dir, run, 100000, "--checkpoint-interval", "2", "--dist-timeout", "300",
+                                        *extra)]
     return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
 
@@ -71,10 +73,11 @@ def test_a_rank_killed_under_one_torchrun_is_named_by_the_survivor(data_dir, cor
 @pytest.mark.timeout(600)
 def test_a_stopped_rank_is_treated_as_a_lost_one(data_dir, corpus_dir, tmp_path):
     """SIGSTOP: no collective fails before --dist-timeout (300 s here); the rank watching it names it once its
-    heartbeat has stood still STALLED_S, and every checkpoint left verifies."""
+    heartbeat has stood still --dist-stall-timeout, and every checkpoint left verifies."""
     run = tmp_path / "run"
-    rank, took, output = _fault_after_steps(_launch(data_dir, corpus_dir, run, tmp_path), run, signal.SIGSTOP)
-    assert f"rank {rank} of 2 stopped answering" in output, output[-3000:]
+    launch = _launch(data_dir, corpus_dir, run, tmp_path, "--dist-stall-timeout", str(STALLED_S))
+    rank, took, output = _fault_after_steps(launch, run, signal.SIGSTOP)
+    assert f"rank {rank} of 2 stopped answering (no heartbeat for {STALLED_S} s, --dist-stall-timeout" in output, output[-3000:]
     assert output.count("stopped answering (no heartbeat") == 1
     assert took < STALLED_S + 60, took  # torchrun's own teardown of the stopped rank included
     for c in ckpt.list_checkpoints(run):

@@ -92,6 +92,10 @@ class TrainConfig:
     the optimizer steps on the CPU. For weights and optimizer state larger than the card."""
     dist_timeout: float = 600.0
     """Seconds a collective waits for the other processes before the run fails (a crashed rank never hangs the rest)."""
+    dist_stall_timeout: float = 20.0
+    """Under torchrun: seconds a rank's heartbeat (one a second) may stand still before the rank watching it takes it
+    for stopped or hung and the run stops, every checkpoint whole (a stopped rank fails no collective before
+    --dist-timeout). Raise it where a process may be paused longer (a scheduler's preemption)."""
     memory_budget: Optional[str] = None
     """Peak memory of a training step to plan for with --activation-checkpointing auto or --auto-config, e.g. 6GiB (per
     process under torchrun)."""
@@ -134,6 +138,8 @@ class TrainConfig:
             raise UserError("--resume continues the run in --out-dir and --overwrite removes it; drop one of them")
         if not self.dist_timeout > 0:
             raise UserError("dist_timeout must be positive (set --dist-timeout)")
+        if not self.dist_stall_timeout >= 5:
+            raise UserError("dist_stall_timeout must be 5 seconds or more, five heartbeats (set --dist-stall-timeout)")
         if self.max_bad_steps < 0:
             raise UserError("max_bad_steps must not be negative (set --max-bad-steps)")
         if self.memory_snapshot < 0:

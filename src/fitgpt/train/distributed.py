@@ -84,8 +84,6 @@ def init_distributed(device_name: str, timeout_s: float) -> DistInfo:
 # ---- a rank lost ----------------------------------------------------------------------------------
 
 HEARTBEAT_S = 1.0
-STALLED_S = 20.0
-"""A rank whose heartbeat stands still this long, and that has not finished, is taken for lost (stopped, or hung)."""
 # What gloo and NCCL say when the rank at the other end of a collective is gone, or silent past --dist-timeout.
 _LOST_PEER = ("connection reset by peer", "connection closed by peer", "connection refused", "broken pipe", "timed out",
               "timeout", "communicator was aborted", "socket closed")
@@ -96,8 +94,9 @@ class Heartbeat:
     failed marks itself as a survivor and reads the counts twice: the ranks whose counts stood still, and that are not
     survivors, are the ones lost (no two machines' clocks are compared)."""
 
-    def __init__(self, info: DistInfo, timeout_s: float = 10.0, on_stalled: Callable[[int], None] | None = None):
-        self.info = info
+    def __init__(self, info: DistInfo, timeout_s: float = 10.0, on_stalled: Callable[[int], None] | None = None,
+                 stalled_s: float = 20.0):
+        self.info, self.stalled_s = info, stalled_s  # a count standing still this long: the rank stopped, or hung
         self.prefix = f"fitgpt/liveness/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                    timeout=timedelta(seconds=timeout_s))
@@ -109,14 +108,15 @@ class Heartbeat:
         self._thread.start()
 
     @classmethod
-    def start(cls, info: DistInfo, on_stalled: Callable[[int], None] | None = None) -> Heartbeat | None:
+    def start(cls, info: DistInfo, on_stalled: Callable[[int], None] | None = None,
+              stalled_s: float = 20.0) -> Heartbeat | None:
         """Heartbeats for a torchrun launch (None for one process, or if the store cannot be reached: a lost rank is
         then named only by the collective's own error). ``on_stalled(rank)``: called (from the heartbeat's thread)
-        once the watched rank has not counted for STALLED_S and has not finished."""
+        once the watched rank has not counted for ``stalled_s`` (--dist-stall-timeout) and has not finished."""
         if not info.enabled or "MASTER_ADDR" not in os.environ:
             return None
         try:
-            return cls(info, on_stalled=on_stalled)
+            return cls(info, on_stalled=on_stalled, stalled_s=stalled_s)
         except Exception as e:  # the training does not depend on it
             log.warning("no heartbeats (the rendezvous store at %s:%s: %s)", os.environ.get("MASTER_ADDR"),
                         os.environ.get("MASTER_PORT"), e)
@@ -140,7 +140,7 @@ class Heartbeat:
         now = self.store.get(key) if self.store.check([key]) else None
         if now is None or now != seen:
             return now, time.monotonic()
-        if time.monotonic() - since > STALLED_S and not self.store.check([f"{self.prefix}done/{self.watched}"]):
+        if time.monotonic() - since > self.stalled_s and not self.store.check([f"{self.prefix}done/{self.watched}"]):
             self.on_stalled(self.watched)
         return seen, since
 
@@ -191,11 +191,12 @@ def describe_lost(info: DistInfo, heartbeat: Heartbeat | None, e: BaseException)
             "--resume auto (torchrun --max-restarts N does that by itself)")
 
 
-def describe_stalled(info: DistInfo, rank: int) -> str:
+def describe_stalled(info: DistInfo, rank: int, stalled_s: float) -> str:
     """One line: which rank stopped answering, that this one stops, and how to go on."""
-    return (f"rank {rank} of {info.world} stopped answering (no heartbeat for {STALLED_S:.0f} s: its process is stopped "
-            f"or hung), so rank {info.rank} stops too, leaving every checkpoint whole. Continue with the same command and "
-            "--resume auto once that rank's machine is sound (torchrun --max-restarts N does that by itself)")
+    return (f"rank {rank} of {info.world} stopped answering (no heartbeat for {stalled_s:.0f} s, --dist-stall-timeout: "
+            f"its process is stopped or hung), so rank {info.rank} stops too, leaving every checkpoint whole. Continue "
+            "with the same command and --resume auto once that rank's machine is sound (torchrun --max-restarts N does "
+            "that by itself)")
 
 
 def meet(info: DistInfo) -> None:

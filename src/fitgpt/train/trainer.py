@@ -67,7 +67,8 @@ def train(cfg: TrainConfig, planner: Planner | None = None, started: float | Non
     """
     started = clock() if started is None else started  # a --time-budget counts from here
     info = dist_utils.init_distributed(cfg.device, cfg.dist_timeout)
-    heartbeat = dist_utils.Heartbeat.start(info, on_stalled=lambda rank: _stop_stalled(info, rank))
+    heartbeat = dist_utils.Heartbeat.start(info, on_stalled=lambda rank: _stop_stalled(info, rank, cfg.dist_stall_timeout),
+                                           stalled_s=cfg.dist_stall_timeout)
     try:
         _check_launch(cfg, info)
         with contextlib.ExitStack() as held:
@@ -91,11 +92,11 @@ def train(cfg: TrainConfig, planner: Planner | None = None, started: float | Non
         dist_utils.shutdown(info)
 
 
-def _stop_stalled(info: dist_utils.DistInfo, rank: int) -> None:
+def _stop_stalled(info: dist_utils.DistInfo, rank: int, stalled_s: float) -> None:
     """A rank that stopped answering: no collective waiting on it will fail before --dist-timeout, and gloo's cannot
     be interrupted, so this rank says why and leaves at once (from the heartbeat's thread). Every checkpoint stays
     whole: a save cut short is a temporary directory, never listed, removed by the next save."""
-    log.error("%s", dist_utils.describe_stalled(info, rank))
+    log.error("%s", dist_utils.describe_stalled(info, rank, stalled_s))
     for handler in logging.getLogger().handlers:
         handler.flush()
     os._exit(2)
