@@ -181,6 +181,53 @@ def test_plan_predicts_each_ranks_peak_under_ddp_and_fsdp(ranks, tiny_model_conf
     assert all(fsdp[k] < ddp[k] for k in ddp)  # sharded weights, gradients and optimizer state
 
 
+# FSDP keeping each block's gathered weights from its forward to its backward (--fsdp-reshard-after-forward never,
+# torchtitan's setting under pipeline parallelism; issue 69).
+KEPT_CASES = [(None, "gpt2", [NONE, Plan.uniform(4, "block")]), (torch.bfloat16, "llama", [NONE, MIXED])]
+
+
+def _measured_kept(rank: int, world: int, cfgs: dict) -> list:
+    """Each rank's measured peak (the tracker, at the second step) for every case of KEPT_CASES."""
+    from fitgpt.device import autocast
+    from fitgpt.parallel.fsdp import precision_roles
+
+    info = du.init_distributed("cpu", timeout_s=120)  # the pool's group, already joined
+    x = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(rank))
+    rows = []
+    for dtype, arch, specs in KEPT_CASES:
+        for plan in specs:
+            torch.manual_seed(0)
+            model = Transformer(cfgs[arch])
+            apply_activation_checkpointing(model, plan.spec())
+            amp_dtype, param_dtype = precision_roles(dtype, True)
+            step_model = du.wrap(model, info, "fsdp", CPU, param_dtype, reshard_after_forward=False)
+            opt = build_optimizer(model, OPTIM, CPU)
+            measure_train_step(step_model, opt, [(x, x)], amp=autocast(CPU, amp_dtype))
+            rows.append(measure_train_step(step_model, opt, [(x, x)], amp=autocast(CPU, amp_dtype)).peak)
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp_keeping_gathered_weights_to_the_backward_is_planned_to_the_byte(ranks, tiny_model_config, exact_allocator):
+    """With each block's weights kept gathered from its forward to its backward, every rank's measured peak equals
+    the profile's prediction and the allocator replay's, to the byte; and it is not resharding's."""
+    cfgs = {arch: _memory_model(tiny_model_config, arch) for arch in ("gpt2", "llama")}
+    measuring = ranks(2).submit(_measured_kept, cfgs)
+    kept, resharded = [], []
+    for dtype, arch, specs in KEPT_CASES:
+        for flag, out in ((False, kept), (True, resharded)):
+            profile = profile_model(cfgs[arch], 4, 64, "cpu", dtype=dtype, fake=True, fsdp_ranks=2,
+                                    reshard_after_forward=flag)
+            out += [predict(profile, plan).peak for plan in specs]
+    replay = simulate_step(cfgs["gpt2"], NONE.spec(), 4, 64, 1, None, dataclasses.replace(OPTIM, grad_clip=0.0),
+                           Target("cpu"), allocator=exact_allocator(), ranks=2, reshard_after_forward=False)
+    measured = measuring.result()
+    assert measured[0] == measured[1] == kept
+    assert replay["max_allocated"] == kept[0] + 2 * 4 * 64 * 8  # the token batches besides
+    assert all(k != r for k, r in zip(kept, resharded))
+
+
 # ---- through torchrun and the real command ---------------------------------------------------------------
 
 
@@ -346,15 +393,18 @@ def test_fsdp_with_compile_gets_the_gradients_of_the_eager_run(ranks, policy):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_fsdp_cpu_offload_trains_exactly_as_fsdp(data_dir, corpus_dir, tmp_path, ranks):
+def test_fsdp_cpu_offload_and_kept_weights_train_exactly_as_fsdp(data_dir, corpus_dir, tmp_path, ranks):
     """--fsdp-offload (FSDP2's CPUOffloadPolicy: parameters, gradients and AdamW state in host memory, the
-    optimizer stepping there) changes where the state lives, not the arithmetic: the same losses as FSDP."""
+    optimizer stepping there) changes where the state lives, and --fsdp-reshard-after-forward never how long each
+    block's gathered weights are held, not the arithmetic: the same losses as FSDP."""
     runs = {}
-    for name, extra in (("plain", ()), ("offload", ("--fsdp-offload",))):
+    for name, extra in (("plain", ()), ("offload", ("--fsdp-offload",)),
+                        ("kept", ("--fsdp-reshard-after-forward", "never"))):
         out, _ = ranks(2).cli(train_flags(data_dir, corpus_dir, tmp_path / name, 3, "--parallel", "fsdp", *extra))
         runs[name] = json.loads(out.strip().splitlines()[-1])
-    assert runs["offload"]["train_loss"] == runs["plain"]["train_loss"]
-    assert runs["offload"]["val_loss"] == runs["plain"]["val_loss"]
+    for name in ("offload", "kept"):
+        assert runs[name]["train_loss"] == runs["plain"]["train_loss"], name
+        assert runs[name]["val_loss"] == runs["plain"]["val_loss"], name
 
 
 @pytest.mark.slow

@@ -60,6 +60,9 @@ def measured_stage_peak(rank: int, world: int, overrides: dict) -> int:
     # ZBV's V (issue 69): rank 0 holds the first stage and the last, the backward split; run whole, not composed
     (2, {"pipeline_schedule": "zbv", "activation_checkpointing": "none",
          "model": {**PLANNED["model"], "tie_embeddings": False}}),
+    # torchtitan's FSDP under PP (issue 69): each block's weights kept gathered from its forward to its backward
+    (4, {"pipeline_schedule": "1f1b", "parallel": "fsdp", "fsdp_reshard_after_forward": "torchtitan",
+         "activation_checkpointing": "none"}),
     # every optimizer over stages (issue 69): Muon's matrices, and each stage's whole matrices stepped on their owner
     (2, {"pipeline_schedule": "1f1b", "activation_checkpointing": "none", "optim": {"name": "muon"}}),
     (4, {"pipeline_schedule": "1f1b", "parallel": "fsdp", "activation_checkpointing": "none", "optim": {"name": "adafactor"}}),

@@ -87,6 +87,11 @@ class TrainConfig:
     pipeline_microbatches: int = 0
     """With --pipeline-parallel: the micro-batches each step's batch is cut into (0: one a stage); must divide
     --batch-size."""
+    fsdp_reshard_after_forward: Literal["always", "never", "torchtitan"] = "always"
+    """With --parallel fsdp: free each block's gathered weights after its forward and gather them again for its
+    backward (always), or keep them gathered from forward to backward (never: a block's whole weights more held each,
+    an all-gather fewer); torchtitan: torchtitan's own default, never under --pipeline-parallel (whose schedules would
+    gather them again for every micro-batch's backward), always otherwise."""
     fsdp_offload: bool = False
     """With --parallel fsdp: keep parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy);
     the optimizer steps on the CPU. For weights and optimizer state larger than the card."""
@@ -138,6 +143,8 @@ class TrainConfig:
             raise UserError("--resume continues the run in --out-dir and --overwrite removes it; drop one of them")
         if not self.dist_timeout > 0:
             raise UserError("dist_timeout must be positive (set --dist-timeout)")
+        if self.fsdp_reshard_after_forward != "always" and self.parallel != "fsdp":
+            raise UserError("--fsdp-reshard-after-forward is FSDP's: add --parallel fsdp, or drop the flag")
         if not self.dist_stall_timeout >= 5:
             raise UserError("dist_stall_timeout must be 5 seconds or more, five heartbeats (set --dist-stall-timeout)")
         if self.max_bad_steps < 0:
@@ -225,6 +232,12 @@ class TrainConfig:
     def microbatches(self) -> int:
         """The pipeline's micro-batches a step: --pipeline-microbatches, or one a stage."""
         return self.pipeline_microbatches or self.pipeline_parallel * STAGES_PER_RANK[self.pipeline_schedule]
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether FSDP frees each block's gathered weights after its forward (--fsdp-reshard-after-forward)."""
+        policy = self.fsdp_reshard_after_forward
+        return policy == "always" or (policy == "torchtitan" and self.pipeline_parallel == 1)
 
     def model_splits(self) -> int:
         """The processes one data-parallel rank's model is split over: tensor parallelism's times the pipeline's."""

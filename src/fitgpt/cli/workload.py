@@ -188,6 +188,9 @@ class BudgetConfig(WorkloadConfig):
     """As for fitgpt train, with --pipeline-parallel."""
     pipeline_microbatches: int = 0
     """As for fitgpt train, with --pipeline-parallel (0: one a stage)."""
+    fsdp_reshard_after_forward: Literal["always", "never", "torchtitan"] = "always"
+    """As for fitgpt train, with --parallel fsdp: each block's gathered weights freed after its forward (always), kept
+    to its backward (never), or torchtitan's default (never under --pipeline-parallel, else always)."""
 
     def __post_init__(self) -> None:
         require_not_empty(self, ("memory_budget", "host_memory"))
@@ -218,7 +221,8 @@ class BudgetConfig(WorkloadConfig):
     def train_config(self) -> TrainConfig:
         return dataclasses.replace(super().train_config(), tensor_parallel=self.tensor_parallel,
                                    pipeline_parallel=self.pipeline_parallel, pipeline_schedule=self.pipeline_schedule,
-                                   pipeline_microbatches=self.pipeline_microbatches)
+                                   pipeline_microbatches=self.pipeline_microbatches,
+                                   fsdp_reshard_after_forward=self.fsdp_reshard_after_forward)
 
     def _check_weights(self) -> None:
         """Refused before anything is profiled or timed: the weights alone over the budget (a model 100,000 blocks

@@ -191,3 +191,48 @@ class _Deepened:
                     out.append(("outside", token))
             self._canon[label] = tuple(out)
         return self._canon[label]
+
+
+# ---- a step's events, replayed ----------------------------------------------------------------------------------
+
+
+def feed(alloc, events: list[Event]) -> None:
+    for key, nbytes in events:
+        if nbytes is None:
+            alloc.free(key)
+        else:
+            alloc.malloc(key, nbytes)
+
+
+class Recorder:
+    """Passes a step's allocations and frees on to the allocator model, in order, and keeps them."""
+
+    def __init__(self, alloc) -> None:
+        self.alloc, self.events = alloc, []
+
+    def malloc(self, key, nbytes: int) -> None:
+        self.events.append((key, nbytes))
+        self.alloc.malloc(key, nbytes)
+
+    def free(self, key) -> None:
+        self.events.append((key, None))
+        self.alloc.free(key)
+
+
+def repeated(events: list[Event], state: set) -> list[Event] | None:
+    """The next step's allocations and frees: ``events`` (a first step's) less the optimizer state they created
+    (``state``: its keys), where nothing else the step made outlives it and it freed nothing made before it; None
+    otherwise.
+
+    The second step then runs the same ops on tensors of the same sizes, in the same order: it is the first without
+    the state's creation (tested equal, allocation by allocation). Skipping its fake ops halves the replay's time."""
+    live: dict = {}  # key -> the index of its allocation (a freed storage's id may be taken again)
+    for i, (key, nbytes) in enumerate(events):
+        if nbytes is not None:
+            live[key] = i
+        elif live.pop(key, None) is None:
+            return None  # freed what an earlier step made (DDP rebuilding its buckets, say)
+    if not live.keys() <= state:
+        return None  # gradients kept between steps, say: the next step does not allocate them again
+    kept = set(live.values())
+    return [(("again", key), nbytes) for i, (key, nbytes) in enumerate(events) if i not in kept]

@@ -68,7 +68,8 @@ class StageRank:
 
 COMPOSED = ("gpipe", "1f1b", "interleaved-1f1b")
 """The schedules whose large steps are put together from a small one (`fitgpt.estimate.pipeline_compose` knows their
-orders of actions); the zero-bubble schedules' steps are run whole."""
+orders of actions, and FSDP's weights gathered and freed by them); the zero-bubble schedules' steps are run whole, and
+so is any step whose FSDP keeps its weights gathered after the forward."""
 
 TRACE_POINTS = 600
 
@@ -108,7 +109,7 @@ def plan_pipeline(cfg: TrainConfig, world: int, dtype: torch.dtype | None = None
 
     ranks = list(range(cfg.pipeline_parallel)) if ranks is None else ranks
     on = (cfg, world, dtype, torch.device(device), target or Target(torch.device(device).type))
-    if whole or cfg.pipeline_schedule not in COMPOSED:
+    if whole or cfg.pipeline_schedule not in COMPOSED or not cfg.reshards_after_forward:
         done = _forked(_plan_rank, lambda done: [(r, (*on, r, None)) for r in ranks])
         return [done[r][1] for r in ranks]
     # A small step recorded for each rank, or for several ranks alike (`stand_ins`), each recorder planned beside its

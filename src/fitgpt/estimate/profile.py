@@ -32,7 +32,8 @@ from fitgpt.estimate.optimizer import create_state, grads_at_once, host_step_tim
 from fitgpt.estimate.options import BlockOption, HeadOption
 from fitgpt.estimate.ranks import fake_meshes
 from fitgpt.estimate.source import ModelSource, as_source
-from fitgpt.memory.fake import FakeTensorMode, fake_mode, fake_module
+from fitgpt.estimate.subject import BLOCK_OPTIONS, Subject, fake_model, sharded
+from fitgpt.memory.fake import fake_mode
 from fitgpt.memory.flops import OpCost
 from fitgpt.memory.timeline import (
     StepTimeline,
@@ -43,13 +44,12 @@ from fitgpt.memory.timeline import (
 )
 from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
-from fitgpt.parallel.fsdp import fsdp_shard, precision_roles
+from fitgpt.parallel.fsdp import precision_roles
 from fitgpt.parallel.tensor import step_context
 from fitgpt.utils import Forked
 
 log = logging.getLogger(__name__)
 
-BLOCK_OPTIONS = ("none", "pointwise", "selective", "block")
 EXTRA_OPTIONS = ("torchtitan",)
 """Profiled when asked for (a policy that names one): torchtitan's rule, for comparing like with like."""
 
@@ -165,7 +165,7 @@ def profile_model(model: ModelConfig | ModelSource, batch_size: int, context: in
                   optim_cfg=None, grad_accum: int = 1, dtype: torch.dtype | None = None, seed: int = 0,
                   persistent_grads: bool = False, fake: bool = False, target: Target | None = None,
                   cost: OpCost | None = None, fsdp_ranks: int = 1, extra_options: tuple[str, ...] = (),
-                  tp_ranks: int = 1) -> StepProfile:
+                  tp_ranks: int = 1, reshard_after_forward: bool = True) -> StepProfile:
     """Profile one training step per option (four, and one per extra option) of ``model`` on ``device``: fitgpt's own of a config,
     or any model a `fitgpt.estimate.source` builds (a Hugging Face config's, a module's).
 
@@ -182,16 +182,17 @@ def profile_model(model: ModelConfig | ModelSource, batch_size: int, context: in
     trainer splits (``fitgpt.parallel.tensor``) on a fake process group; with ``fsdp_ranks`` too, one rank of the
     trainer's 2-D mesh (fsdp_ranks x tp_ranks), each split sharded by FSDP over the data-parallel ranks. Rank 0's
     step, or where a whole-matrix optimizer steps in the backward, every rank's that owns a matrix, as one profile
-    whose every plan peaks where the heaviest rank does (``fitgpt.estimate.heaviest``).
+    whose every plan peaks where the heaviest rank does (``fitgpt.estimate.heaviest``). ``reshard_after_forward``
+    False: FSDP keeps each block's gathered weights from its forward to its backward (--fsdp-reshard-after-forward).
     """
     source = as_source(model)
     return heaviest(on_each_rank(source, optim_cfg or OptimConfig(), fsdp_ranks * tp_ranks, tp_ranks, lambda dp, tp: _profile_model(
         source, batch_size, context, device, optim_cfg, grad_accum, dtype, seed, persistent_grads, fake, target, cost, dp,
-        extra_options, tp)))
+        extra_options, tp, reshard_after_forward)))
 
 
 def _profile_model(source, batch_size, context, device, optim_cfg, grad_accum, dtype, seed, persistent_grads, fake,
-                   target, cost, mesh, extra_options, tp_mesh=None) -> StepProfile:
+                   target, cost, mesh, extra_options, tp_mesh=None, reshard: bool = True) -> StepProfile:
     t0 = time.perf_counter()
     device = torch.device(device)
     target = target or Target(device.type)
@@ -200,12 +201,12 @@ def _profile_model(source, batch_size, context, device, optim_cfg, grad_accum, d
     context = context or source.context_length
     if context > source.context_length:
         source = source.at(context=context)
-    run = _Subject(source, batch_size, context, device, optim_cfg or OptimConfig(), grad_accum, dtype, persistent_grads, target,
-               cost=cost, mesh=mesh, tp_mesh=tp_mesh,
+    run = Subject(source, batch_size, context, device, optim_cfg or OptimConfig(), grad_accum, dtype, persistent_grads, target,
+               cost=cost, mesh=mesh, tp_mesh=tp_mesh, reshard=reshard,
                options=BLOCK_OPTIONS + tuple(o for o in EXTRA_OPTIONS if o in extra_options))
     torch.manual_seed(seed)
     if not fake:
-        return _profile(_sharded(source.build().to(device), run), run, seed, t0)
+        return _profile(sharded(source.build().to(device), run), run, seed, t0)
     if source.n_blocks >= DEEP and source.resizable:
         return _deepen(run, t0)
     return _fake_profile(run, t0)
@@ -216,32 +217,13 @@ SHALLOW, DEEP = 3, 8
 blocks are alike); below that, profiling every block is as quick."""
 
 
-def fake_model(source: ModelSource, device: torch.device) -> tuple[torch.nn.Module, FakeTensorMode]:
-    """The model built on the meta device (nothing allocated) with fake parameters on ``device``, and the
-    mode every step on it runs under."""
-    mode = fake_mode()
-    with torch.device("meta"):
-        return fake_module(source.build(), device, mode), mode
-
-
-def _sharded(model: torch.nn.Module, run: _Subject) -> torch.nn.Module:
-    """The model as one rank of ``run``'s FSDP, or of its tensor parallelism, holds it (unchanged without either)."""
-    if run.tp_mesh is not None:
-        from fitgpt.parallel.tensor import apply_tensor_parallel
-
-        apply_tensor_parallel(model, run.tp_mesh)
-    if run.mesh is not None:
-        fsdp_shard(model, precision_roles(run.dtype, True)[1], mesh=run.mesh)  # as the trainer: pure half precision
-    return model
-
-
-def _fake_profile(run: _Subject, t0: float) -> StepProfile:
+def _fake_profile(run: Subject, t0: float) -> StepProfile:
     model, mode = fake_model(run.source, run.device)
     with mode:
-        return _profile(_sharded(model, run), run, None, t0)
+        return _profile(sharded(model, run), run, None, t0)
 
 
-def _deepen(run: _Subject, t0: float) -> StepProfile:
+def _deepen(run: Subject, t0: float) -> StepProfile:
     """The profile of ``run``'s depth from a fake profile at SHALLOW + 1 blocks (SHALLOW + 3 under FSDP), its
     middle blocks repeated (``StepProfile.with_blocks``), with the fixed costs (weights, gradients, optimizer
     state and step) measured on the full-depth model. Tested equal, byte for byte and FLOP for FLOP, to
@@ -264,60 +246,26 @@ def _deepen(run: _Subject, t0: float) -> StepProfile:
 
 def fixed_costs(model: ModelConfig | ModelSource, device: str | torch.device = "cpu", optim_cfg=None, grad_accum: int = 1,
                 dtype: torch.dtype | None = None, persistent_grads: bool = False, target: Target | None = None,
-                fsdp_ranks: int = 1, tp_ranks: int = 1) -> dict[str, int | float]:
+                fsdp_ranks: int = 1, tp_ranks: int = 1, reshard_after_forward: bool = True) -> dict[str, int | float]:
     """What no plan, micro-batch or context changes, without profiling a step: the parameters, gradients and optimizer
     state (``params``, ``grads``, ``optimizer``, as `StepProfile` counts them) and the optimizer step, on fake tensors,
     per rank as ``profile_model`` takes the ranks. A check against a budget in a fraction of a profile's time."""
     source, device = as_source(model), torch.device(device)
     target = target or Target(device.type)
     with fake_meshes(fsdp_ranks * tp_ranks, tp_ranks) as (dp_mesh, tp_mesh):
-        run = _Subject(source, 1, source.context_length, device, optim_cfg or OptimConfig(), grad_accum, dtype,
-                       persistent_grads, target, mesh=dp_mesh, tp_mesh=tp_mesh)
+        run = Subject(source, 1, source.context_length, device, optim_cfg or OptimConfig(), grad_accum, dtype,
+                       persistent_grads, target, mesh=dp_mesh, tp_mesh=tp_mesh, reshard=reshard_after_forward)
         return _fixed_costs(run)
 
 
-def _fixed_costs(run: _Subject) -> dict[str, int | float]:
+def _fixed_costs(run: Subject) -> dict[str, int | float]:
     """The full model's parameters, gradients, optimizer state and optimizer step, on fake tensors (sharded as run)."""
     model, mode = fake_model(run.source, run.device)
     with mode:
-        return optimizer_costs(_sharded(model, run), run.optim, run.target, run.grad_accum, run.persistent_grads, run.cost)
+        return optimizer_costs(sharded(model, run), run.optim, run.target, run.grad_accum, run.persistent_grads, run.cost)
 
 
-@dataclass(frozen=True)
-class _Subject:
-    """What one profile is of."""
-
-    source: ModelSource
-    batch_size: int
-    context: int
-    device: torch.device
-    optim: OptimConfig
-    grad_accum: int
-    dtype: torch.dtype | None
-    persistent_grads: bool
-    target: Target
-    optimizer_step: bool = True
-    """False for the shallow profiles of a deep model, whose optimizer costs are taken at full depth."""
-    cost: OpCost | None = None
-    """Each op's seconds, for the segments' times."""
-    mesh: object = None
-    """The fake ranks' DeviceMesh when the step is one rank's under FSDP (None: one process, or DDP)."""
-    options: tuple[str, ...] = BLOCK_OPTIONS
-    """The block options profiled, one step each."""
-    tp_mesh: object = None
-    """The fake ranks' DeviceMesh when the step is one rank's under tensor parallelism (None: not split)."""
-
-    @property
-    def simulated(self) -> bool:
-        """A CUDA target profiled on CPU: the attention backend's saved tensors are modelled."""
-        return self.target.cuda and self.device.type != "cuda"
-
-    @property
-    def backend(self) -> str:
-        return self.target.attention_backend(self.dtype, self.source.head_dim)
-
-
-def _profile(model: torch.nn.Module, run: _Subject, seed: int | None, t0: float) -> StepProfile:
+def _profile(model: torch.nn.Module, run: Subject, seed: int | None, t0: float) -> StepProfile:
     device, round_to = run.device, run.target.round_to
     batch_size, context, grad_accum = run.batch_size, run.context, run.grad_accum
     model.train()

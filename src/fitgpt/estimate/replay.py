@@ -27,12 +27,12 @@ from fitgpt.activation_checkpoint.policy import parse_policy
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
 from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
-from fitgpt.estimate.deepen import Event, NotAlike, Recording, deepen
+from fitgpt.estimate.deepen import Event, NotAlike, Recorder, Recording, deepen, feed, repeated
 from fitgpt.estimate.hardware import Target
 from fitgpt.estimate.heaviest import on_each_rank
-from fitgpt.estimate.profile import fake_model
 from fitgpt.estimate.ranks import fake_meshes
 from fitgpt.estimate.source import ModelSource, as_source
+from fitgpt.estimate.subject import fake_model
 from fitgpt.memory.allocator import CachingAllocatorModel, allocator_model
 from fitgpt.memory.snapshot import ExactAllocator, SnapshotTrace, Where
 from fitgpt.memory.timeline import block_marks, model_tensors, optimizer_state_tensors
@@ -57,7 +57,8 @@ blocks under FSDP and its first and last backward (seen on the recordings; `deep
 
 def simulate_step(model: ModelConfig | ModelSource, policy: str, batch: int, context: int, grad_accum: int, dtype: torch.dtype | None,
                   optim: OptimConfig, target: Target, allocator=None, ranks: int = 1, parallel: str = "fsdp",
-                  repeat: bool = True, deep: bool | None = None, tp: int = 1) -> dict[str, int]:
+                  repeat: bool = True, deep: bool | None = None, tp: int = 1,
+                  reshard_after_forward: bool = True) -> dict[str, int]:
     """Peak allocated and reserved bytes of a steady-state step of ``policy`` on ``target``: one process, or one rank
     of ``ranks`` under ``parallel`` (fsdp or ddp), wrapped as the trainer wraps it (``fitgpt.parallel``), on fake ranks;
     ``tp`` above 1: each group of ``tp`` ranks splits the model (``fitgpt.parallel.tensor``), FSDP over the groups.
@@ -67,13 +68,15 @@ def simulate_step(model: ModelConfig | ModelSource, policy: str, batch: int, con
     (later ones repeat the second; DDP all-reduces the last one only). ``allocator``: the model replayed through (default:
     CUDA's, fresh for each rank `fitgpt.estimate.heaviest` sets apart; the heaviest's peaks are returned). ``repeat``:
     the second step is the first's allocations replayed again, less the optimizer state, where that is what it would
-    do (``_again``); False: run on fake tensors as the first. ``deep``: with ``repeat``, record a
+    do (`fitgpt.estimate.deepen.repeated`); False: run on fake tensors as the first. ``deep``: with ``repeat``, record a
     shallow step and deepen it (None: where the model is deep enough to gain; False: never), else step the full depth.
+    ``reshard_after_forward``: as `fitgpt.parallel.fsdp.fsdp_shard` takes it.
     """
     source = as_source(model)
     if context > source.context_length:
         source = source.at(context=context)
-    run = _Run(source, policy, batch, context, min(grad_accum, 2), dtype, optim, target, _data_parallel(parallel, ranks, tp))
+    run = _Run(source, policy, batch, context, min(grad_accum, 2), dtype, optim, target, _data_parallel(parallel, ranks, tp),
+               reshard=reshard_after_forward)
     def peaks_of(dp, tp_mesh) -> dict[str, int]:  # one rank's
         alloc = allocator if allocator is not None else allocator_model(target.expandable_segments)
         return _simulated(dataclasses.replace(run, mesh=dp, tp_mesh=tp_mesh), alloc, repeat, deep)
@@ -94,7 +97,7 @@ def _simulated(run: _Run, alloc, repeat: bool, deep: bool | None) -> dict[str, i
 
 def predicted_snapshot(model: ModelConfig | ModelSource, policy: str, batch: int, context: int, grad_accum: int,
                        dtype: torch.dtype | None, optim: OptimConfig, target: Target, ranks: int = 1,
-                       parallel: str = "fsdp", tp: int = 1) -> dict:
+                       parallel: str = "fsdp", tp: int = 1, reshard_after_forward: bool = True) -> dict:
     """The plan's step as PyTorch's memory snapshot (`fitgpt.memory.snapshot`), as ``simulate_step`` replays it but at
     full depth and named: the weights, what is made before the step (DDP's buckets, the cuBLAS workspaces, the
     optimizer), a first step (which creates the optimizer state), then a second, each block's frames naming the step,
@@ -103,7 +106,8 @@ def predicted_snapshot(model: ModelConfig | ModelSource, policy: str, batch: int
     source = as_source(model)
     if context > source.context_length:
         source = source.at(context=context)
-    run = _Run(source, policy, batch, context, min(grad_accum, 2), dtype, optim, target, _data_parallel(parallel, ranks, tp))
+    run = _Run(source, policy, batch, context, min(grad_accum, 2), dtype, optim, target, _data_parallel(parallel, ranks, tp),
+               reshard=reshard_after_forward)
     where = Where()
     trace = SnapshotTrace(allocator_model(target.expandable_segments) if target.cuda else ExactAllocator(), where.frames)
 
@@ -114,7 +118,7 @@ def predicted_snapshot(model: ModelConfig | ModelSource, policy: str, batch: int
     with _ranks(run, ranks, tp):
         model_, mode = run.build(run.source, run.policy)
         where.mark("weights")
-        _feed(trace, [(("w", i), nbytes) for i, nbytes in enumerate(_weights(model_))])
+        feed(trace, [(("w", i), nbytes) for i, nbytes in enumerate(_weights(model_))])
         where.mark("made before the step: DDP's buckets, cuBLAS workspaces, the optimizer")
         with run.stepping(model_, mode, trace, marked_update) as (step, _, live):
             blocks = find_blocks(model_)[1]
@@ -146,6 +150,8 @@ class _Run:
     """The data-parallel ranks' mesh."""
     tp_mesh: object = None
     """A tensor-parallel group's mesh (None: the model is not split)."""
+    reshard: bool = True
+    """Under FSDP, each block's gathered weights freed after its forward."""
 
     def build(self, source: ModelSource, policy: str | None) -> tuple[torch.nn.Module, object]:
         """``source``'s fake model, its checkpointing applied (``policy``; None: none) and sharded as the trainer
@@ -158,7 +164,7 @@ class _Run:
             apply_activation_checkpointing(model, policy)
         if self.parallel == "fsdp":
             with mode:
-                fsdp_shard(model, precision_roles(self.dtype, True)[1], mesh=self.mesh)
+                fsdp_shard(model, precision_roles(self.dtype, True)[1], mesh=self.mesh, reshard_after_forward=self.reshard)
         return model, mode
 
     @contextlib.contextmanager
@@ -215,19 +221,19 @@ def _state_keys(optimizer) -> set[int]:
 
 def _replay(run: _Run, alloc, repeat: bool) -> dict[str, int]:
     model, mode = run.build(run.source, run.policy)
-    _feed(alloc, [(("w", i), nbytes) for i, nbytes in enumerate(_weights(model))])
-    first = _Recorder(alloc)
+    feed(alloc, [(("w", i), nbytes) for i, nbytes in enumerate(_weights(model))])
+    first = Recorder(alloc)
     with run.stepping(model, mode, alloc) as (step, optimizer, live):
         live.allocator = first
         step()  # as every step: DDP then keeps its gradients
         live.allocator = alloc
         alloc.reset_peaks()
         cleared = all(p.grad is None for p in model.parameters())  # else the next step adds into them: not a repeat
-        again = _again(first.events, _state_keys(optimizer)) if repeat and cleared else None
+        again = repeated(first.events, _state_keys(optimizer)) if repeat and cleared else None
         if again is None:
             step()
         else:
-            _feed(alloc, again)
+            feed(alloc, again)
     return {"max_allocated": alloc.peak_allocated, "max_reserved": alloc.peak_reserved}
 
 
@@ -283,14 +289,14 @@ def _deep_replay(run: _Run, shallow: tuple[str, list[int], list[int]], alloc) ->
     if [n for _, n in out] != [n for _, n in update_out]:
         raise NotAlike("the shallow and full-depth updates return different tensors")
     events = deepen(rec, copies, update, [(t, k) for (t, _), (k, _) in zip(out, update_out)])
-    again = _again(events, state)
+    again = repeated(events, state)
     if again is None:
         raise NotAlike("the deepened step leaves more than the optimizer state alive")
-    _feed(alloc, [(("w", i), nbytes) for i, nbytes in enumerate(weights)])
+    feed(alloc, [(("w", i), nbytes) for i, nbytes in enumerate(weights)])
     _workspaces(alloc, run.target)
-    _feed(alloc, made + events)  # the optimizer as it is built, then the first step
+    feed(alloc, made + events)  # the optimizer as it is built, then the first step
     alloc.reset_peaks()
-    _feed(alloc, again)
+    feed(alloc, again)
     return {"max_allocated": alloc.peak_allocated, "max_reserved": alloc.peak_reserved}
 
 
@@ -355,45 +361,3 @@ def _record_full_depth(run: _Run) -> tuple[list[int], list[Event], list[Event], 
         live.allocator = None
         del returned  # the step lets it go after the update: not recorded here
     return _weights(model), made, update, {("u", rec.live[k]) for k in state if k in rec.live}, out
-
-
-def _feed(alloc, events: list[Event]) -> None:
-    for key, nbytes in events:
-        if nbytes is None:
-            alloc.free(key)
-        else:
-            alloc.malloc(key, nbytes)
-
-
-class _Recorder:
-    """Passes a step's allocations and frees on to the allocator model, in order, and keeps them."""
-
-    def __init__(self, alloc) -> None:
-        self.alloc, self.events = alloc, []
-
-    def malloc(self, key, nbytes: int) -> None:
-        self.events.append((key, nbytes))
-        self.alloc.malloc(key, nbytes)
-
-    def free(self, key) -> None:
-        self.events.append((key, None))
-        self.alloc.free(key)
-
-
-def _again(events: list[Event], state: set) -> list[Event] | None:
-    """The next step's allocations and frees: ``events`` (a first step's) less the optimizer state they created
-    (``state``: its keys), where nothing else the step made outlives it and it freed nothing made before it; None
-    otherwise.
-
-    The second step then runs the same ops on tensors of the same sizes, in the same order: it is the first without
-    the state's creation (tested equal, allocation by allocation). Skipping its fake ops halves the replay's time."""
-    live: dict = {}  # key -> the index of its allocation (a freed storage's id may be taken again)
-    for i, (key, nbytes) in enumerate(events):
-        if nbytes is not None:
-            live[key] = i
-        elif live.pop(key, None) is None:
-            return None  # freed what an earlier step made (DDP rebuilding its buckets, say)
-    if not live.keys() <= state:
-        return None  # gradients kept between steps, say: the next step does not allocate them again
-    kept = set(live.values())
-    return [(("again", key), nbytes) for i, (key, nbytes) in enumerate(events) if i not in kept]

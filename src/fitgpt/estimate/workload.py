@@ -83,7 +83,8 @@ class Workload:
         """What one rank's step is, as ``profile_model`` and ``fixed_costs`` take it."""
         t = self.train
         return {"optim_cfg": t.optim, "grad_accum": t.grad_accum, "dtype": self.dtype, "persistent_grads": self.persistent_grads,
-                "target": self.target, "fsdp_ranks": self.fsdp_ranks, "tp_ranks": t.tensor_parallel}
+                "target": self.target, "fsdp_ranks": self.fsdp_ranks, "tp_ranks": t.tensor_parallel,
+                "reshard_after_forward": t.reshards_after_forward}
 
     def replay(self, policy: str) -> dict[str, int] | None:
         """For a CUDA target planned here (one process, or one rank under DDP or FSDP): the plan's step replayed
@@ -93,14 +94,16 @@ class Workload:
             return None  # offload copies nothing on the CPU the replay runs on
         t = self.train
         args = (self.model, policy, t.batch_size, self.context, t.grad_accum, self.dtype, t.optim, self.target)
-        return _on_fake_ranks(simulate_step, *args, ranks=self.world_size, parallel=t.parallel, tp=t.tensor_parallel)
+        return _on_fake_ranks(simulate_step, *args, ranks=self.world_size, parallel=t.parallel, tp=t.tensor_parallel,
+                              reshard_after_forward=t.reshards_after_forward)
 
     def snapshot(self, policy: str) -> dict:
         """The step of ``policy`` as PyTorch's memory snapshot, predicted on fake tensors (`predicted_snapshot`): per rank
         under DDP or FSDP, through CUDA's caching allocator (modelled) for a CUDA target."""
         t = self.train
         args = (self.model, policy, t.batch_size, self.context, t.grad_accum, self.dtype, t.optim, self.target)
-        return _on_fake_ranks(predicted_snapshot, *args, ranks=self.world_size, parallel=t.parallel, tp=t.tensor_parallel)
+        return _on_fake_ranks(predicted_snapshot, *args, ranks=self.world_size, parallel=t.parallel, tp=t.tensor_parallel,
+                              reshard_after_forward=t.reshards_after_forward)
 
     def stages(self, policy: str) -> list:
         """Under --pipeline-parallel: each pipeline rank's plan of ``policy`` (`fitgpt.estimate.pipeline.StageRank`),

@@ -23,8 +23,11 @@ def precision_roles(dtype: torch.dtype | None, fsdp: bool) -> tuple[torch.dtype 
 
 
 def fsdp_shard(model: nn.Module, param_dtype: torch.dtype | None, offload: bool = False, pin_memory: bool = False,
-               mesh=None) -> nn.Module:
-    """``fully_shard`` each block, then the root, in place (``mesh``: the ranks; default, the process group's)."""
+               mesh=None, reshard_after_forward: bool = True) -> nn.Module:
+    """``fully_shard`` each block, then the root, in place (``mesh``: the ranks; default, the process group's).
+    ``reshard_after_forward`` False: each block's gathered weights kept from its forward to its backward (one
+    all-gather a step fewer, a block's whole weights more held each), as torchtitan runs under pipeline parallelism;
+    the root's (the embedding, the final norm and the head) are kept either way, as FSDP2 keeps a root's."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype is not None else MixedPrecisionPolicy()
@@ -33,7 +36,8 @@ def fsdp_shard(model: nn.Module, param_dtype: torch.dtype | None, offload: bool 
     for block in blocks:
         # Shard the block itself, not its checkpoint wrapper: a group's first wrapper runs the
         # other blocks of its group directly, and their own hooks must gather their weights.
-        fully_shard(block.inner if isinstance(block, ActivationCheckpointWrapper) else block, **kw)
+        fully_shard(block.inner if isinstance(block, ActivationCheckpointWrapper) else block, **kw,
+                    reshard_after_forward=reshard_after_forward)
     fully_shard(model, **kw)
     return model
 

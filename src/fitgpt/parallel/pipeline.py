@@ -296,7 +296,7 @@ def prepare_pipeline(model: nn.Module, policy, cfg: TrainConfig, mesh, device: t
         apply_activation_checkpointing(stage, stage_policy(policy, stage))
     sharded = "dp" in names
     for stage in stages if sharded else ():
-        fsdp_shard(stage, param_dtype, mesh=mesh["dp"])
+        fsdp_shard(stage, param_dtype, mesh=mesh["dp"], reshard_after_forward=cfg.reshards_after_forward)
     # The hidden states in the dtype the blocks compute in: FSDP's gathered weights', else the weights' own (autocast
     # keeps the residual stream in fp32 weights' fp32; pure bf16 weights make it bf16).
     weights = torch.bfloat16 if cfg.model.weights_dtype == "bf16" else torch.float32

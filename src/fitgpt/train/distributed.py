@@ -313,14 +313,15 @@ def gather_objects(info: DistInfo, obj) -> list:
 
 
 def wrap(model: nn.Module, info: DistInfo, parallel: str, device: torch.device, param_dtype: torch.dtype | None,
-         offload: bool = False) -> nn.Module:
+         offload: bool = False, reshard_after_forward: bool = True) -> nn.Module:
     """DDP around the (checkpointed, maybe compiled) model, or FSDP2 per block and then the root (``offload``: FSDP2's
-    CPUOffloadPolicy, parameters, gradients and optimizer state in pinned host memory)."""
+    CPUOffloadPolicy, parameters, gradients and optimizer state in pinned host memory; ``reshard_after_forward``: as
+    `fsdp_shard` takes it)."""
     if not info.enabled:
         return model
     if parallel == "ddp":
         return ddp_wrap(model, [device.index] if device.type == "cuda" else None)
-    return fsdp_shard(model, param_dtype, offload, pin_memory=device.type == "cuda")
+    return fsdp_shard(model, param_dtype, offload, pin_memory=device.type == "cuda", reshard_after_forward=reshard_after_forward)
 
 
 @torch.no_grad()

@@ -174,8 +174,9 @@ def prepare_model(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist
     step_model = torch.compile(model) if cfg.compile and not per_block else model
     _, param_dtype = precision_roles(dtype, cfg.parallel == "fsdp")
     if mesh is not None:  # FSDP over the data-parallel groups, or (one group) no data-parallel wrapper
-        return fsdp_shard(step_model, param_dtype, mesh=mesh["dp"]) if sharded else step_model
-    return dist_utils.wrap(step_model, info, cfg.parallel, device, param_dtype, cfg.fsdp_offload)
+        return (fsdp_shard(step_model, param_dtype, mesh=mesh["dp"], reshard_after_forward=cfg.reshards_after_forward)
+                if sharded else step_model)
+    return dist_utils.wrap(step_model, info, cfg.parallel, device, param_dtype, cfg.fsdp_offload, cfg.reshards_after_forward)
 
 
 def _pipelined(model: nn.Module, policy: Policy, cfg: TrainConfig, info: dist_utils.DistInfo, device: torch.device,
