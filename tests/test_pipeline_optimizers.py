@@ -19,17 +19,6 @@ SETTINGS = {"muon": {"optim": {"name": "muon"}}, "adafactor": {"optim": {"name":
 RTOL = {"bf16-adamw": 2e-4}
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    """Gloo ranks of this module's own, closed after it (as test_pipeline.py's: the pipeline's groups never meet the
-    session's ranks)."""
-    from rank_pool import RankPools
-
-    pools = RankPools()
-    yield pools
-    pools.close()
-
-
 def _config(name: str, layout: dict | None = None):
     from fitgpt.config import load_config
 
@@ -95,11 +84,11 @@ def pipelined(rank: int, world: int, names: list[str], layout: dict) -> dict:
     ({"pipeline_parallel": 2, "parallel": "fsdp", "batch_size": 4}, ["muon", "adafactor", "adamw8bit", "bf16-adamw"]),
     ({"pipeline_parallel": 2, "tensor_parallel": 2}, ["muon"]),
 ])
-def test_every_optimizer_over_stages_trains_as_one_process(layout, names, ranks):
+def test_every_optimizer_over_stages_trains_as_one_process(layout, names, module_ranks):
     """Each loss of 8 steps within 1e-5 of one process's (2e-4 over bf16 weights): Muon's matrices stepped whole by
     their owners, 8-bit AdamW's blocks quantized whole, bf16 weights rounded by each parameter's place in the whole
     model, as one process does."""
-    got = ranks(4).run(pipelined, names, layout)
+    got = module_ranks(4).run(pipelined, names, layout)
     for name in names:
         expected = one_process(name)
         for rank in got:
