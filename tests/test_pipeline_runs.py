@@ -22,20 +22,20 @@ def ranks():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("schedule, policy", [("gpipe", "block"), ("1f1b", "selective"),
+@pytest.mark.parametrize("schedule, policy", [("gpipe", "block --compile"), ("1f1b", "selective"),
                                               ("interleaved-1f1b", "chunked-loss:32"), ("zbv", "none")])
 def test_a_pipeline_trains_as_one_process_checkpoints_and_resumes(schedule, policy, data_dir, corpus_dir, tmp_path,
                                                                   capsys, ranks):
     """Llama-tiny (4 blocks) over 2 ranks, 2 micro-batches of the batch of 4 (4 stages interleaved or in ZBV's V, 4
     micro-batches; ZBV evaluates by its forwards alone), each stage's blocks checkpointed by ``policy`` (the last
-    stage's loss in chunks, where it says so): every logged
+    stage's loss in chunks, where it says so; GPipe's blocks compiled besides, each inside its wrapper): every logged
     loss within fp32 rounding of one process's (which checkpoints nothing); resumed at step 3, the straight run's last
     losses; the checkpoint trains on in one process and `generate` samples from it."""
     from fitgpt.cli import main
 
     assert main(_flags(data_dir, corpus_dir, tmp_path / "one")) == 0
     run = tmp_path / "pp"
-    flags = ["--pipeline-parallel", "2", "--pipeline-schedule", schedule, "--activation-checkpointing", policy]
+    flags = ["--pipeline-parallel", "2", "--pipeline-schedule", schedule, "--activation-checkpointing", *policy.split()]
     ranks(2).cli(_flags(data_dir, corpus_dir, run, *flags))
     (one, one_val), (pp, pp_val) = _losses(tmp_path / "one"), _losses(run)
     assert len(pp) == 6 and len(pp_val) == 2
@@ -94,6 +94,7 @@ def test_what_a_pipeline_cannot_take_is_refused_in_one_line(extra, needle, data_
     (["--pipeline-parallel", "2", "--pipeline-microbatches", "3"], 2, "does not divide --batch-size 4"),
     (["--pipeline-parallel", "2", "--optim.offload"], 2, "drop --optim.offload"),
     (["--pipeline-parallel", "2", "--pipeline-schedule", "zbv", "--parallel", "fsdp"], 4, "use --pipeline-schedule 1f1b"),
+    (["--pipeline-parallel", "2", "--pipeline-schedule", "interleaved-zero-bubble", "--compile"], 2, "drop --compile"),
     (["--pipeline-parallel", "2", "--pipeline-schedule", "zbv", "--model.tie-embeddings", "True"], 2,
      "use --model.tie-embeddings False"),
     (["--pipeline-parallel", "2", "--pipeline-microbatches", "1"], 2, "--pipeline-microbatches 2 or more"),

@@ -206,8 +206,9 @@ def _built(cfg: TrainConfig, mesh, world: int, dtype: torch.dtype | None, device
     mode = fake_mode()
     with torch.device("meta"):
         model = fake_module(Transformer(cfg.model), device, mode)
-    pipe = prepare_pipeline(model, parse_policy(cfg.activation_checkpointing), cfg, mesh, device, param_dtype,
-                            StateLayout(cfg.optim))
+    # Planned in eager mode, as every plan is (`fitgpt.plan.auto` says so of --compile).
+    pipe = prepare_pipeline(model, parse_policy(cfg.activation_checkpointing), dataclasses.replace(cfg, compile=False),
+                            mesh, device, param_dtype, StateLayout(cfg.optim))
     with mode, rules:
         optimizer = build_optimizer(pipe.held, cfg.optim, torch.device(target.device), seed=cfg.seed)
         ids = torch.zeros(cfg.batch_size, cfg.model.context_length, dtype=torch.long, device=device)  # (B, T)

@@ -45,10 +45,13 @@ def fsdp_shard(model: nn.Module, param_dtype: torch.dtype | None, offload: bool 
 def compile_blocks(model: nn.Module) -> None:
     """``torch.compile`` each block's forward, in place, as torchtitan compiles a model FSDP shards: the compiled code
     is one block's arithmetic, run inside its checkpointing wrapper (recomputed as compiled code) and between FSDP's
-    hooks, which gather and free the block's weights eagerly. Names and the state dict are unchanged."""
+    hooks, which gather and free the block's weights eagerly. Names and the state dict are unchanged. A pipeline
+    stage's placeholders for other stages' blocks (no parameters) are left as they are."""
     _, blocks = find_blocks(model)
     for block in blocks:
         inner = block.inner if isinstance(block, ActivationCheckpointWrapper) else block
+        if isinstance(inner, nn.Identity):
+            continue
         inner.forward = torch.compile(inner.forward)
 
 

@@ -75,7 +75,10 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
     if optim.in_backward:
         return ("--optim.in-backward steps a parameter as its gradient completes, but a pipeline's schedule adds each "
                 "micro-batch's gradient in turn, the last long after the first: drop --optim.in-backward")
-    for flag, on in (("--optim.offload", optim.offload), ("--fsdp-offload", cfg.fsdp_offload), ("--compile", cfg.compile),
+    if cfg.compile and cfg.pipeline_schedule in ZERO_BUBBLE:
+        return (f"--pipeline-schedule {cfg.pipeline_schedule} splits each backward in two, which PyTorch 2.13 cannot do "
+                "through compiled code: drop --compile, or use --pipeline-schedule 1f1b or interleaved-1f1b")
+    for flag, on in (("--optim.offload", optim.offload), ("--fsdp-offload", cfg.fsdp_offload),
                      ("--init-from", bool(cfg.init_from))):
         if on:
             return (f"--pipeline-parallel with {flag} is not built yet (the pipeline trains with FSDP, tensor "
@@ -281,7 +284,7 @@ def prepare_pipeline(model: nn.Module, policy, cfg: TrainConfig, mesh, device: t
     saved, numbered for the optimizer's checkpoint as the whole model's (``layout``: how the optimizer numbers and
     groups a model's parameters, `fitgpt.optim.StateLayout`)."""
     from fitgpt.activation_checkpoint import apply_activation_checkpointing
-    from fitgpt.parallel.fsdp import fsdp_shard
+    from fitgpt.parallel.fsdp import compile_blocks, fsdp_shard
     from fitgpt.parallel.stages import Numbering
 
     names = mesh.mesh_dim_names or ()
@@ -294,6 +297,8 @@ def prepare_pipeline(model: nn.Module, policy, cfg: TrainConfig, mesh, device: t
     held.numbering = Numbering(model, held, layout)
     for stage in stages:
         apply_activation_checkpointing(stage, stage_policy(policy, stage))
+        if cfg.compile:  # each block, inside its checkpoint wrapper and before FSDP's hooks, as the trainer compiles
+            compile_blocks(stage)
     sharded = "dp" in names
     for stage in stages if sharded else ():
         fsdp_shard(stage, param_dtype, mesh=mesh["dp"], reshard_after_forward=cfg.reshards_after_forward)
