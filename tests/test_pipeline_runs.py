@@ -118,8 +118,8 @@ def test_a_launch_a_pipeline_cannot_take_is_refused_before_any_rank_works(extra,
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_pipeline_stages_sharded_by_fsdp_train_as_fsdp_does(data_dir, corpus_dir, tmp_path, ranks):
-    """PP 2 x FSDP 2 on 4 ranks, GPT-2 with its head tied to the embedding (the tiny preset's), each block
-    checkpointed: every logged loss within fp32 rounding of FSDP over 2 ranks, of DDP over 2 and of one process of 2
+    """PP 2 x FSDP 2 on 4 ranks (its state offloaded to the host), GPT-2 with its head tied to the embedding (the tiny
+    preset's), each block checkpointed: every logged loss within fp32 rounding of FSDP over 2 ranks, of DDP over 2 and of one process of 2
     micro-batches: each a cut of the same global batch of 8 windows, which the sampler draws alike for every layout
     (Megatron's rule; once, 2 data-parallel ranks drew other windows than one process, and logged 6.2342 at step 6
     where one process logged 6.2138). A resume from step 3 ends on the straight run's losses, and one process
@@ -138,15 +138,16 @@ def test_pipeline_stages_sharded_by_fsdp_train_as_fsdp_does(data_dir, corpus_dir
     run = tmp_path / "pp-fsdp"
     # Fresh processes: in the session's 4 ranks, after other bodies' meshes of this shape and groups of their own, a
     # step here once named a process group that was gone (PyTorch 2.13); torchrun's fresh ranks, as a user's, never do.
-    finish(torchrun(flags(run, "--pipeline-parallel", "2"), tmp_path, nproc=4))
+    # Its stages' shards, gradients and AdamW state in host memory (FSDP2's CPUOffloadPolicy): the same arithmetic.
+    finish(torchrun(flags(run, "--pipeline-parallel", "2", "--fsdp-offload"), tmp_path, nproc=4))
     (fsdp, fsdp_val), (pp, pp_val) = _losses(tmp_path / "fsdp"), _losses(run)
     assert len(pp) == 6 and len(pp_val) == 2
     torch.testing.assert_close(torch.tensor(pp + pp_val), torch.tensor(fsdp + fsdp_val), rtol=1e-5, atol=0)
     for layout in ("ddp", "one"):
         torch.testing.assert_close(torch.tensor(sum(_losses(tmp_path / layout), [])), torch.tensor(fsdp + fsdp_val),
                                    rtol=1e-5, atol=0, msg=layout)
-    finish(torchrun(flags(run, "--pipeline-parallel", "2", "--resume", str(run / "checkpoints" / "step_00000003")),
-                    tmp_path, nproc=4))
+    finish(torchrun(flags(run, "--pipeline-parallel", "2", "--fsdp-offload", "--resume",
+                          str(run / "checkpoints" / "step_00000003")), tmp_path, nproc=4))
     again, _ = _losses(run)
     torch.testing.assert_close(torch.tensor(again[-3:]), torch.tensor(pp[-3:]), rtol=1e-6, atol=0)
     # Its checkpoint in one process (the stages' shards read whole, the tied head's two copies one weight again), 2

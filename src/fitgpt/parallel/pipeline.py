@@ -78,8 +78,7 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
     if cfg.compile and cfg.pipeline_schedule in ZERO_BUBBLE:
         return (f"--pipeline-schedule {cfg.pipeline_schedule} splits each backward in two, which PyTorch 2.13 cannot do "
                 "through compiled code: drop --compile, or use --pipeline-schedule 1f1b or interleaved-1f1b")
-    for flag, on in (("--optim.offload", optim.offload), ("--fsdp-offload", cfg.fsdp_offload),
-                     ("--init-from", bool(cfg.init_from))):
+    for flag, on in (("--init-from", bool(cfg.init_from)),):
         if on:
             return (f"--pipeline-parallel with {flag} is not built yet (the pipeline trains with FSDP, tensor "
                     f"parallelism, any checkpointing policy and any optimizer): drop {flag}")
@@ -301,7 +300,7 @@ def prepare_pipeline(model: nn.Module, policy, cfg: TrainConfig, mesh, device: t
             compile_blocks(stage)
     sharded = "dp" in names
     for stage in stages if sharded else ():
-        fsdp_shard(stage, param_dtype, mesh=mesh["dp"], reshard_after_forward=cfg.reshards_after_forward)
+        fsdp_shard(stage, param_dtype, cfg.fsdp_offload, mesh=mesh["dp"], reshard_after_forward=cfg.reshards_after_forward)
     # The hidden states in the dtype the blocks compute in: FSDP's gathered weights', else the weights' own (autocast
     # keeps the residual stream in fp32 weights' fp32; pure bf16 weights make it bf16).
     weights = torch.bfloat16 if cfg.model.weights_dtype == "bf16" else torch.float32

@@ -178,7 +178,7 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None,
                  "measured peak is logged beside the plan's")
     step_model = prepare_model(model, policy, cfg, info, device, dtype, inspect=act and act.inspect)
     if cfg.pipeline_parallel > 1:  # this rank's stages: what it fills, steps and saves
-        materialise_stages(model, step_model.stages, device, cfg.seed)
+        materialise_stages(model, step_model.stages, torch.device("cpu") if cfg.fsdp_offload else device, cfg.seed)
         model = step_model.held
     elif shards > 1:
         materialise(model, torch.device("cpu") if cfg.fsdp_offload else device, cfg.seed)
