@@ -109,6 +109,9 @@ def plan_pipeline(cfg: TrainConfig, world: int, dtype: torch.dtype | None = None
 
     ranks = list(range(cfg.pipeline_parallel)) if ranks is None else ranks
     on = (cfg, world, dtype, torch.device(device), target or Target(torch.device(device).type))
+    if cfg.fsdp_offload and on[-1].cuda:
+        log.warning("--fsdp-offload under --pipeline-parallel: each rank's weights, gradients and optimizer state are "
+                    "counted on the card, where they are not (an upper bound of its peak)")
     if whole or cfg.pipeline_schedule not in COMPOSED or not cfg.reshards_after_forward:
         done = _forked(_plan_rank, lambda done: [(r, (*on, r, None)) for r in ranks])
         return [done[r][1] for r in ranks]
