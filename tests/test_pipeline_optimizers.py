@@ -1,7 +1,7 @@
 """Every optimizer over pipeline stages (issue 69): Muon, Adafactor, 8-bit AdamW and pure bf16 weights over 2 stages
 sharded by FSDP, and Muon over 2 stages split by tensor parallelism, on 4 gloo ranks, built as the trainer builds them
-(`fitgpt.train.setup.prepare_model`), against one process at the same global batch; and through the trainer, APOLLO's
-projections and groups checkpointed as one process numbers them (test_pipeline_runs.py has AdamW's)."""
+(`fitgpt.train.setup.prepare_model`), against one process at the same global batch. Through the trainer and its
+checkpoints (APOLLO's projections and groups numbered as one process numbers them): test_pipeline_runs.py."""
 
 import pytest
 import torch
