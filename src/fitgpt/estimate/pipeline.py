@@ -108,8 +108,9 @@ def plan_pipeline(cfg: TrainConfig, world: int, dtype: torch.dtype | None = None
     from fitgpt.estimate.pipeline_compose import stand_ins
 
     ranks = list(range(cfg.pipeline_parallel)) if ranks is None else ranks
-    on = (cfg, world, dtype, torch.device(device), target or Target(torch.device(device).type))
-    if cfg.fsdp_offload and on[-1].cuda:
+    target = target or Target(torch.device(device).type)
+    on = (cfg, world, dtype, torch.device(device), target)
+    if cfg.fsdp_offload and target.cuda:
         log.warning("--fsdp-offload under --pipeline-parallel: each rank's weights, gradients and optimizer state are "
                     "counted on the card, where they are not (an upper bound of its peak)")
     if whole or cfg.pipeline_schedule not in COMPOSED or not cfg.reshards_after_forward:

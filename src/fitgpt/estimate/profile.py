@@ -202,8 +202,8 @@ def _profile_model(source, batch_size, context, device, optim_cfg, grad_accum, d
     if context > source.context_length:
         source = source.at(context=context)
     run = Subject(source, batch_size, context, device, optim_cfg or OptimConfig(), grad_accum, dtype, persistent_grads, target,
-               cost=cost, mesh=mesh, tp_mesh=tp_mesh, reshard=reshard,
-               options=BLOCK_OPTIONS + tuple(o for o in EXTRA_OPTIONS if o in extra_options))
+              cost=cost, mesh=mesh, tp_mesh=tp_mesh, reshard=reshard,
+              options=BLOCK_OPTIONS + tuple(o for o in EXTRA_OPTIONS if o in extra_options))
     torch.manual_seed(seed)
     if not fake:
         return _profile(sharded(source.build().to(device), run), run, seed, t0)
@@ -254,7 +254,7 @@ def fixed_costs(model: ModelConfig | ModelSource, device: str | torch.device = "
     target = target or Target(device.type)
     with fake_meshes(fsdp_ranks * tp_ranks, tp_ranks) as (dp_mesh, tp_mesh):
         run = Subject(source, 1, source.context_length, device, optim_cfg or OptimConfig(), grad_accum, dtype,
-                       persistent_grads, target, mesh=dp_mesh, tp_mesh=tp_mesh, reshard=reshard_after_forward)
+                      persistent_grads, target, mesh=dp_mesh, tp_mesh=tp_mesh, reshard=reshard_after_forward)
         return _fixed_costs(run)
 
 

@@ -33,9 +33,10 @@ class Stage(nn.Module):
     """The parts of ``model`` that a stage runs (``blocks``, and the embedding if ``first``, the final norm and the head
     if ``last``), under their names in ``model``. Also what a rank holds of all its stages, to save and step."""
 
-    def __init__(self, model: nn.Module, blocks: list[int], first: bool, last: bool) -> None:
+    def __init__(self, model: nn.Module, blocks: list[int], first: bool, last: bool, index: int | None = None) -> None:
+        """``index``: the stage's place in the pipeline (None: what a rank holds of all its stages)."""
         super().__init__()
-        self.config, self.blocks, self.first, self.last = model.config, blocks, first, last
+        self.config, self.blocks, self.first, self.last, self.index = model.config, blocks, first, last, index
         if first:
             self.token_embed, self.position_embed = model.token_embed, model.position_embed
             self.embed_dropout = model.embed_dropout
@@ -46,9 +47,8 @@ class Stage(nn.Module):
     @classmethod
     def of(cls, model: nn.Module, index: int, n_stages: int) -> Stage:
         """Stage ``index`` of ``n_stages``."""
-        stage = cls(model, list(stage_blocks(len(model.attn_blocks), n_stages)[index]), index == 0, index == n_stages - 1)
-        stage.index = index
-        return stage
+        blocks = list(stage_blocks(len(model.attn_blocks), n_stages)[index])
+        return cls(model, blocks, index == 0, index == n_stages - 1, index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) on the first stage, else the hidden states (B, T, C); returns the hidden states (B, T, C),
