@@ -12,7 +12,7 @@ from fitgpt.device import autocast
 from fitgpt.errors import UserError
 from fitgpt.estimate.hardware import Target, find_gpu
 from fitgpt.estimate.profile import BLOCK_OPTIONS, HEAD_OPTIONS, fixed_costs, profile_model
-from fitgpt.estimate.timing import roofline
+from fitgpt.estimate.roofline import roofline
 from fitgpt.memory.timeline import measure_train_step
 from fitgpt.model import Transformer
 from fitgpt.optim import build_optimizer

@@ -9,7 +9,8 @@ from fitgpt.activation_checkpoint import apply_activation_checkpointing, remove_
 from fitgpt.config import OptimConfig
 from fitgpt.estimate.hardware import GPUS
 from fitgpt.estimate.profile import BLOCK_OPTIONS, HEAD_OPTIONS, profile_model
-from fitgpt.estimate.timing import LAUNCH, ROOFLINE_MATMUL, ROOFLINE_MEMORY, _fit_rates, _line, roofline
+from fitgpt.estimate.roofline import LAUNCH, ROOFLINE_MATMUL, ROOFLINE_MEMORY, roofline
+from fitgpt.estimate.timing import _fit_rates, _line
 from fitgpt.memory.fake import fake_mode
 from fitgpt.memory.flops import OpFlops
 from fitgpt.model import Transformer
@@ -36,6 +37,20 @@ def test_roofline_costs_ops_by_flops_or_bytes_at_the_cards_figures():
     assert view.seconds == 0.0
     # fp32 runs on the FP32 peak, not the tensor cores
     assert roofline(H100, None).per_flop == pytest.approx(1 / (H100.fp32_flops * ROOFLINE_MATMUL))
+
+
+def test_a_float8_matmul_runs_at_twice_the_bf16_peak_on_a_card_that_has_them():
+    """``_scaled_mm`` (--float8) at the float8 tensor cores' rate on Hopper; an A100 has none (and --float8 is refused
+    there), so its roofline keeps one rate."""
+    with fake_mode():
+        a = torch.empty(4096, 4096, dtype=torch.float8_e4m3fn)
+        b = torch.empty(4096, 4096, dtype=torch.float8_e4m3fn).t()  # column-major, as _scaled_mm takes it; compute-bound
+        one = torch.ones(())
+        with OpFlops(roofline(H100, torch.bfloat16)) as fp8:
+            torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+    flops = 2 * 4096**3
+    assert fp8.seconds == pytest.approx(LAUNCH + flops / (2 * H100.half_flops * ROOFLINE_MATMUL), rel=1e-12)
+    assert roofline(GPUS["a100-80gb"], torch.bfloat16).per_fp8_flop is None
 
 
 def test_rates_are_fitted_exactly_through_ops_of_known_cost():

@@ -67,6 +67,10 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the model (after activation checkpointing is applied; under --parallel fsdp or --tensor-parallel
     each block, before sharding)."""
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """Float8 linears (torchao, as torchtitan trains them): every block's linear layer multiplies in float8 with
+    dynamic scales, one a tensor (tensorwise) or one a row (rowwise); the head stays in --precision. Under --parallel
+    fsdp, tensorwise weights are all-gathered in float8. Needs a CUDA card of compute capability 8.9+ (or the CPU)."""
     activation_checkpointing: str = "none"
     """Which activations to recompute in backward instead of keeping: none, block, group:2, every:2, selective,
     block+chunked-loss, ..., or auto (needs --memory-budget)."""
@@ -156,6 +160,9 @@ class TrainConfig:
         elif self.optim.rounding != "stochastic":
             raise UserError(f"--optim.rounding {self.optim.rounding} rounds the updates of bf16 weights; these are fp32: "
                             "add --model.weights-dtype bf16, or drop --optim.rounding")
+        if self.float8 != "none" and self.tensor_parallel > 1:
+            raise UserError("--float8 with --tensor-parallel needs torchao's float8 tensor-parallel styles, not built "
+                            "yet: drop one of them (float8 trains alone, under DDP, FSDP and --pipeline-parallel)")
         if self.fsdp_offload and self.parallel != "fsdp":
             raise UserError("--fsdp-offload is FSDP's: add --parallel fsdp (and launch with torchrun)")
         if self.optim.offload:

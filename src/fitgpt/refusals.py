@@ -88,6 +88,20 @@ def model_refusal(optim: OptimConfig, model: nn.Module) -> str | None:
             "capped at the model's)")
 
 
+def float8_refusal(cfg: TrainConfig, own_model: bool = True) -> str | None:
+    """Why --float8 cannot train ``cfg``'s model (torchao missing, or, of fitgpt's ``own_model``, no linear it
+    converts); one line naming the flag."""
+    if cfg.float8 == "none":
+        return None
+    from fitgpt import float8
+    from fitgpt.model import Transformer
+
+    if (why := float8.missing()) or not own_model:
+        return why
+    with torch.device("meta"):
+        return float8.unconvertible(Transformer(cfg.model))
+
+
 def meta_model_refusal(cfg: TrainConfig) -> str | None:
     """`model_refusal` for fitgpt's model of ``cfg``, built on the meta device (no memory, a fraction of a second)."""
     if not (cfg.optim.projects and cfg.optim.rank):

@@ -15,7 +15,7 @@ from fitgpt.command import train_command
 from fitgpt.config import load_config
 from fitgpt.data.config import DataConfig
 from fitgpt.errors import UserError, require_not_empty
-from fitgpt.estimate.timing import roofline
+from fitgpt.estimate.roofline import roofline
 from fitgpt.memory.picture import draw
 from fitgpt.plan.family import LADDER_SETTINGS, LOSS_COST, largest_model
 from fitgpt.plan.fastest import fastest, format_choices

@@ -27,7 +27,7 @@ from fitgpt.estimate.workload import Workload, workload_for
 from fitgpt.memory.allocator import expandable_from
 from fitgpt.memory.flops import OpCost
 from fitgpt.model.config import ModelConfig, require_positive_ints
-from fitgpt.refusals import launch_refusal, meta_model_refusal
+from fitgpt.refusals import float8_refusal, launch_refusal, meta_model_refusal
 from fitgpt.units import format_bytes, parse_bytes
 from fitgpt.utils import host_memory
 
@@ -109,9 +109,18 @@ class WorkloadConfig:
             where, dtype = target.device, target.autocast_dtype(self.precision)
         cfg = self.launch_config()
         for why in (launch_refusal(cfg, self.world_size or 1, where, dtype, planned=not self.device),
-                    None if self._source else meta_model_refusal(cfg)):
+                    None if self._source else meta_model_refusal(cfg), float8_refusal(cfg, self._source is None),
+                    self.float8_card_refusal()):
             if why:
                 raise UserError(why)
+
+    def float8_card_refusal(self) -> str | None:
+        """A named card without float8 matmuls, planned with them (one line)."""
+        gpu = self.plan_target().gpu if not self.device and self.launch_config().float8 != "none" else None
+        if gpu is None or gpu.sm >= (8, 9):
+            return None
+        return (f"--float8 needs a card of compute capability 8.9 or more (Ada, Hopper, Blackwell); the {gpu.name} is "
+                f"{gpu.sm[0]}.{gpu.sm[1]}: drop --float8, or plan for such a card (--gpu h100-80gb)")
 
     @functools.cached_property
     def workload(self) -> Workload:
@@ -191,6 +200,9 @@ class BudgetConfig(WorkloadConfig):
     fsdp_reshard_after_forward: Literal["always", "never", "torchtitan"] = "always"
     """As for fitgpt train, with --parallel fsdp: each block's gathered weights freed after its forward (always), kept
     to its backward (never), or torchtitan's default (never under --pipeline-parallel, else always)."""
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """As for fitgpt train: float8 linears (torchao), planned from their casts, scales and what autograd saves; under
+    --parallel fsdp, tensorwise weights all-gathered in float8."""
 
     def __post_init__(self) -> None:
         require_not_empty(self, ("memory_budget", "host_memory"))
@@ -222,7 +234,7 @@ class BudgetConfig(WorkloadConfig):
         return dataclasses.replace(super().train_config(), tensor_parallel=self.tensor_parallel,
                                    pipeline_parallel=self.pipeline_parallel, pipeline_schedule=self.pipeline_schedule,
                                    pipeline_microbatches=self.pipeline_microbatches,
-                                   fsdp_reshard_after_forward=self.fsdp_reshard_after_forward)
+                                   fsdp_reshard_after_forward=self.fsdp_reshard_after_forward, float8=self.float8)
 
     def _check_weights(self) -> None:
         """Refused before anything is profiled or timed: the weights alone over the budget (a model 100,000 blocks

@@ -66,6 +66,11 @@ class GPU:
         return self.sm >= (8, 0)
 
     @property
+    def fp8(self) -> bool:
+        """Float8 tensor cores (Ada, Hopper, Blackwell): dense float8 matmuls at twice the bf16 peak."""
+        return self.sm >= (8, 9)
+
+    @property
     def cublas_workspace(self) -> int:
         """PyTorch's default cuBLAS workspace per handle: 32 MiB on Hopper, else :4096:2:16:8 (8 MiB + 128 KiB)."""
         return 32 * MiB if self.sm[0] == 9 else 4096 * 1024 * 2 + 16 * 1024 * 8

@@ -196,6 +196,7 @@ def _built(cfg: TrainConfig, mesh, world: int, dtype: torch.dtype | None, device
     from fitgpt.activation_checkpoint import parse_policy
     from fitgpt.device import autocast
     from fitgpt.estimate.cuda_autocast import cuda_autocast_rules
+    from fitgpt.float8 import convert
     from fitgpt.memory.fake import fake_mode, fake_module
     from fitgpt.model import Transformer
     from fitgpt.optim import StateLayout, build_optimizer
@@ -209,7 +210,7 @@ def _built(cfg: TrainConfig, mesh, world: int, dtype: torch.dtype | None, device
     rules = cuda_autocast_rules() if target.cuda and device.type != "cuda" and amp_dtype else contextlib.nullcontext()
     mode = fake_mode()
     with torch.device("meta"):
-        model = fake_module(Transformer(cfg.model), device, mode)
+        model = fake_module(convert(Transformer(cfg.model), cfg.float8), device, mode)
     # Planned in eager mode, as every plan is (`fitgpt.plan.auto` says so of --compile).
     pipe = prepare_pipeline(model, parse_policy(cfg.activation_checkpointing), dataclasses.replace(cfg, compile=False),
                             mesh, device, param_dtype, StateLayout(cfg.optim))

@@ -75,9 +75,42 @@ class OwnModel:
         return f"{m.arch}, {m.n_blocks} blocks x {m.n_embed} wide, {heads}, vocab {m.vocab_size}"
 
 
+@dataclass(frozen=True)
+class Float8Model:
+    """``inner``'s model with float8 linears (--float8: `fitgpt.float8.convert`), as the trainer converts it."""
+
+    inner: ModelSource
+    recipe: str
+
+    n_blocks = property(lambda self: self.inner.n_blocks)
+    context_length = property(lambda self: self.inner.context_length)
+    vocab_size = property(lambda self: self.inner.vocab_size)
+    head_dim = property(lambda self: self.inner.head_dim)
+    resizable = property(lambda self: self.inner.resizable)
+    chunked_head = property(lambda self: self.inner.chunked_head)
+
+    def build(self) -> nn.Module:
+        from fitgpt.float8 import convert
+
+        return convert(self.inner.build(), self.recipe)
+
+    def at(self, n_blocks=None, context=None, vocab_size=None) -> Float8Model:
+        return Float8Model(self.inner.at(n_blocks, context, vocab_size), self.recipe)
+
+    def describe(self) -> str:
+        return f"{self.inner.describe()}, float8 linears ({self.recipe})"
+
+
+def with_float8(source: ModelSource, recipe: str) -> ModelSource:
+    """``source`` as --float8 ``recipe`` trains it."""
+    return source if recipe == "none" else Float8Model(source, recipe)
+
+
 def param_count(source: ModelSource) -> int:
     """Parameters of the model ``source`` builds (tied weights once), counted on the meta device; fitgpt's own from its
     one- and two-block models (its blocks are alike: building a deep one costs a second, searches ask often)."""
+    if isinstance(source, Float8Model):  # the same parameters
+        return param_count(source.inner)
     if isinstance(source, OwnModel) and source.n_blocks > 2:
         one, two = param_count(source.at(n_blocks=1)), param_count(source.at(n_blocks=2))
         return one + (source.n_blocks - 1) * (two - one)

@@ -11,7 +11,7 @@ import torch
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
 from fitgpt.config import TrainConfig
 from fitgpt.device import autocast, autocast_dtype
-from fitgpt.estimate.source import OwnModel
+from fitgpt.estimate.source import OwnModel, with_float8
 from fitgpt.estimate.timing import timed, token_batches
 from fitgpt.optim import build_optimizer
 from fitgpt.step import grad_scaler, train_step
@@ -43,7 +43,7 @@ def measure_throughput(cfg: TrainConfig, device: torch.device, steps: int = 3, m
     t_start = time.perf_counter()
     dtype = autocast_dtype(cfg.precision, device)
     torch.manual_seed(cfg.seed)
-    model = OwnModel(cfg.model).build().to(device).train()
+    model = with_float8(OwnModel(cfg.model), cfg.float8).build().to(device).train()
     if cfg.activation_checkpointing not in ("none", "auto"):
         apply_activation_checkpointing(model, cfg.activation_checkpointing)
     optimizer = build_optimizer(model, cfg.optim, device)

@@ -11,11 +11,8 @@ their time, and a plan's step time is the sum of its segments. Where the per-op 
   (norms, GELU, dropout, residual adds, copies, AdamW's). The wall time the ops do not account for
   (Python, autograd, the dispatcher) is spread over the ops as a fixed cost each: recompute pays it
   too. Interleaved repeats, medians.
-- ``roofline`` (estimated, a CUDA card not at hand): each op takes max(FLOPs / peak, bytes /
-  bandwidth) at the card's datasheet figures times a typical achieved fraction, plus a launch cost.
-  An estimate, and named as one wherever it is shown. An offloaded optimizer's host (``--optim.offload``) is
-  planned on the meta device: a copy between it and the card takes its bytes over the card's host link; its own
-  step is timed apart (``host_seconds_per_byte``).
+- ``roofline`` (estimated, a CUDA card not at hand; `fitgpt.estimate.roofline`): each op at the card's datasheet
+  figures. An offloaded optimizer's own step on the host is timed apart (``host_seconds_per_byte``).
 """
 
 from __future__ import annotations
@@ -32,13 +29,12 @@ from dataclasses import dataclass, field
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing, remove_activation_checkpointing
 from fitgpt.config import OptimConfig
 from fitgpt.device import autocast
-from fitgpt.estimate.hardware import GPU, GPUS
-from fitgpt.estimate.source import ModelSource, OwnModel, as_source, param_count
+from fitgpt.estimate.roofline import is_counted, is_free, moved_bytes
+from fitgpt.estimate.source import Float8Model, ModelSource, OwnModel, as_source, param_count
 from fitgpt.memory.flops import OpFlops, op_flops
 from fitgpt.model import ModelConfig
 from fitgpt.optim import build_optimizer
@@ -46,9 +42,6 @@ from fitgpt.step import grad_scaler, train_step
 
 log = logging.getLogger(__name__)
 
-ROOFLINE_MATMUL, ROOFLINE_MEMORY, LAUNCH = 0.6, 0.75, 5e-6
-"""Typical achieved fractions of a card's peak FLOP/s (large bf16 GEMMs reach 60-75%) and bandwidth, and the
-cost of launching one kernel: the roofline's assumptions."""
 CALIBRATION_FLOPS = 8e9
 """FLOPs of the smaller calibration step (the larger has twice the tokens): a few hundredths of a second on a
 laptop core, so that ops run at sizes near the real step's without calibration costing more than the plan."""
@@ -62,22 +55,6 @@ CALIBRATION_PARAMS = 2**25
 block is timed on a narrower proxy of it."""
 
 
-def _is_free(func) -> bool:
-    """Ops that move no data: views, allocations whose contents are not written, metadata queries."""
-    return func.is_view or func._overloadpacket in (torch.ops.aten.empty, torch.ops.aten.empty_strided,
-                                                   torch.ops.aten.empty_like)
-
-
-def _counted(func) -> bool:
-    """Ops a real step dispatches: fake tensors also dispatch metadata queries (``prim.device``) a real run does not."""
-    return func.namespace != "prim"
-
-
-def moved_bytes(args: tuple, kwargs: dict, out) -> int:
-    """Bytes an op reads and writes: its tensor inputs and outputs (what a roofline charges)."""
-    return sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
-
-
 def op_key(func) -> str:
     return str(func._overloadpacket)
 
@@ -86,7 +63,7 @@ def op_work(func, args: tuple, kwargs: dict, out, flops: int) -> tuple[str, int]
     """What an op's time scales with: ("flops", n) where it has a FLOP formula, else ("bytes", n)."""
     if flops:
         return "flops", flops
-    return "bytes", 0 if _is_free(func) else moved_bytes(args, kwargs, out)
+    return "bytes", 0 if is_free(func) else moved_bytes(args, kwargs, out)
 
 
 @dataclass
@@ -106,7 +83,7 @@ class OpRates:
     """How the rates were obtained, for the output: measured on a device, or a roofline estimate."""
 
     def __call__(self, func, args: tuple, kwargs: dict, out, flops: int) -> float:
-        if not _counted(func):
+        if not is_counted(func):
             return 0.0
         kind, work = op_work(func, args, kwargs, out, flops)
         key = op_key(func)
@@ -114,40 +91,6 @@ class OpRates:
             return self.overhead + self.fixed[key] + self.per_unit[key] * work
         rate = self.default_per_flop if kind == "flops" else self.default_per_byte
         return self.overhead + (self.default_fixed if work else 0.0) + rate * work
-
-
-@dataclass
-class Roofline:
-    """Per-op costs on a CUDA card from its datasheet: ``LAUNCH + max(FLOPs * per_flop, bytes * per_byte)``."""
-
-    per_flop: float
-    per_byte: float
-    source: str
-    per_link_byte: float = 1 / 32e9
-    """Seconds per byte over the card's host link (one direction)."""
-    recompute_overhead: dict[str, float] = field(default_factory=dict)
-    """None estimated: on a card the checkpoint machinery's Python runs while the kernels queue."""
-
-    def __call__(self, func, args: tuple, kwargs: dict, out, flops: int) -> float:
-        if _is_free(func) or not _counted(func):
-            return 0.0
-        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        if any(t.device.type == "meta" for t in tensors):  # the offloaded optimizer's host (see the module's doc)
-            if all(t.device.type == "meta" for t in tensors):
-                return 0.0
-            return max(t.nbytes for t in tensors) * self.per_link_byte  # one tensor copied across
-        return LAUNCH + max(flops * self.per_flop, moved_bytes(args, kwargs, out) * self.per_byte)
-
-
-def roofline(gpu: GPU | None, dtype: torch.dtype | None) -> Roofline:
-    """The card's roofline: FLOPs at the tensor-core peak under bf16/fp16 autocast (FP32 peak otherwise), bytes
-    at its bandwidth, each at a typical achieved fraction. An unnamed card is costed as an A100 80GB."""
-    gpu = gpu or GPUS["a100-80gb"]
-    peak = gpu.half_flops if dtype in (torch.float16, torch.bfloat16) else gpu.fp32_flops
-    return Roofline(1 / (peak * ROOFLINE_MATMUL), 1 / (gpu.bandwidth * ROOFLINE_MEMORY),
-                    f"estimated: roofline of {gpu.name} ({peak / 1e12:.0f} TFLOP/s x {ROOFLINE_MATMUL:.0%}, "
-                    f"{gpu.bandwidth / 1e12:.2f} TB/s x {ROOFLINE_MEMORY:.0%}, {LAUNCH * 1e6:.0f} us a kernel)",
-                    per_link_byte=1 / gpu.pcie)
 
 
 @functools.cache
@@ -269,6 +212,8 @@ def _narrowed(block: ModelSource) -> ModelSource:
     """A one-block model of fitgpt's over CALIBRATION_PARAMS parameters, as a narrower proxy: the same head size, MLP
     ratio and key/value grouping, fewer heads. The rates fitted on it are per FLOP and per byte, so they cost the
     real block's ops; timing the real one would hold 16 bytes a parameter (8192 wide: 13 GB) for a minute."""
+    if isinstance(block, Float8Model):
+        return Float8Model(_narrowed(block.inner), block.recipe)
     if not isinstance(block, OwnModel) or (params := param_count(block)) <= CALIBRATION_PARAMS:
         return block
     m = block.cfg

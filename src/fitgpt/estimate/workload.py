@@ -22,8 +22,9 @@ from fitgpt.estimate.hardware import Target
 from fitgpt.estimate.profile import StepProfile, fixed_costs, profile_model
 from fitgpt.estimate.ranks import RanksBusy, in_own_process
 from fitgpt.estimate.replay import predicted_snapshot, simulate_step
-from fitgpt.estimate.source import ModelSource, OwnModel
-from fitgpt.estimate.timing import calibrate, roofline
+from fitgpt.estimate.roofline import roofline
+from fitgpt.estimate.source import ModelSource, OwnModel, with_float8
+from fitgpt.estimate.timing import calibrate
 from fitgpt.memory.flops import OpCost
 
 
@@ -49,7 +50,7 @@ class Workload:
     @property
     def model(self) -> ModelSource:
         """The model profiled: ``source``, or fitgpt's own of ``train.model``."""
-        return self.source or OwnModel(self.train.model)
+        return with_float8(self.source or OwnModel(self.train.model), self.train.float8)
 
     @property
     def context(self) -> int:
@@ -204,8 +205,8 @@ def workload_for(cfg: TrainConfig, *, target: Target | None = None, device: torc
         if target.cuda and fake:
             cost = roofline(target.gpu, dtype)
         else:
-            cost = calibrate(source or OwnModel(cfg.model), cfg.batch_size, cfg.model.context_length, device, dtype,
-                             cfg.optim, seed=cfg.seed)
+            model = with_float8(source or OwnModel(cfg.model), cfg.float8)
+            cost = calibrate(model, cfg.batch_size, cfg.model.context_length, device, dtype, cfg.optim, seed=cfg.seed)
     return Workload(cfg, target, device, fake, dtype, cost, world_size, source)
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from fitgpt.activation_checkpoint.apply import ActivationCheckpointWrapper, find_blocks
+from fitgpt.float8 import gather_in_float8
 from fitgpt.model.transformer import fill_whole
 from fitgpt.parallel.placement import assign_whole
 
@@ -27,11 +28,13 @@ def fsdp_shard(model: nn.Module, param_dtype: torch.dtype | None, offload: bool 
     """``fully_shard`` each block, then the root, in place (``mesh``: the ranks; default, the process group's).
     ``reshard_after_forward`` False: each block's gathered weights kept from its forward to its backward (one
     all-gather a step fewer, a block's whole weights more held each), as torchtitan runs under pipeline parallelism;
-    the root's (the embedding, the final norm and the head) are kept either way, as FSDP2 keeps a root's."""
+    the root's (the embedding, the final norm and the head) are kept either way, as FSDP2 keeps a root's. Float8
+    linears with tensorwise scales are all-gathered in float8 (`fitgpt.float8.gather_in_float8`)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype is not None else MixedPrecisionPolicy()
     kw = {"mp_policy": mp, "offload_policy": CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy(), "mesh": mesh}
+    gather_in_float8(model)  # --float8 tensorwise: weights all-gathered in float8, as torchtitan gathers them
     _, blocks = find_blocks(model)
     for block in blocks:
         # Shard the block itself, not its checkpoint wrapper: a group's first wrapper runs the

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from fitgpt import float8
 from fitgpt.activation_checkpoint import Policy, apply_activation_checkpointing, parse_policy
 from fitgpt.config import TrainConfig, to_dict
 from fitgpt.data.loader import TokenData
@@ -42,12 +43,13 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, shards:
     the meta device, for `fitgpt.parallel.materialise` to fill each rank's shards once sharded, never whole."""
     model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab_size)
     _check_weights_fit(cfg, model_cfg, device, shards)
+    # Float8 linears before anything splits, checkpoints or shards the model (torchtitan's converters run there).
     if shards > 1:
         with torch.device("meta"):
-            return Transformer(model_cfg)
+            return float8.convert(Transformer(model_cfg), cfg.float8)
     torch.manual_seed(cfg.seed)
     try:
-        return Transformer(model_cfg).to(device)
+        return float8.convert(Transformer(model_cfg).to(device), cfg.float8)
     except RuntimeError as e:
         if not is_host_oom(e):
             raise

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from fitgpt import float8
 from fitgpt.activation_checkpoint import Policy, remove_activation_checkpointing
 from fitgpt.config import TrainConfig
 from fitgpt.data.loader import BatchSampler, TokenData
@@ -29,7 +30,7 @@ from fitgpt.optim import build_optimizer, describe_optimizer
 from fitgpt.parallel import tensor as tensor_parallel
 from fitgpt.parallel.fsdp import materialise, precision_roles
 from fitgpt.parallel.stages import materialise as materialise_stages
-from fitgpt.refusals import launch_refusal, meta_model_refusal
+from fitgpt.refusals import float8_refusal, launch_refusal, meta_model_refusal
 from fitgpt.step import grad_scaler
 from fitgpt.train import distributed as dist_utils
 from fitgpt.train.deadline import run_length
@@ -138,7 +139,7 @@ def _check_launch(cfg: TrainConfig, info: dist_utils.DistInfo) -> None:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(import_config(cfg.init_from),
                                                                  weights_dtype=cfg.model.weights_dtype))
     for why in (launch_refusal(cfg, info.world, device.type, autocast_dtype(cfg.precision, device)),
-                meta_model_refusal(cfg)):
+                meta_model_refusal(cfg), float8_refusal(cfg), cfg.float8 != "none" and float8.device_refusal(device)):
         if why:
             raise UserError(why)
 
