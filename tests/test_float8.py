@@ -110,27 +110,63 @@ def test_each_fsdp_rank_of_float8_linears_is_planned_to_the_byte(ranks):
         assert [gathered for _, gathered in rows] == [True, False]
 
 
+def _tp_peaks(rank: int, world: int, arch: str, recipes: list[str]) -> list:
+    """Each rank's measured peak of a steady step split over ``world`` tensor-parallel ranks, under each recipe."""
+    from measured import steady_peak
+
+    from fitgpt.parallel.tensor import apply_tensor_parallel, step_context, training_mesh
+
+    mesh = training_mesh("cpu", world, world)
+    idx = torch.randint(0, SHAPE["vocab_size"], (2, T + 1), generator=torch.Generator().manual_seed(1))
+    peaks = []
+    for recipe in recipes:
+        model = _model(arch, recipe)
+        apply_tensor_parallel(model, mesh["tp"])
+        opt = build_optimizer(model, OptimConfig(), CPU)
+        with step_context(model):
+            peaks.append(steady_peak(model, opt, (idx[:, :-1].contiguous(), idx[:, 1:].contiguous())))
+    return peaks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
+def test_each_tensor_parallel_rank_of_float8_linears_is_planned_to_the_byte(ranks):
+    """Split by tensor parallelism (torchtitan's 2-D mesh), each float8 linear's weight is a DTensor shard whose scale
+    is taken over the whole weight; each rank's measured peak is the plan's."""
+    recipes = ["tensorwise", "rowwise"]
+    measuring = ranks(2).submit(_tp_peaks, "llama", recipes)
+    cfg = ModelConfig(arch="llama", **SHAPE)
+    planned = [predict(profile_model(Float8Model(OwnModel(cfg), r), 2, T, "cpu", OptimConfig(), fake=True, tp_ranks=2),
+                       Plan.uniform(2, "none")).peak for r in recipes]
+    for peaks in measuring.result():
+        assert peaks == planned
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", [["--parallel", "fsdp"], ["--pipeline-parallel", "2", "--pipeline-microbatches", "2"]])
+@pytest.mark.parametrize("layout", [["--parallel", "fsdp"], ["--pipeline-parallel", "2", "--pipeline-microbatches", "2"],
+                                    ["--tensor-parallel", "2"]])
 def test_float8_trains_over_ranks_as_one_process_of_the_same_micro_batches(layout, data_dir, corpus_dir, tmp_path, ranks):
     """Float8 scales each micro-batch's input by its own largest value, so a layout is compared with one process
     stepping the same micro-batches: FSDP's two ranks with one process accumulating two of 4 (scaled alike, weights
-    gathered in float8), the pipeline's two micro-batches of 4 with one process accumulating two of 2. The losses
+    gathered in float8), the pipeline's two micro-batches of 4 with one process accumulating two of 2; tensor
+    parallelism's pair with one process, the batch whole (each weight's scale taken over its shards). The losses
     agree to fp32 rounding carried through float8 (1e-4; the pipeline's measured equal to the digit, FSDP's 5e-5 at
     step 5); the run resumes bitwise on its layout, and its checkpoint trains on in one process."""
     from test_tensor_parallel_runs import _flags, _losses
 
     from fitgpt.cli import main
 
-    one = ["--grad-accum", "2"] + (["--batch-size", "2"] if "--pipeline-parallel" in layout else [])
+    one = (["--grad-accum", "2"] + (["--batch-size", "2"] if "--pipeline-parallel" in layout else [])
+           if "--tensor-parallel" not in layout else [])  # a tensor-parallel group's ranks train the batch whole
     assert main(_flags(data_dir, corpus_dir, tmp_path / "one", "--float8", "tensorwise", *one)) == 0
     run = tmp_path / "ranks"
     ranks(2).cli(_flags(data_dir, corpus_dir, run, "--float8", "tensorwise", *layout))
     (ref, ref_val), (got, got_val) = _losses(tmp_path / "one"), _losses(run)
     assert len(got) == 6
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=0)
-    if "--parallel" in layout:  # evaluated on the same batches (one process's of 2 are other windows, scaled apart)
+    if "--pipeline-parallel" not in layout:  # evaluated on the same batches (one process's of 2: other windows)
         torch.testing.assert_close(torch.tensor(got_val), torch.tensor(ref_val), rtol=1e-4, atol=0)
     ranks(2).cli(_flags(data_dir, corpus_dir, run, "--float8", "tensorwise", *layout, "--resume",
                         str(run / "checkpoints" / "step_00000003")))
@@ -141,7 +177,6 @@ def test_float8_trains_over_ranks_as_one_process_of_the_same_micro_batches(layou
 
 
 @pytest.mark.parametrize("extra, says", [
-    (["--tensor-parallel", "2"], "--float8 with --tensor-parallel needs torchao's float8 tensor-parallel styles"),
     (["--model.n-embed", "24", "--model.n-head", "2"], "--float8: no linear layer of this model has both sides a "
                                                        "multiple of 16"),
     (["--torchao-missing"], "--float8 needs torchao: pip install 'fitgpt[float8]'"),

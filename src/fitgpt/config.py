@@ -160,9 +160,6 @@ class TrainConfig:
         elif self.optim.rounding != "stochastic":
             raise UserError(f"--optim.rounding {self.optim.rounding} rounds the updates of bf16 weights; these are fp32: "
                             "add --model.weights-dtype bf16, or drop --optim.rounding")
-        if self.float8 != "none" and self.tensor_parallel > 1:
-            raise UserError("--float8 with --tensor-parallel needs torchao's float8 tensor-parallel styles, not built "
-                            "yet: drop one of them (float8 trains alone, under DDP, FSDP and --pipeline-parallel)")
         if self.fsdp_offload and self.parallel != "fsdp":
             raise UserError("--fsdp-offload is FSDP's: add --parallel fsdp (and launch with torchrun)")
         if self.optim.offload:
