@@ -8,6 +8,7 @@ torchtitan's Llama 3.1 405B layout planned per rank on an H100 (FSDP 8 x TP 8 x 
     python benchmarks/pipeline_check.py --torchtitan 1f1b      # (or interleaved-1f1b) the 405B plan, every rank
     python benchmarks/pipeline_check.py --torchtitan 1f1b --ranks 0 --whole   # rank 0 run whole, to compare
     python benchmarks/pipeline_check.py --torchtitan 1f1b --reshard torchtitan   # FSDP's weights kept to the backward
+    python benchmarks/pipeline_check.py --torchtitan 1f1b --reshard torchtitan --float8 tensorwise   # and Float8
 
 Prints Markdown tables for benchmarks/RESULTS.md.
 """
@@ -111,24 +112,26 @@ def check() -> None:
                   f"{seconds:.1f} s (all ranks) | {'yes' if plan.composed else 'no'} |")
 
 
-def torchtitan(schedule: str, ranks: list[int] | None = None, whole: bool = False, reshard: str = "always") -> None:
+def torchtitan(schedule: str, ranks: list[int] | None = None, whole: bool = False, reshard: str = "always",
+               float8: str = "none") -> None:
     """Llama 3.1 405B (126 blocks, 16384 wide, 128 heads over 8 key/value heads, MLP 53248, vocabulary 128256) as
     torchtitan trains it on 512 H100s: every pipeline rank's plan (or ``ranks``'; ``whole``: each run whole, not
-    composed from a small step; ``reshard``: --fsdp-reshard-after-forward, torchtitan's own "torchtitan")."""
+    composed from a small step; ``reshard``: --fsdp-reshard-after-forward, torchtitan's own "torchtitan"; ``float8``:
+    --float8, torchtitan's Float8 linears)."""
     from fitgpt.estimate.hardware import Target, find_gpu
 
     overrides = {"model": {"n_embed": 16384, "n_head": 128, "n_kv_head": 8, "ffn_hidden": 53248, "n_blocks": 126,
                            "vocab_size": 128256, "context_length": 8192, "tie_embeddings": False, "rope_theta": 500000.0},
                  "batch_size": 32, "pipeline_parallel": 8, "tensor_parallel": 8, "parallel": "fsdp",
                  "pipeline_schedule": schedule, "pipeline_microbatches": 32, "activation_checkpointing": "block",
-                 "fsdp_reshard_after_forward": reshard}
+                 "fsdp_reshard_after_forward": reshard, "float8": float8}
     cfg = load_config("llama-1b", overrides=overrides)
     t0 = time.perf_counter()
     plans = plan_pipeline(cfg, 512, torch.bfloat16, target=Target("cuda", find_gpu("h100-80gb")), ranks=ranks, whole=whole)
     wall = time.perf_counter() - t0
     gib = 2**30
     print(f"405B, FSDP 8 x TP 8 x PP 8, {schedule}, 32 micro-batches of 1 x 8192, block, bf16, H100, reshard after forward "
-          f"{reshard}: planned in {wall:.0f} s")
+          f"{reshard}, float8 {float8}: planned in {wall:.0f} s")
     print("| rank | blocks | weights | gradients | AdamW state | receive buffers | activations | peak | peak (bytes) | "
           "planned in | composed |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
@@ -142,6 +145,7 @@ if __name__ == "__main__":
     if "--torchtitan" in sys.argv:
         chosen = [int(r) for r in sys.argv[sys.argv.index("--ranks") + 1].split(",")] if "--ranks" in sys.argv else None
         reshard = sys.argv[sys.argv.index("--reshard") + 1] if "--reshard" in sys.argv else "always"
-        torchtitan(sys.argv[sys.argv.index("--torchtitan") + 1], chosen, "--whole" in sys.argv, reshard)
+        float8 = sys.argv[sys.argv.index("--float8") + 1] if "--float8" in sys.argv else "none"
+        torchtitan(sys.argv[sys.argv.index("--torchtitan") + 1], chosen, "--whole" in sys.argv, reshard, float8)
     else:
         check()

@@ -111,36 +111,43 @@ def test_each_fsdp_rank_of_float8_linears_is_planned_to_the_byte(ranks):
 
 
 def _tp_peaks(rank: int, world: int, arch: str, recipes: list[str]) -> list:
-    """Each rank's measured peak of a steady step split over ``world`` tensor-parallel ranks, under each recipe."""
+    """Each rank's measured peak of a steady step split over 2 tensor-parallel ranks (FSDP over the groups where there
+    are more), under each recipe."""
     from measured import steady_peak
 
+    from fitgpt.parallel.fsdp import fsdp_shard
     from fitgpt.parallel.tensor import apply_tensor_parallel, step_context, training_mesh
 
-    mesh = training_mesh("cpu", world, world)
+    mesh = training_mesh("cpu", world, 2)
     idx = torch.randint(0, SHAPE["vocab_size"], (2, T + 1), generator=torch.Generator().manual_seed(1))
     peaks = []
     for recipe in recipes:
         model = _model(arch, recipe)
         apply_tensor_parallel(model, mesh["tp"])
+        if world > 2:  # tensorwise weights then all-gathered in float8 over "dp", inside their TP split
+            fsdp_shard(model, None, mesh=mesh["dp"])
         opt = build_optimizer(model, OptimConfig(), CPU)
         with step_context(model):
             peaks.append(steady_peak(model, opt, (idx[:, :-1].contiguous(), idx[:, 1:].contiguous())))
+        peaks.append(type(model.attn_blocks[0].mlp.up_proj.weight.to_local()).__name__)
     return peaks
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
-def test_each_tensor_parallel_rank_of_float8_linears_is_planned_to_the_byte(ranks):
-    """Split by tensor parallelism (torchtitan's 2-D mesh), each float8 linear's weight is a DTensor shard whose scale
-    is taken over the whole weight; each rank's measured peak is the plan's."""
-    recipes = ["tensorwise", "rowwise"]
-    measuring = ranks(2).submit(_tp_peaks, "llama", recipes)
+@pytest.mark.parametrize("world, recipes", [(2, ["tensorwise", "rowwise"]), (4, ["tensorwise"])])
+def test_each_tensor_parallel_rank_of_float8_linears_is_planned_to_the_byte(world, recipes, ranks):
+    """Split by tensor parallelism, each float8 linear's weight is a DTensor shard whose scale is taken over the
+    whole weight; with FSDP over the pairs (torchtitan's 2-D mesh), tensorwise shards are gathered in float8 inside
+    their split. Each rank's measured peak is the plan's."""
+    measuring = ranks(world).submit(_tp_peaks, "llama", recipes)
     cfg = ModelConfig(arch="llama", **SHAPE)
-    planned = [predict(profile_model(Float8Model(OwnModel(cfg), r), 2, T, "cpu", OptimConfig(), fake=True, tp_ranks=2),
-                       Plan.uniform(2, "none")).peak for r in recipes]
+    planned = [predict(profile_model(Float8Model(OwnModel(cfg), r), 2, T, "cpu", OptimConfig(), fake=True, tp_ranks=2,
+                                     fsdp_ranks=world // 2), Plan.uniform(2, "none")).peak for r in recipes]
+    gathered = "WeightWithDynamicFloat8CastTensor" if world > 2 else "Tensor"  # in float8 where FSDP gathers
     for peaks in measuring.result():
-        assert peaks == planned
+        assert peaks[::2] == planned and set(peaks[1::2]) == {gathered}
 
 
 @pytest.mark.slow

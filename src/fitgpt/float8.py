@@ -97,7 +97,7 @@ def gather_in_float8(model: nn.Module) -> nn.Module:
             continue
         cast = m.config.cast_config_weight
         if cast.scaling_granularity is ScalingGranularity.TENSORWISE:
-            wrapped = WeightWithDynamicFloat8CastTensor(m.weight, m.linear_mm_config, cast.target_dtype)
+            wrapped = _wrapped(m.weight, WeightWithDynamicFloat8CastTensor, m.linear_mm_config, cast.target_dtype)
             m.weight = nn.Parameter(wrapped, requires_grad=m.weight.requires_grad)
     return model
 
@@ -107,6 +107,17 @@ def converted(model: nn.Module) -> int:
     from torchao.float8.float8_linear import Float8Linear
 
     return sum(isinstance(m, Float8Linear) for m in model.modules())
+
+
+def _wrapped(weight: torch.Tensor, wrapper, *args) -> torch.Tensor:
+    """``wrapper(weight, *args)``, or, split by tensor parallelism, of its local shard (the wrapper goes inside the
+    DTensor, where FSDP2 finds it when it shards the split weight again: torchao wraps before TP splits)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(weight, DTensor):
+        return wrapper(weight, *args)
+    return DTensor.from_local(wrapper(weight.to_local(), *args), weight.device_mesh, weight.placements, run_check=False,
+                              shape=weight.shape, stride=weight.stride())
 
 
 def device_refusal(device: torch.device) -> str | None:
