@@ -204,3 +204,31 @@ def test_a_pipeline_plans_its_own_checkpointing_within_a_budget(data_dir, corpus
     assert chosen in ("pointwise", "selective", "block")
     measured = re.search(r"auto: measured peak rank 0: ([\d.]+ \w+), rank 1: ([\d.]+ \w+) .* vs predicted ([\d.]+ \w+)", err)
     assert measured.group(3) in measured.group(1, 2), err[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_pipeline_starts_from_a_hugging_face_folder_as_one_process_does(arch, data_dir, corpus_dir, tmp_path, ranks):
+    """--init-from over 2 stages: rank 0 reads the folder and each stage keeps its own weights (GPT-2's tied head on
+    the last stage, from the embedding): every loss is one process's started from the same folder, within fp32
+    rounding (a stage left at its random start, or a head not the embedding, would differ at the first)."""
+    transformers = pytest.importorskip("transformers")
+    from fitgpt.cli import main
+
+    hf = tmp_path / "hf"
+    if arch == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=128,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        transformers.GPT2LMHeadModel(config).save_pretrained(hf)
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                          intermediate_size=128, vocab_size=512, max_position_embeddings=128,
+                                          tie_word_embeddings=False)
+        transformers.LlamaForCausalLM(config).save_pretrained(hf)
+    start = ["--init-from", str(hf), "--max-steps", "3"]
+    assert main(_flags(data_dir, corpus_dir, tmp_path / "one", *start)) == 0
+    ranks(2).cli(_flags(data_dir, corpus_dir, tmp_path / "pp", *start, "--pipeline-parallel", "2"))
+    (one, _), (pp, _) = _losses(tmp_path / "one"), _losses(tmp_path / "pp")
+    assert len(pp) == 3
+    torch.testing.assert_close(torch.tensor(pp), torch.tensor(one), rtol=1e-5, atol=0)

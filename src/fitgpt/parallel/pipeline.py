@@ -78,9 +78,6 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
     if cfg.compile and cfg.pipeline_schedule in ZERO_BUBBLE:
         return (f"--pipeline-schedule {cfg.pipeline_schedule} splits each backward in two, which PyTorch 2.13 cannot do "
                 "through compiled code: drop --compile, or use --pipeline-schedule 1f1b or interleaved-1f1b")
-    if cfg.init_from:
-        return ("--pipeline-parallel with --init-from is not built yet (the pipeline trains with FSDP, tensor "
-                "parallelism, any checkpointing policy and any optimizer): drop --init-from")
     if cfg.pipeline_schedule in ZERO_BUBBLE and cfg.parallel == "fsdp":
         return (f"--pipeline-schedule {cfg.pipeline_schedule} with --parallel fsdp gives FSDP's stages wrong weight "
                 "gradients in PyTorch 2.13 (measured: the loss leaves one process's at the second step): use "

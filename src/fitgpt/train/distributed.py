@@ -326,18 +326,20 @@ def wrap(model: nn.Module, info: DistInfo, parallel: str, device: torch.device, 
 
 @torch.no_grad()
 def broadcast_weights(info: DistInfo, model: nn.Module, weights: dict[str, torch.Tensor] | None, device: torch.device,
-                      skip: set[str]) -> None:
+                      skip: set[str], whole: dict[str, torch.Tensor] | None = None) -> None:
     """Rank 0's whole ``weights`` into every rank's ``model``, a tensor at a time (a collective): under FSDP each rank
     keeps its shard of each, so no rank ever holds the whole model but rank 0. ``skip``: tied names, filled through
-    the name each shares."""
+    the name each shares. ``whole``: the whole model's tensors by name (their shapes and dtypes), where ``model`` is a
+    pipeline rank's stages, which hold some of them: every name is sent, each kept where it is held."""
     from fitgpt.parallel.placement import assign_whole
 
     own = model.state_dict(keep_vars=True)
-    for name in sorted(set(own) - skip):  # one order on every rank
-        p = own[name]
+    for name in sorted(set(whole or own) - skip):  # one order on every rank
+        p = (whole or own)[name]
         t = weights[name].to(device) if info.is_main else torch.empty(p.shape, dtype=p.dtype, device=device)
         dist.broadcast(t, src=0)
-        assign_whole(p, t)
+        if name in own:
+            assign_whole(own[name], t)
 
 
 # ---- full state for checkpoints ---------------------------------------------------------------------

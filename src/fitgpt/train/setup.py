@@ -56,17 +56,28 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, shards:
         raise UserError(f"out of host memory building the model: {too_large(cfg)}") from None
 
 
-def init_from_hf(cfg: TrainConfig, model: nn.Module, info: dist_utils.DistInfo, device: torch.device, sharded: bool) -> None:
+def init_from_hf(cfg: TrainConfig, model: nn.Module, info: dist_utils.DistInfo, device: torch.device, sharded: bool,
+                 stages: nn.Module | None = None) -> None:
     """--init-from: a Hugging Face folder's weights into the model. Under FSDP (``sharded``: the model built on the
     meta device and sharded) rank 0 reads them and every rank keeps its pieces, a tensor at a time; otherwise each
-    process loads them whole."""
+    process loads them whole. Under --pipeline-parallel ``model`` is the whole model (on the meta device) and
+    ``stages`` what this rank holds of it: every weight is sent, each kept by the ranks that hold it (a tied head by
+    the last stage's, from the embedding)."""
     check_tokenizer(cfg.init_from, cfg.data.path / TOKENIZER_FILE)
     if not sharded:
         import_weights(cfg.init_from, model)
     else:
         held: dict = {}
-        dist_utils.from_main(info, lambda: held.update(hf_weights(cfg.init_from, model)))  # a bad folder: one line, every rank
-        dist_utils.broadcast_weights(info, model, held, device, set(tied_parameter_names(model)))
+
+        def read() -> None:  # a bad folder: one line, every rank
+            held.update(hf_weights(cfg.init_from, model))
+            if stages is not None and cfg.model.tied:  # the last stage's own copy of the embedding
+                held["lm_head.weight"] = held["token_embed.weight"]
+
+        dist_utils.from_main(info, read)
+        whole = model.state_dict(keep_vars=True) if stages is not None else None
+        skip = set() if stages is not None else set(tied_parameter_names(model))
+        dist_utils.broadcast_weights(info, stages or model, held, device, skip, whole)
     log.info("initialised from %s (%s, %d blocks x %d)", cfg.init_from, cfg.model.arch, cfg.model.n_blocks, cfg.model.n_embed)
 
 

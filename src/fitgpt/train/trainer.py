@@ -180,6 +180,8 @@ def _train(cfg: TrainConfig, info: dist_utils.DistInfo, planner: Planner | None,
     step_model = prepare_model(model, policy, cfg, info, device, dtype, inspect=act and act.inspect)
     if cfg.pipeline_parallel > 1:  # this rank's stages: what it fills, steps and saves
         materialise_stages(model, step_model.stages, torch.device("cpu") if cfg.fsdp_offload else device, cfg.seed)
+        if cfg.init_from and not cfg.resume:
+            init_from_hf(cfg, model, info, device, sharded=True, stages=step_model.held)
         model = step_model.held
     elif shards > 1:
         materialise(model, torch.device("cpu") if cfg.fsdp_offload else device, cfg.seed)
