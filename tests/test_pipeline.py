@@ -53,7 +53,8 @@ def pipelined(rank: int, world: int, cfg: dict, schedule: str, dp: int = 1, tp: 
     model = Transformer(ModelConfig(**cfg))
     mesh = training_mesh("cpu", world, 2, tp)
     shard = (lambda stage, dp_mesh: fsdp_shard(stage, None, mesh=dp_mesh)) if dp > 1 else None  # noqa: E731
-    pipe = build_pipeline(model, schedule, 2, mesh, torch.device("cpu"), (8 // dp, 16), shard)
+    microbatches = 4 if schedule == "dualpipev" else 2  # DualPipeV: a micro-batch a stage at least
+    pipe = build_pipeline(model, schedule, microbatches, mesh, torch.device("cpu"), (8 // dp, 16), shard)
     x, y = _batch()
     i = rank % (world // 2) // tp  # this rank's place among the stage's data-parallel ranks
     with step_context(pipe.held):  # loss_parallel, where the head is split on the vocabulary
@@ -94,13 +95,13 @@ def test_a_pipelined_step_gives_one_processs_loss_and_gradients(schedule, arch, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule", ["interleaved-zero-bubble", "zbv"])
+@pytest.mark.parametrize("schedule", ["interleaved-zero-bubble", "zbv", "dualpipev"])
 def test_a_zero_bubble_step_gives_one_processs_loss_and_gradients(schedule, ranks):
     """PyTorch's zero-bubble schedules (issue 69), each backward split into the input's gradient and the weights':
-    Llama over 4 stages on 2 ranks, looped (interleaved) or in a V (ZBV: rank 0 holds the first and the last stage,
-    and the loss), 2 micro-batches: one process's loss and every gradient."""
+    Llama over 4 stages on 2 ranks, looped (interleaved) or in a V (ZBV and DualPipeV: rank 0 holds the first and the
+    last stage, and the loss), 2 micro-batches (DualPipeV's 4): one process's loss and every gradient."""
     got = ranks(2).run(pipelined, LLAMA, schedule)
-    assert [g["last"] for g in got] == ([True, False] if schedule == "zbv" else [False, True])
+    assert [g["last"] for g in got] == ([False, True] if schedule == "interleaved-zero-bubble" else [True, False])
     _check(got, LLAMA)
 
 

@@ -60,6 +60,8 @@ def measured_stage_peak(rank: int, world: int, overrides: dict) -> int:
     # ZBV's V (issue 69): rank 0 holds the first stage and the last, the backward split; run whole, not composed
     (2, {"pipeline_schedule": "zbv", "activation_checkpointing": "none",
          "model": {**PLANNED["model"], "tie_embeddings": False}}),
+    (2, {"pipeline_schedule": "dualpipev", "activation_checkpointing": "block",
+         "model": {**PLANNED["model"], "tie_embeddings": False}}),
     # torchtitan's FSDP under PP (issue 69): each block's weights kept gathered from its forward to its backward
     (4, {"pipeline_schedule": "1f1b", "parallel": "fsdp", "fsdp_reshard_after_forward": "torchtitan",
          "activation_checkpointing": "none"}),

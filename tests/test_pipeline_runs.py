@@ -23,11 +23,12 @@ def ranks():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("schedule, policy", [("gpipe", "block --compile"), ("1f1b", "selective"),
-                                              ("interleaved-1f1b", "chunked-loss:32"), ("zbv", "none")])
+                                              ("interleaved-1f1b", "chunked-loss:32"), ("zbv", "none"),
+                                              ("dualpipev", "block")])
 def test_a_pipeline_trains_as_one_process_checkpoints_and_resumes(schedule, policy, data_dir, corpus_dir, tmp_path,
                                                                   capsys, ranks):
     """Llama-tiny (4 blocks) over 2 ranks, 2 micro-batches of the batch of 4 (4 stages interleaved or in ZBV's V, 4
-    micro-batches; ZBV evaluates by its forwards alone), each stage's blocks checkpointed by ``policy`` (the last
+    micro-batches; ZBV and DualPipeV evaluate by ZBV's forwards alone), each stage's blocks checkpointed by ``policy`` (the last
     stage's loss in chunks, where it says so; GPipe's blocks compiled besides, each inside its wrapper): every logged
     loss within fp32 rounding of one process's (which checkpoints nothing); resumed at step 3, the straight run's last
     losses; the checkpoint trains on in one process and `generate` samples from it."""
@@ -98,6 +99,8 @@ def test_what_a_pipeline_cannot_take_is_refused_in_one_line(extra, needle, data_
     (["--pipeline-parallel", "2", "--pipeline-schedule", "zbv", "--model.tie-embeddings", "True"], 2,
      "use --model.tie-embeddings False"),
     (["--pipeline-parallel", "2", "--pipeline-microbatches", "1"], 2, "--pipeline-microbatches 2 or more"),
+    (["--pipeline-parallel", "2", "--pipeline-schedule", "dualpipev", "--pipeline-microbatches", "2"], 2,
+     "--pipeline-microbatches 4 or more"),
     (["--pipeline-parallel", "2", "--pipeline-schedule", "interleaved-1f1b", "--batch-size", "10",
       "--pipeline-microbatches", "5"], 2, "use a multiple of 2 for --pipeline-microbatches"),
     (["--pipeline-parallel", "2", "--tensor-parallel", "2"], 6, "launch a multiple of 4"),

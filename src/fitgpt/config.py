@@ -82,12 +82,13 @@ class TrainConfig:
     """Under torchrun, cut the blocks into stages over this many processes (the embedding on the first, the head and
     loss on the last), each micro-batch's activations passed from stage to stage; with more processes, each stage
     sharded by --parallel fsdp over the rest."""
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "zbv"] = "1f1b"
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "zbv", "dualpipev"] = "1f1b"
     """With --pipeline-parallel: gpipe (every micro-batch's forward, then every backward), 1f1b (a backward as soon as
     it can: at most a stage's count of micro-batches in flight), interleaved-1f1b (two stages a process, looped), or
     PyTorch's zero-bubble schedules, each backward split into the input's gradient (sent on at once) and the weights'
-    (run where a stage would wait): interleaved-zero-bubble (interleaved-1f1b's stages) and zbv (two stages a process
-    in a V: process r holds stages r and 2P - 1 - r, the first and the last on the first process)."""
+    (run where a stage would wait): interleaved-zero-bubble (interleaved-1f1b's stages), zbv (two stages a process in a
+    V: process r holds stages r and 2P - 1 - r, the first and the last on the first process), and dualpipev
+    (DeepSeek-V3's DualPipe folded into ZBV's V of stages: one micro-batch's forward paired with another's backward)."""
     pipeline_microbatches: int = 0
     """With --pipeline-parallel: the micro-batches each step's batch is cut into (0: one a stage); must divide
     --batch-size."""
@@ -250,9 +251,9 @@ class TrainConfig:
 
 # ---- loading from dicts and files ----------------------------------------------------------------
 
-STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "interleaved-zero-bubble": 2, "zbv": 2}
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "interleaved-zero-bubble": 2, "zbv": 2, "dualpipev": 2}
 """The pipeline stages each process holds under each --pipeline-schedule."""
-V_SCHEDULES = ("zbv",)
+V_SCHEDULES = ("zbv", "dualpipev")
 """The schedules whose stages sit on the processes in a V (process r of P holds stages r and 2P - 1 - r), not looped."""
 
 PRESETS = ("tiny", "small", "medium", "3b", "llama-tiny", "llama-1b")

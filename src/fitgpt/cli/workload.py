@@ -193,7 +193,7 @@ class BudgetConfig(WorkloadConfig):
     pipeline_parallel: int = 1
     """As for fitgpt train: the blocks cut into this many stages' ranks, each rank planned on fake ranks running the
     trainer's schedule; --world-size (default: this many) is P x N of them, each stage sharded by FSDP over N."""
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "zbv"] = "1f1b"
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "zbv", "dualpipev"] = "1f1b"
     """As for fitgpt train, with --pipeline-parallel."""
     pipeline_microbatches: int = 0
     """As for fitgpt train, with --pipeline-parallel (0: one a stage)."""

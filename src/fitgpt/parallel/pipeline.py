@@ -30,7 +30,7 @@ __all__ = ["Pipeline", "build_pipeline", "launch_refusal", "pipeline_refusal", "
            "stage_blocks", "training_mesh"]
 
 
-ZERO_BUBBLE = ("interleaved-zero-bubble", "zbv")
+ZERO_BUBBLE = ("interleaved-zero-bubble", "zbv", "dualpipev")
 """PyTorch's zero-bubble schedules: each backward split into the input's gradient and the weights'."""
 
 
@@ -47,6 +47,9 @@ def pipeline_refusal(n_blocks: int, pp: int, schedule: str, microbatches: int, b
     if schedule == "1f1b" and microbatches < pp:
         return (f"--pipeline-schedule 1f1b keeps each of its {pp} stages busy with a micro-batch of its own: use "
                 f"--pipeline-microbatches {pp} or more (a divisor of --batch-size {batch_size})")
+    if schedule == "dualpipev" and microbatches < stages:
+        return (f"--pipeline-schedule dualpipev runs a micro-batch through each of its {stages} stages at once: use "
+                f"--pipeline-microbatches {stages} or more (a divisor of --batch-size {batch_size})")
     rounds = max(1, microbatches // pp)
     if schedule in ("interleaved-1f1b", "interleaved-zero-bubble") and microbatches % rounds:
         return (f"--pipeline-schedule {schedule} runs the micro-batches in rounds of {pp}: use a multiple of {pp} "
@@ -232,13 +235,14 @@ def schedule_stages(stages: list[Stage], held: Stage, schedule: str, microbatche
         return loss
 
     classes = {"gpipe": pt.ScheduleGPipe, "1f1b": pt.Schedule1F1B, "interleaved-1f1b": pt.ScheduleInterleaved1F1B,
-               "interleaved-zero-bubble": pt.ScheduleInterleavedZeroBubble, "zbv": pt.ScheduleZBVZeroBubble}
+               "interleaved-zero-bubble": pt.ScheduleInterleavedZeroBubble, "zbv": pt.ScheduleZBVZeroBubble,
+               "dualpipev": pt.ScheduleDualPipeV}
     runner = classes[schedule](wrapped if len(stages) > 1 else wrapped[0], n_microbatches=microbatches, loss_fn=loss_fn)
     last_rank = next(r for r in range(pp) if n_stages - 1 in stage_indices(schedule, pp, r))  # the loss's
     tie = _tie_group(mesh) if held.config.tied else None
     pipe = Pipeline(stages, held, runner, group, tie, wrapped, losses, dist.get_global_rank(group, last_rank))
-    if schedule in V_SCHEDULES:
-        pipe.evaluator = forward_only(classes[schedule](wrapped, n_microbatches=microbatches, loss_fn=loss_fn))
+    if schedule in V_SCHEDULES:  # ZBV's forwards evaluate either V (DualPipeV fuses its forwards with backwards)
+        pipe.evaluator = forward_only(pt.ScheduleZBVZeroBubble(wrapped, n_microbatches=microbatches, loss_fn=loss_fn))
     return pipe
 
 
