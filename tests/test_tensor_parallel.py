@@ -153,7 +153,7 @@ def test_tensor_parallel_compiled_and_in_bf16_equals_one_process(world, tp, arch
 PLANNED = ("none", "block", "selective", "block+chunked-loss", "selective+fused-loss")
 
 
-def _measured_peaks(rank: int, world: int, tp: int, arch: str) -> dict:
+def _measured_peaks(rank: int, world: int, tp: int, arch: str, specs: tuple[str, ...] = PLANNED) -> dict:
     """Each rank's measured peak of a steady step (`steady_peak`: the trainer's train_step, AdamW's state made by a
     first step), on the trainer's mesh: world / tp data-parallel ranks (FSDP's, where more than one) x tp."""
     from measured import steady_peak
@@ -165,7 +165,7 @@ def _measured_peaks(rank: int, world: int, tp: int, arch: str) -> dict:
 
     mesh = training_mesh("cpu", world, tp)
     peaks = {}
-    for spec in PLANNED:
+    for spec in specs:
         torch.manual_seed(0)
         model = Transformer(CFGS[arch])
         apply_tensor_parallel(model, mesh["tp"])
@@ -191,7 +191,9 @@ def test_each_tensor_parallel_rank_is_planned_to_the_byte(world, tp, arch, ranks
     from fitgpt.estimate.replay import simulate_step
     from fitgpt.plan import Plan, predict
 
-    measuring = ranks(world).submit(_measured_peaks, tp, arch)  # the ranks measure while this process predicts
+    # FSDP over the pairs (2 x 2): three of the five, each kind of block and loss head once (1 x 2 measures all five)
+    specs = PLANNED if world == tp else ("none", "selective", "block+chunked-loss")
+    measuring = ranks(world).submit(_measured_peaks, tp, arch, specs)  # the ranks measure while this process predicts
     cfg = CFGS[arch]
     profile = profile_model(cfg, 2, cfg.context_length, "cpu", OptimConfig(), fake=True, tp_ranks=tp,
                             fsdp_ranks=world // tp)
