@@ -136,7 +136,7 @@ def test_a_run_of_a_time_budget_continues_by_steps(make_cfg, tmp_path, capsys, m
     assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "step_00000006"
 
 
-
+@pytest.mark.slow  # three interpreters, each importing torch
 def test_under_torchrun_a_budget_counts_from_the_launch_not_the_worker():
     """torchrun's own start-up and its workers' start came before the workers' clocks: time-budgeted launches ended
     2-4 s past their budget (issue 68). A worker of a first attempt counts from its launcher's start (here: this

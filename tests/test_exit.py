@@ -57,3 +57,40 @@ def test_finished_torchrun_launches_exit_0_beside_two_busy_processes(data_dir, c
     finally:
         for p in busy:
             p.kill()
+
+
+def _equal_mesh_after_release(rank: int, world: int, ports: list[int]) -> float:
+    """Rank body: a 2 x 2 mesh's "tp" ranks double a sharded tensor, the groups are destroyed and released (as
+    `shutdown` does), then groups are made anew (fewer before the mesh, so its own get other names) and an equal
+    mesh does the same."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def doubled(groups_before: int) -> float:
+        _ = [dist.new_group(list(range(world))) for _ in range(groups_before)]
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))["tp"]
+        return (distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]) * 2).full_tensor().sum().item()
+
+    for i, port in enumerate(ports):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+            dist_utils.release_meshes()
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo")
+        result = doubled(3 - 3 * i)
+    return result
+
+
+@pytest.mark.slow
+def test_a_mesh_made_after_the_groups_are_released_is_not_handed_an_old_ones_groups(ranks):
+    """DTensor's sharding caches key an op by its meshes' shapes and hand back the mesh they first saw: after the
+    groups were destroyed, an equal mesh's next collective named a group gone with them ("Could not resolve the process
+    group registered under the name 7": the 2 x 2 flake of the shared ranks, issue 68; and a second run in one
+    process). `release_meshes` empties those caches."""
+    from rank_pool import free_port
+
+    assert ranks(4).run(_equal_mesh_after_release, [free_port(), free_port()]) == [32.0] * 4

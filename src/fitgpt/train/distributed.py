@@ -227,14 +227,28 @@ def shutdown(info: DistInfo) -> None:
 
 
 def release_meshes() -> None:
-    """Every DeviceMesh alive (in DTensor's caches too) lets go of its process groups, and those are destroyed now."""
+    """Every DeviceMesh alive (in DTensor's caches too) lets go of its process groups, and those are destroyed now;
+    DTensor's sharding caches forget them (`forget_sharding`)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     gc.collect()  # meshes only reachable through cycles go with them
     for obj in gc.get_objects():
         if isinstance(obj, DeviceMesh) and getattr(obj, "_pg_registry", None):
             obj._pg_registry.clear()
+    forget_sharding()
     gc.collect()  # the groups a cycle held
+
+
+def forget_sharding() -> None:
+    """Empty DTensor's sharding caches (Python's and the C++ fast path's). They key each op by its meshes' shapes, not
+    their groups, and hand back the meshes they first saw: a mesh made after the groups were destroyed, equal in
+    shape, got an old one whose groups were gone, and its next collective failed ("Could not resolve the process
+    group registered under the name 7": a second run in one process, a test after another on the same ranks)."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # another PyTorch: nothing of this to forget, or no way to
+        return
+    _clear_sharding_prop_cache()
 
 
 def gloo_threads() -> list[str]:
