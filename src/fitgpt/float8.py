@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from fitgpt.errors import UserError
+from fitgpt.utils import import_torchao
 
 RECIPES = ("tensorwise", "rowwise")
 HEAD_NAMES = ("lm_head", "output")
@@ -40,7 +41,7 @@ MISSING = "--float8 needs torchao: pip install 'fitgpt[float8]'"
 def missing() -> str | None:
     """Why --float8 cannot run here for want of torchao (one line); None: it is installed."""
     try:
-        import torchao.float8  # noqa: F401
+        import_torchao("torchao.float8")
     except ImportError:
         return MISSING
     return None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib
+import logging
 import multiprocessing
 import os
 import pickle
@@ -258,3 +260,23 @@ def _outcome(fn, args, threads: int | None = 1) -> bytes:
             return pickle.dumps((False, e))
         except Exception:  # noqa: BLE001
             return pickle.dumps((False, RuntimeError(f"{type(e).__name__}: {e}")))
+
+
+TORCHAO_NOISE = ("torchao", "torchao.kernel.intmm", "torch.utils._pytree")
+"""What torchao's import warns through: its compiled kernels for each CUDA architecture this build or machine cannot
+load, Triton's absence (its int8 matmuls), and an Enum it registers with torch's pytree, which now says it need not.
+fitgpt calls none of those kernels (the Python paths of --float8 and low-bit AdamW are what it runs)."""
+
+
+def import_torchao(name: str):
+    """``import name`` (a torchao module), without the warnings of ``TORCHAO_NOISE`` (in every process that imports
+    it: the planner's spawned workers too). Raises ImportError as the import does."""
+    loggers = [logging.getLogger(n) for n in TORCHAO_NOISE]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        return importlib.import_module(name)
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

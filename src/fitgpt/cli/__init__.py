@@ -30,12 +30,6 @@ def setup_logging(verbose: bool = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname).1s %(name)s: %(message)s", force=True)
     for noisy in ("matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    # torchao (--float8, low-bit AdamW) tries its compiled kernels for each CUDA architecture at import and warns for
-    # every one this build or machine cannot load; fitgpt calls none of them (their Python paths are what it runs).
-    logging.getLogger("torchao").addFilter(lambda r: not r.getMessage().startswith("Failed to load"))
-    logging.getLogger("torchao.kernel.intmm").setLevel(logging.ERROR)  # "no triton": its int8 matmuls, not fitgpt's
-    # ... and registers an Enum with torch's pytree, which now warns that it need not: not a user's to act on.
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 
 _started: float | None = None  # when the running command began

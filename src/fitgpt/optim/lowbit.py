@@ -23,6 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from fitgpt.errors import UserError
+from fitgpt.utils import import_torchao
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 EXACT = "lowbit_exact"
@@ -37,6 +38,7 @@ def low_bit_adamw(name: str, groups: list[dict], lr: float, betas: tuple[float, 
         raise UserError(f"--optim.name {name} runs on CUDA and the CPU (torchao), not {device.type}: use --optim.name "
                         "adamw (with --optim.state-dtype bf16 for 2-byte moments)")
     try:
+        import_torchao("torchao.optim")
         from torchao.optim import AdamW4bit, AdamW8bit
     except ImportError:
         raise UserError(f"--optim.name {name} needs torchao: pip install 'fitgpt[lowbit]'") from None
