@@ -6,8 +6,8 @@ whose sides are not multiples of 16 (``_scaled_mm``'s rule). Under FSDP, tensorw
 (torchtitan's ``enable_fsdp_float8_all_gather``): half the bytes of bf16 in flight and gathered.
 
 One function for the trainer and the planner: a model is converted after it is built and before anything splits,
-checkpoints or shards it (torchtitan's model converters run there). The parameters stay the same objects and
-names, so optimizers, checkpoints and exports see a plain model's weights: a float8 run's checkpoint loads into a
+checkpoints or shards it (torchtitan's model converters run there). The parameters keep their names, shapes and
+dtypes, so optimizers, checkpoints and exports see a plain model's weights: a float8 run's checkpoint loads into a
 model without float8, and back.
 
 Float8 matmuls need a CUDA card of compute capability 8.9 or more (Ada, Hopper, Blackwell); PyTorch runs
@@ -23,7 +23,6 @@ import torch.nn as nn
 from fitgpt.errors import UserError
 from fitgpt.utils import import_torchao
 
-RECIPES = ("tensorwise", "rowwise")
 HEAD_NAMES = ("lm_head", "output")
 """The vocabulary projection's name in fitgpt's and Hugging Face's models, and in torchtitan's (left in its precision)."""
 
@@ -63,21 +62,16 @@ def _torchao():
     return Float8LinearConfig, convert_to_float8_training
 
 
-def linear_config(recipe: str):
-    """torchao's config for ``recipe``."""
-    Float8LinearConfig, _ = _torchao()
-    return Float8LinearConfig() if recipe == "tensorwise" else Float8LinearConfig.from_recipe_name(recipe)
-
-
 def convert(model: nn.Module, recipe: str) -> nn.Module:
-    """``model`` with its eligible linears made torchao's ``Float8Linear`` (in place; ``recipe`` "none": unchanged).
-    Returns it. Raises UserError when no linear is eligible (float8 would change nothing)."""
+    """``model`` with its eligible linears made torchao's ``Float8Linear`` (in place; ``recipe`` "none": unchanged):
+    tensorwise is torchao's default config, rowwise its recipe of that name. Returns it. Raises UserError when
+    torchao is missing or no linear is eligible (float8 would change nothing)."""
     if recipe == "none":
         return model
-    config = linear_config(recipe)
-    _, convert_to_float8_training = _torchao()
+    Float8LinearConfig, convert_to_float8_training = _torchao()
     if why := unconvertible(model):
         raise UserError(why)
+    config = Float8LinearConfig() if recipe == "tensorwise" else Float8LinearConfig.from_recipe_name(recipe)
     return convert_to_float8_training(model, module_filter_fn=eligible, config=config)
 
 

@@ -77,7 +77,7 @@ def init_from_hf(cfg: TrainConfig, model: nn.Module, info: dist_utils.DistInfo, 
         dist_utils.from_main(info, read)
         whole = model.state_dict(keep_vars=True) if stages is not None else None
         skip = set() if stages is not None else set(tied_parameter_names(model))
-        dist_utils.broadcast_weights(info, stages or model, held, device, skip, whole)
+        dist_utils.broadcast_weights(info, model if stages is None else stages, held, device, skip, whole)
     log.info("initialised from %s (%s, %d blocks x %d)", cfg.init_from, cfg.model.arch, cfg.model.n_blocks, cfg.model.n_embed)
 
 
