@@ -245,10 +245,16 @@ def forget_sharding() -> None:
     shape, got an old one whose groups were gone, and its next collective failed ("Could not resolve the process
     group registered under the name 7": a second run in one process, a test after another on the same ranks)."""
     try:
+        from torch.distributed.tensor import _redistribute
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     except ImportError:  # another PyTorch: nothing of this to forget, or no way to
         return
     _clear_sharding_prop_cache()
+    # The redistribution planners are kept by a weak reference to their mesh, which an equal mesh also matches.
+    for clear in (getattr(_redistribute, "clear_redistribute_planner_cache", None),
+                  getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None)):
+        if clear is not None:
+            clear()
 
 
 def gloo_threads() -> list[str]:
