@@ -36,7 +36,6 @@ def moved_bytes(args: tuple, kwargs: dict, out) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
 
 
-
 @dataclass
 class Roofline:
     """Per-op costs on a CUDA card from its datasheet: ``LAUNCH + max(FLOPs * per_flop, bytes * per_byte)``."""
