@@ -287,6 +287,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                 if d >= SLOW_S and _calls.get(n, 0.0) >= SLOW_S and not slow and n not in _quick_cases]
     if unmarked:
         tr.write_line(f"{len(unmarked)} tests took {SLOW_S} s or more without the slow mark: mark them slow")
+        for nodeid in unmarked:
+            tr.write_line(f"  {_calls[nodeid]:7.1f} s  {nodeid}")
 
 
 @pytest.fixture

@@ -78,6 +78,9 @@ def init_distributed(device_name: str, timeout_s: float) -> DistInfo:
         attempt = dist.PrefixStore(f"fitgpt/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         dist.init_process_group("nccl" if use_cuda else "gloo", store=attempt, rank=info.rank, world_size=world,
                                 timeout=timeout)
+    # Meshes of groups destroyed before this run (whatever ran earlier in the process, without `shutdown`) may still
+    # sit in DTensor's caches, which would hand them to this run's equal meshes.
+    forget_sharding()
     return info
 
 
