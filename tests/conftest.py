@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hang import guard
 
 from fitgpt.config import load_config
 from fitgpt.data.config import DataConfig
@@ -252,6 +253,10 @@ def pytest_collection_modifyitems(config, items):
     for group in cases.values():
         if any(item.get_closest_marker("slow") for item in group):
             _quick_cases.update(item.nodeid for item in group if not item.get_closest_marker("slow"))
+    for item in items:  # each test's pytest-timeout bound (its mark, else the ini's) is a hang guard (`hang.guard`)
+        mark = item.get_closest_marker("timeout")
+        quiet = mark.args[0] if mark and mark.args else mark.kwargs.get("timeout") if mark else config.getini("timeout")
+        item.add_marker(pytest.mark.timeout(guard(float(quiet))), append=False)
 
 
 def pytest_runtest_logreport(report):

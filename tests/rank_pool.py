@@ -32,6 +32,7 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
+from hang import guard
 
 _ctx = mp.get_context("spawn")
 
@@ -124,7 +125,7 @@ class RankPool:
         for inbox in self.inboxes:
             inbox.put((fn, args, port))
         self.pending = fn
-        return Submitted(self, fn, timeout)
+        return Submitted(self, fn, guard(timeout))  # seconds on a quiet machine; the bound is a hang guard
 
     def _collect(self, fn, timeout: float) -> list:
         results: dict[int, object] = {}

@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import pytest
+from hang import guard
 
 from fitgpt.cli import main
 from fitgpt.data.config import DataConfig
@@ -114,7 +115,7 @@ def test_two_trainers_started_together_one_trains_the_other_is_refused(cli_train
     code = f"import sys\nfrom fitgpt.cli import main\nsys.exit(main({cli_train_args(run, steps=6)!r}))"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
-    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    results = [(p.wait(timeout=guard(300)), p.stderr.read()) for p in procs]
     codes = sorted(rc for rc, _ in results)
     assert codes == [0, 2], results
     loser = next(err for rc, err in results if rc == 2)
@@ -290,7 +291,7 @@ def test_ctrl_c_during_prepare_exits_130_in_one_line_and_leaves_nothing_half_wri
     assert p.stdout.readline().strip() == "encoding"
     time.sleep(0.1)
     p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=60)
+    _, err = p.communicate(timeout=guard(60))
     assert p.returncode == 130, err
     assert "fitgpt prepare: interrupted" in err and "--resume` continues it" in err and "Traceback" not in err
     assert not list(d.glob("*.tmp")) and not (d / "meta.json").exists()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hang import guard
 from test_doors import one_line, run_cli
 
 from fitgpt.cli import main
@@ -61,7 +62,7 @@ def test_under_torchrun_an_out_of_vocabulary_id_stops_every_rank_in_one_line(dat
     p = torchrun(["train", "--data.dir", str(tmp_path / "d"), "--model.context-length", "32", "--model.n-embed", "32",
                   "--model.n-head", "4", "--model.n-blocks", "2", "--batch-size", "2", "--max-steps", "2", "--out-dir",
                   str(tmp_path / "run"), "--no-progress", "--no-tensorboard"], tmp_path)
-    _, err = p.communicate(timeout=240)
+    _, err = p.communicate(timeout=guard(240))
     assert p.returncode != 0
     assert err.count("train_bad.bin holds token id") == 2, err[-3000:]  # each rank, one line
     assert "IndexError" not in err and "src/fitgpt" not in err, err[-3000:]  # no traceback of ours

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from hang import guard
 from test_distributed import torchrun, train_flags
 from torch.distributed.checkpoint import FileSystemWriter
 
@@ -268,7 +269,7 @@ def test_a_rank_killed_while_writing_leaves_no_checkpoint_that_looks_complete(da
     run = tmp_path / "run"
     p = torchrun(train_flags(data_dir, corpus_dir, run, 9, "--async-checkpoint", mode, "--dist-timeout", "30"), tmp_path,
                  script=str(script))
-    out, err = p.communicate(timeout=300)
+    out, err = p.communicate(timeout=guard(300))
     assert p.returncode != 0
     assert [c.name for c in ckpt.list_checkpoints(run)] == ["step_00000003"], err[-3000:]
     ckpt.verify_checkpoint(run / "checkpoints/step_00000003")

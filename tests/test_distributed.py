@@ -13,6 +13,7 @@ import gathered
 import pytest
 import torch
 import torch.distributed as dist
+from hang import guard
 from rank_pool import free_port
 
 from fitgpt.activation_checkpoint import apply_activation_checkpointing
@@ -125,7 +126,7 @@ def train_flags(data_dir, corpus_dir, out, steps, *extra):
 
 
 def finish(p, timeout=300):
-    out, err = p.communicate(timeout=timeout)
+    out, err = p.communicate(timeout=guard(timeout))
     assert p.returncode == 0, err[-3000:]
     return out, err
 
@@ -195,7 +196,7 @@ def test_ctrl_c_under_torchrun_saves_once_and_every_rank_exits_zero(data_dir, co
     while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count('"loss"') >= 3):
         time.sleep(0.1)
     os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the launcher and every rank get it
-    out, err = p.communicate(timeout=240)
+    out, err = p.communicate(timeout=guard(240))
     saved = ckpt.list_checkpoints(run)
     assert len(saved) == 1, err[-3000:]
     ckpt.verify_checkpoint(saved[0])
@@ -222,7 +223,7 @@ def test_a_rank_that_crashes_never_leaves_the_other_hanging(data_dir, corpus_dir
     """))
     t0 = time.time()
     p = torchrun(train_flags(data_dir, corpus_dir, tmp_path / "run", 1000, "--dist-timeout", "30"), tmp_path, script=str(script))
-    out, err = p.communicate(timeout=240)
+    out, err = p.communicate(timeout=guard(240))
     assert p.returncode != 0 and "planted crash on rank 1" in err
     assert time.time() - t0 < 200  # bounded by torchrun's teardown and --dist-timeout, not forever
 

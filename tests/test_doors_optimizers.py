@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from hang import guard
 from test_doors import one_line, run_cli
 
 from fitgpt.config import OptimConfig
@@ -119,7 +120,7 @@ def test_the_projection_libraries_are_imported_without_reaching_for_a_model_hub(
     AVX-512 bf16, as this one): offline, a warning about a publisher's trust, and seconds lost."""
     code = ("import sys; from fitgpt.optim.lowrank import _library; _library('galore-adamw'); _library('apollo'); "
             "print('kernels' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=guard(120))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False" and "kernels-community" not in out.stderr
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from hang import guard
 
 from fitgpt.data.shards import PROGRESS_FILE, ShardWriter, save_progress
 
@@ -54,7 +55,7 @@ def test_under_torchrun_a_config_error_on_rank_0_stops_every_rank_in_one_line(da
     run = tmp_path / "run"
     p = torchrun(train_flags(data_dir, corpus_dir, run, 2, "--activation-checkpointing", "auto", "--memory-budget", "1KiB"),
                  tmp_path)
-    out, err = p.communicate(timeout=240)
+    out, err = p.communicate(timeout=guard(240))
     assert p.returncode != 0
     assert err.count("fitgpt train: error: ") == 2, err[-3000:]  # each rank, one line
     assert "Connection closed by peer" not in err and "src/fitgpt" not in err, err[-3000:]  # no traceback of ours

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hang import guard
 from rank_pool import free_port
 from test_distributed import train_flags
 
@@ -103,7 +104,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_continues_exactly(data_dir,
         workers = _workers(p.pid)
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
-        p.wait(timeout=400)
+        p.wait(timeout=guard(400))
     text = log.read_text()
     assert p.returncode == 0, text[-3000:]
     assert "--resume auto: continuing the run" in text and "resumed from" in text, text[-3000:]
@@ -124,7 +125,7 @@ def test_two_nodes_train_checkpoint_and_continue_on_one(data_dir, corpus_dir, tm
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     nodes = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
-    errs = [n.communicate(timeout=300)[1] for n in nodes]
+    errs = [n.communicate(timeout=guard(300))[1] for n in nodes]
     assert all(n.returncode == 0 for n in nodes), errs[0][-2000:] + errs[1][-2000:]
     assert "x 2 processes, ddp" in errs[0] + errs[1]
     assert json.loads((run / ckpt.CKPT_DIR / "step_00000006" / ckpt.META_FILE).read_text())["world_size"] == 2
@@ -158,7 +159,7 @@ def test_a_node_lost_mid_run_stops_the_other_with_one_line_naming_it(data_dir, c
         for pid in [*_workers(victim.pid), victim.pid]:
             os.kill(pid, signal.SIGKILL)
         killed = time.time()
-        out, err = survivor.communicate(timeout=120)
+        out, err = survivor.communicate(timeout=guard(120))
         took = time.time() - killed
     finally:
         for n in nodes:

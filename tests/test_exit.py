@@ -9,6 +9,7 @@ import sys
 import threading
 
 import pytest
+from hang import guard
 from test_distributed import finish, torchrun
 
 from fitgpt.train import distributed as dist_utils
@@ -35,7 +36,7 @@ def _train_then_threads(rank: int, world: int, argv: list[str]) -> tuple:
 def test_a_finished_run_leaves_no_thread_of_its_process_groups(data_dir, corpus_dir, tmp_path, ranks, extra):
     world = 4 if "--tensor-parallel" in extra else 2
     for code, err, gloo, heartbeat in ranks(world).run(_train_then_threads, _flags(data_dir, corpus_dir, tmp_path / "r", *extra),
-                                                       timeout=300):
+                                                       timeout=guard(300)):
         assert code == 0, err
         assert gloo == [] and heartbeat == []
 

@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 import torch
+from hang import guard
 
 from fitgpt.estimate.profile import profile_model
 from fitgpt.memory import LiveMemory
@@ -111,7 +112,7 @@ def test_a_3b_model_plans_without_memory(tmp_path):
     """)
     if not sys.platform.startswith("linux"):
         pytest.skip("reads /proc/self/statm")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=guard(300))
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["params"] > 12 * 2**30  # the whole model was planned

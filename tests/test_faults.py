@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from hang import guard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -39,7 +40,7 @@ def final_weights(run):
 def test_sigkill_at_a_random_step_then_resume_equals_an_uninterrupted_run(data_dir, corpus_dir, tmp_path, cli_train_args, test_rng):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     p = run_script("", cli_train_args(straight))
-    assert p.wait(timeout=300) == 0, p.stderr.read()
+    assert p.wait(timeout=guard(300)) == 0, p.stderr.read()
     kill_after = test_rng.randint(3, 9)
     # Steps slowed (not changed) so that the kill lands mid-run on any machine.
     slow = """
@@ -59,12 +60,12 @@ def test_sigkill_at_a_random_step_then_resume_equals_an_uninterrupted_run(data_d
             break
         time.sleep(0.01)
     p.send_signal(signal.SIGKILL)
-    p.wait(timeout=60)
+    p.wait(timeout=guard(60))
     assert p.returncode == -signal.SIGKILL, f"the run ended before it could be killed (step {kill_after})"
     last = ckpt.list_checkpoints(killed)[-1]
     assert json.loads((last / "meta.json").read_text())["step"] < 12
     p = run_script("", [*cli_train_args(killed), "--resume", "latest"])
-    out, err = p.communicate(timeout=300)
+    out, err = p.communicate(timeout=guard(300))
     assert p.returncode == 0, err
     assert f"resumed from {last}" in err
     a, b = final_weights(straight), final_weights(killed)
@@ -91,7 +92,7 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_as_latest(data_dir, cor
         c.save_model = dying
     """
     p = run_script(plant, cli_train_args(run))
-    p.communicate(timeout=300)
+    p.communicate(timeout=guard(300))
     assert p.returncode == -signal.SIGKILL
     root = run / "checkpoints"
     assert [d.name for d in ckpt.list_checkpoints(run)] == ["step_00000002"]
@@ -99,7 +100,7 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_as_latest(data_dir, cor
     path, meta = ckpt.resolve_resume(run, "latest")
     assert path.name == "step_00000002" and meta["step"] == 2
     p = run_script("", [*cli_train_args(run, steps=6), "--resume", "latest"])
-    out, err = p.communicate(timeout=300)
+    out, err = p.communicate(timeout=guard(300))
     assert p.returncode == 0, err
     assert "checkpoint whose writing was interrupted" in err
     assert not any(d.name.startswith(".tmp") for d in root.iterdir())

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from hang import guard
 from rank_pool import free_port
 from test_distributed import train_flags
 from test_elastic import _rank_of, _workers
@@ -50,7 +51,7 @@ def _fault_after_steps(launcher, run, sig) -> tuple[int, float, str]:
             while time.time() < sent + 240 and any(_running(p) for p in workers if p != victim):
                 time.sleep(0.2)
             os.kill(victim, signal.SIGKILL)
-        out, err = launcher.communicate(timeout=240)
+        out, err = launcher.communicate(timeout=guard(240))
         return 1, time.time() - sent, out + err
     finally:
         if launcher.poll() is None:

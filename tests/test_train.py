@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hang import guard
 from safetensors.torch import load_file
 
 from fitgpt.errors import UserError
@@ -51,7 +52,7 @@ def test_resume_with_another_model_shape_is_refused(data_dir, corpus_dir, tmp_pa
 
 
 def _fitgpt(*args, cwd, **kw):
-    return subprocess.run([sys.executable, "-m", "fitgpt", *args], cwd=cwd, capture_output=True, text=True, timeout=300, **kw)
+    return subprocess.run([sys.executable, "-m", "fitgpt", *args], cwd=cwd, capture_output=True, text=True, timeout=guard(300), **kw)
 
 
 TRAIN_FLAGS = ["--model.context-length", "32", "--model.n-embed", "32", "--model.n-blocks", "2", "--batch-size", "4",
@@ -85,7 +86,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(corpus_dir, tmp_path):
     while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=guard(120))
     assert proc.returncode == 0, err
     assert "stopped by SIGTERM" in err and "--resume latest" in out
     saved = ckpt.list_checkpoints(tmp_path / "runs/sig")
