@@ -76,18 +76,6 @@ def ranks():
     pools.close()
 
 
-@pytest.fixture(scope="module")
-def module_ranks():
-    """Gloo ranks of the requesting module's own, closed after it: a pipeline's groups and meshes never meet the
-    session's ranks (`ranks`), whose later bodies then once named a process group gone with them ("could not resolve
-    the process group", CI, PyTorch 2.13)."""
-    from rank_pool import RankPools
-
-    pools = RankPools()
-    yield pools
-    pools.close()
-
-
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

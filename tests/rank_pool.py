@@ -47,9 +47,14 @@ def free_port() -> int:
 def _serve(rank: int, world: int, inbox, outbox) -> None:
     import torch.distributed as dist
 
+    from fitgpt.train.distributed import forget_sharding
+
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     while (job := inbox.get()) is not None:
         fn, args, port = job
+        # Each body meets DTensor's caches empty: a mesh an earlier body left there, its groups since destroyed, would
+        # be handed to this body's equal mesh ("could not resolve the process group", PyTorch 2.13).
+        forget_sharding()
         os.environ["MASTER_PORT"] = str(port)  # where a group the ranks meet in anew meets (an existing one stays)
         try:
             # The session's first body, or the first after a command that met in a group of its own

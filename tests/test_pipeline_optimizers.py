@@ -84,11 +84,11 @@ def pipelined(rank: int, world: int, names: list[str], layout: dict) -> dict:
     ({"pipeline_parallel": 2, "parallel": "fsdp", "batch_size": 4}, ["muon", "adafactor", "adamw8bit", "bf16-adamw"]),
     ({"pipeline_parallel": 2, "tensor_parallel": 2}, ["muon"]),
 ])
-def test_every_optimizer_over_stages_trains_as_one_process(layout, names, module_ranks):
+def test_every_optimizer_over_stages_trains_as_one_process(layout, names, ranks):
     """Each loss of 8 steps within 1e-5 of one process's (2e-4 over bf16 weights): Muon's matrices stepped whole by
     their owners, 8-bit AdamW's blocks quantized whole, bf16 weights rounded by each parameter's place in the whole
     model, as one process does."""
-    got = module_ranks(4).run(pipelined, names, layout)
+    got = ranks(4).run(pipelined, names, layout)
     for name in names:
         expected = one_process(name)
         for rank in got:

@@ -131,26 +131,22 @@ def test_pipeline_stages_sharded_by_fsdp_train_as_fsdp_does(data_dir, corpus_dir
         return [*_flags(data_dir, corpus_dir, out, "--activation-checkpointing", "block", "--parallel", "fsdp",
                         preset="tiny"), "--model.tie-embeddings", "True", "--model.dropout", "0", *extra]
 
-    from test_distributed import finish, torchrun
-
     from fitgpt.cli import main
 
     ranks(2).cli(flags(tmp_path / "fsdp"))
     ranks(2).cli(flags(tmp_path / "ddp", "--parallel", "ddp"))
     assert main(flags(tmp_path / "one", "--parallel", "ddp", "--grad-accum", "2")) == 0
     run = tmp_path / "pp-fsdp"
-    # Fresh processes: in the session's 4 ranks, after other bodies' meshes of this shape and groups of their own, a
-    # step here once named a process group that was gone (PyTorch 2.13); torchrun's fresh ranks, as a user's, never do.
     # Its stages' shards, gradients and AdamW state in host memory (FSDP2's CPUOffloadPolicy): the same arithmetic.
-    finish(torchrun(flags(run, "--pipeline-parallel", "2", "--fsdp-offload"), tmp_path, nproc=4))
+    ranks(4).cli(flags(run, "--pipeline-parallel", "2", "--fsdp-offload"))
     (fsdp, fsdp_val), (pp, pp_val) = _losses(tmp_path / "fsdp"), _losses(run)
     assert len(pp) == 6 and len(pp_val) == 2
     torch.testing.assert_close(torch.tensor(pp + pp_val), torch.tensor(fsdp + fsdp_val), rtol=1e-5, atol=0)
     for layout in ("ddp", "one"):
         torch.testing.assert_close(torch.tensor(sum(_losses(tmp_path / layout), [])), torch.tensor(fsdp + fsdp_val),
                                    rtol=1e-5, atol=0, msg=layout)
-    finish(torchrun(flags(run, "--pipeline-parallel", "2", "--fsdp-offload", "--resume",
-                          str(run / "checkpoints" / "step_00000003")), tmp_path, nproc=4))
+    ranks(4).cli(flags(run, "--pipeline-parallel", "2", "--fsdp-offload", "--resume",
+                       str(run / "checkpoints" / "step_00000003")))
     again, _ = _losses(run)
     torch.testing.assert_close(torch.tensor(again[-3:]), torch.tensor(pp[-3:]), rtol=1e-6, atol=0)
     # Its checkpoint in one process (the stages' shards read whole, the tied head's two copies one weight again), 2
@@ -169,19 +165,17 @@ def test_pipeline_stages_split_by_tensor_parallelism_train_as_one_process_and_re
     process's; its step-3 checkpoint (each matrix in tensor-parallel shards of two stages) resumed on 4 stages of one
     block each, no tensor parallelism, ends on the straight run's losses: the weights and the optimizer's state
     followed their parameters to another layout."""
-    from test_distributed import finish, torchrun
-
     from fitgpt.cli import main
 
     assert main(_flags(data_dir, corpus_dir, tmp_path / "one")) == 0
     run = tmp_path / "pp-tp"
     flags = ["--pipeline-parallel", "2", "--tensor-parallel", "2", "--activation-checkpointing", "selective"]
-    finish(torchrun(_flags(data_dir, corpus_dir, run, *flags), tmp_path, nproc=4))
+    ranks(4).cli(_flags(data_dir, corpus_dir, run, *flags))
     (one, one_val), (pp, pp_val) = _losses(tmp_path / "one"), _losses(run)
     assert len(pp) == 6 and len(pp_val) == 2
     torch.testing.assert_close(torch.tensor(pp + pp_val), torch.tensor(one + one_val), rtol=1e-5, atol=0)
     four = ["--pipeline-parallel", "4", "--resume", str(run / "checkpoints" / "step_00000003")]
-    finish(torchrun(_flags(data_dir, corpus_dir, run, *four), tmp_path, nproc=4))
+    ranks(4).cli(_flags(data_dir, corpus_dir, run, *four))
     again, _ = _losses(run)
     torch.testing.assert_close(torch.tensor(again[-3:]), torch.tensor(pp[-3:]), rtol=1e-5, atol=0)
 
