@@ -133,17 +133,19 @@ def finish(p, timeout=300):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_torchrun_ddp_trains_and_resumes_exactly(data_dir, corpus_dir, tmp_path):
+def test_ddp_trains_and_resumes_exactly(data_dir, corpus_dir, tmp_path, ranks):
+    """DDP on 2 ranks as torchrun starts them (the shared ranks: torchrun itself is launched by the tests of Ctrl-C,
+    a crash, elastic restarts and exits beside busy processes), a resume bitwise the straight run."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     # Written in the background (the default for CUDA ranks): each save staged, the resumed run still bitwise the same.
     flags = ("--activation-checkpointing", "block", "--async-checkpoint", "on")
-    out, err = finish(torchrun(train_flags(data_dir, corpus_dir, straight, 6, *flags), tmp_path))
+    out, err = ranks(2).cli(train_flags(data_dir, corpus_dir, straight, 6, *flags))
     assert "global batch 8 = 4 per micro-batch x 1 accumulation x 2 processes, ddp" in err
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["steps"] == 6 and summary["world_size"] == 2
     assert out.count('"run_dir"') == 1  # rank 0 alone reports
-    finish(torchrun(train_flags(data_dir, corpus_dir, resumed, 3, *flags), tmp_path))
-    _, err = finish(torchrun(train_flags(data_dir, corpus_dir, resumed, 6, *flags, "--resume", "latest"), tmp_path))
+    ranks(2).cli(train_flags(data_dir, corpus_dir, resumed, 3, *flags))
+    _, err = ranks(2).cli(train_flags(data_dir, corpus_dir, resumed, 6, *flags, "--resume", "latest"))
     assert "staged to host memory" in err
     a, b = weights(straight, 6), weights(resumed, 6)
     for k in a:
