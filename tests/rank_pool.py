@@ -13,8 +13,8 @@ own processes under torchrun.
 prediction, one process's step) while the ranks work, then collects them with ``.result()``.
 
 ``pool.cli(argv)`` runs ``fitgpt ARGV`` on every rank as ``torchrun -m fitgpt ARGV`` would: the pool's group is
-left, the command meets its own group through the environment torchrun sets (a new port each time), with one
-intra-op thread a rank (torchrun's default), and the ranks' output comes back as torchrun's would, rank by rank.
+left, the command meets its own group through the environment torchrun sets (a new port each time), and the ranks'
+output comes back as torchrun's would, rank by rank. Every rank computes with one intra-op thread, torchrun's default.
 
 A body is ``fn(rank, world, *args)``, a module-level function (the ranks import it by name): it builds its own
 meshes and models, leaves the default process group as it found it, and returns what its test checks (tensors are
@@ -50,6 +50,9 @@ def _serve(rank: int, world: int, inbox, outbox) -> None:
     from fitgpt.train.distributed import forget_sharding
 
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    # One intra-op thread a rank, as torchrun starts its workers (OMP_NUM_THREADS=1): 4 ranks of 2 OpenMP threads each
+    # on 2 cores spun against each other, and the ranks' tests took 1.8x as long.
+    torch.set_num_threads(1)
     while (job := inbox.get()) is not None:
         fn, args, port = job
         # Each body meets DTensor's caches empty: a mesh an earlier body left there, its groups since destroyed, would
@@ -78,14 +81,11 @@ def _cli(rank: int, world: int, argv: list[str]) -> tuple[int, str, str]:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(argv)
     finally:
-        torch.set_num_threads(threads)
         if dist.is_initialized():  # a command that stopped before its own teardown
             dist.destroy_process_group()
             release_meshes()
