@@ -44,7 +44,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(rank: int, world: int, inbox, outbox) -> None:
+def _serve(rank: int, world: int, inbox, outbox, threads: int) -> None:
     import torch.distributed as dist
 
     from fitgpt.train.distributed import forget_sharding
@@ -52,7 +52,7 @@ def _serve(rank: int, world: int, inbox, outbox) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     # One intra-op thread a rank, as torchrun starts its workers (OMP_NUM_THREADS=1): 4 ranks of 2 OpenMP threads each
     # on 2 cores spun against each other, and the ranks' tests took 1.8x as long.
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     while (job := inbox.get()) is not None:
         fn, args, port = job
         # Each body meets DTensor's caches empty: a mesh an earlier body left there, its groups since destroyed, would
@@ -101,11 +101,12 @@ class RankCrashed(RuntimeError):
 class RankPool:
     """``world`` gloo ranks waiting for work: ``pool.run(fn, *args)`` -> each rank's return value, in rank order."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, threads: int = 1):
         self.world = world
         self.inboxes = [_ctx.Queue() for _ in range(world)]
         self.outbox = _ctx.Queue()
-        self.procs = [_ctx.Process(target=_serve, args=(r, world, self.inboxes[r], self.outbox), daemon=True)
+        self.procs = [_ctx.Process(target=_serve, args=(r, world, self.inboxes[r], self.outbox, threads),
+                                  daemon=True)
                       for r in range(world)]
         for p in self.procs:
             p.start()
@@ -196,15 +197,17 @@ class Submitted:
 class RankPools:
     """One pool a world size, started on first use, a new one where the last failed; all closed at the session's end."""
 
-    def __init__(self):
+    def __init__(self, threads: int = 1):
         self.pools: dict[int, RankPool] = {}
+        self.threads = threads
+        """Each rank's intra-op threads."""
 
     def __call__(self, world: int) -> RankPool:
         pool = self.pools.get(world)
         if pool is None or not pool.ready:
             if pool is not None:
                 pool.close()
-            pool = self.pools[world] = RankPool(world)
+            pool = self.pools[world] = RankPool(world, self.threads)
         return pool
 
     def close(self) -> None:

@@ -9,19 +9,6 @@ from fitgpt.model import ModelConfig, Transformer
 from fitgpt.parallel.pipeline import pipeline_refusal
 from fitgpt.parallel.stages import Stage, stage_blocks
 
-
-@pytest.fixture(scope="module")
-def ranks():
-    """Gloo ranks of this module's own (tests/rank_pool.py), closed after it: the pipeline's groups and meshes never
-    meet the session's ranks, whose later bodies then once named a process group gone with them ("could not resolve
-    the process group", CI, PyTorch 2.13; not reproduced in any smaller order)."""
-    from rank_pool import RankPools
-
-    pools = RankPools()
-    yield pools
-    pools.close()
-
-
 CFG = dict(vocab_size=128, context_length=16, n_embed=32, n_head=4, n_blocks=4, dropout=0.0, tie_embeddings=False)
 LLAMA = {**CFG, "arch": "llama", "n_kv_head": 2}
 GPT2 = {**CFG, "arch": "gpt2", "tie_embeddings": True}
@@ -219,7 +206,6 @@ def test_the_last_stage_computes_its_loss_as_the_policy_says(ranks):
     got = ranks(2).run(chunked_step)
     assert got[0]["chunked"] == 0 and got[1]["chunked"] >= 2
     assert all(g["loss"] == pytest.approx(one_process(LLAMA)[0], rel=1e-6) for g in got)
-
 
 
 def gathered_qkv(rank: int, world: int) -> dict:

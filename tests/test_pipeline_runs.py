@@ -8,18 +8,6 @@ from test_doors import one_line, run_cli
 from test_tensor_parallel_runs import _flags, _losses
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    """Gloo ranks of this module's own (tests/rank_pool.py), closed after it: the pipeline's groups and meshes never
-    meet the session's ranks, whose later bodies then once named a process group gone with them ("could not resolve
-    the process group", CI, PyTorch 2.13; not reproduced in any smaller order)."""
-    from rank_pool import RankPools
-
-    pools = RankPools()
-    yield pools
-    pools.close()
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("schedule, policy", [("gpipe", "block --compile"), ("1f1b", "selective"),

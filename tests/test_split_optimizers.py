@@ -70,9 +70,16 @@ def _train(model, step_model, optim: OptimConfig, x, y, reduce=None, steps: int 
 
 
 def one_process(name: str, tied: bool | str = False, clip: bool = True, steps: int = STEPS) -> tuple[list[float], dict]:
+    """One process's losses and weights, computed with one intra-op thread as each rank computes (GaLore's SVD rounds
+    by the threads it runs on: 2 here against the ranks' 1 moved its weights off the bit)."""
     model = _model(tied, name in BF16)
     x, y = _batch()
-    losses, _ = _train(model, model, _optim(name, clip), x, y, steps=steps)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        losses, _ = _train(model, model, _optim(name, clip), x, y, steps=steps)
+    finally:
+        torch.set_num_threads(threads)
     return losses, {k: v.float() for k, v in model.state_dict().items()}
 
 

@@ -79,9 +79,18 @@ def init_distributed(device_name: str, timeout_s: float) -> DistInfo:
         dist.init_process_group("nccl" if use_cuda else "gloo", store=attempt, rank=info.rank, world_size=world,
                                 timeout=timeout)
     # Meshes of groups destroyed before this run (whatever ran earlier in the process, without `shutdown`) may still
-    # sit in DTensor's caches, which would hand them to this run's equal meshes.
-    forget_sharding()
+    # sit in DTensor's caches, which would hand them to this run's equal meshes. Only where a mesh exists: emptying
+    # the caches in a fresh torchrun worker kept its heartbeat from ever naming a stopped rank (not understood yet).
+    if _meshes_alive():
+        forget_sharding()
     return info
+
+
+def _meshes_alive() -> bool:
+    """Whether this process holds any DeviceMesh (one made before this run: a run makes its own after this)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return any(isinstance(obj, DeviceMesh) for obj in gc.get_objects())
 
 
 # ---- a rank lost ----------------------------------------------------------------------------------
