@@ -6,9 +6,9 @@ there are several), the schedule that holds least: 1F1B where the step's batch g
 its own (one-row micro-batches, at most P in flight), else GPipe. Each optimizer setting of the ladder the stages can
 train (a step in the backward cannot run inside PyTorch's schedules: those rows stay FSDP's) is searched over depths
 as `fitgpt.plan.family` searches them, every pipeline rank planned (`fitgpt.estimate.pipeline`): a depth fits when
-every rank's peak under full block checkpointing, the least a rank holds, is within the budget. At the largest depth
-the row takes the least recomputing policy that fits every rank, and its time is the unpipelined step's shared among
-the stages, plus the bubble (`pipeline_step_time`)."""
+some checkpointing policy keeps every rank's peak within the budget. At the largest depth the row takes the least
+recomputing policy that fits every rank, and its time is the unpipelined step's shared among the stages, plus the
+bubble (`pipeline_step_time`)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ from fitgpt.plan.fastest import Layout
 from fitgpt.plan.solver import Plan, predict
 from fitgpt.utils import in_processes
 
-LEAST_HELD = "block"
-"""The policy a depth is judged by: every block recomputed, the least a pipeline rank holds."""
+FIT_ORDER = ("block", "selective", "pointwise", "none")
+"""The order a depth's policies are tried in to see whether any fits: the one that usually holds least first (not
+always the least: every policy is tried at a depth none fits, so none is missed)."""
 
 
 def least_held_layouts(w: Workload) -> list[Layout]:
@@ -69,41 +70,39 @@ def largest_pipelined(w: Workload, budget: int, ladder: tuple[tuple[str, dict], 
 
 def _largest_layout(w: Workload, budget: int, name: str, layout: Layout) -> Largest:
     base, tp = w.train.model, w.train.tensor_parallel
-    lowest: dict[int, int] = {}
-    held: dict[int, list] = {}  # each probed depth's ranks under LEAST_HELD
-    plans = [0]  # every rank planned once, for the row's count
+    lowest: dict[int, int] = {}  # each probed depth's least peak among the policies tried
+    peaks: dict[tuple[int, str], list] = {}  # (depth, policy) -> each rank's plan
 
-    def at(n: int) -> Workload:
-        return w.vary(model=scaled(base, n, tp))
+    def ranks(n: int, policy: str) -> list:
+        if (n, policy) not in peaks:
+            peaks[n, policy] = w.vary(model=scaled(base, n, tp)).stages(policy)
+        return peaks[n, policy]
 
-    def planned(n: int, policy: str) -> list:
-        plans[0] += 1
-        return at(n).stages(policy)
+    def fits(n: int, policy: str) -> bool:
+        peak = max(s.peak for s in ranks(n, policy))
+        lowest[n] = min(lowest.get(n, peak), peak)
+        return peak <= budget
 
-    def probe(n: int) -> bool:
-        held[n] = planned(n, LEAST_HELD)
-        lowest[n] = max(s.peak for s in held[n])
-        return lowest[n] <= budget
+    def probe(n: int) -> bool:  # does any policy fit every rank? (all are tried where none does)
+        return any(fits(n, policy) for policy in FIT_ORDER)
 
     stages = layout.pp * STAGES_PER_RANK[layout.schedule]  # a block a stage at least
     # Where the state alone, split over every rank, would fill each rank's budget: an upper bound to start from
     first = max(stages, first_guess(base, budget * w.world_size, w.train.optim, None, tp))
     lo = walk_depths(first, probe, lowest, budget, floor=stages - 1)
     if lo < stages:
-        return Largest(name, w.train.optim, None, profiles=plans[0], note="not even a block a stage fits")
-    for policy in BLOCK_OPTIONS:  # the least recomputing that fits every rank (LEAST_HELD does, the last)
-        ranks = held[lo] if policy == LEAST_HELD else planned(lo, policy)
-        if max(s.peak for s in ranks) <= budget:
-            break
-    whole = at(lo).unpipelined().profile()  # its time: the step of one rank holding every block
+        return Largest(name, w.train.optim, None, profiles=len(peaks), note="not even a block a stage fits")
+    policy = next(p for p in BLOCK_OPTIONS if fits(lo, p))  # the least recomputing that fits every rank
+    wn = w.vary(model=scaled(base, lo, tp))
+    whole = wn.unpipelined().profile()  # its time: the step of one rank holding every block
     plan = Plan.profiled(policy, whole)[0]
-    top, unpiped = max(ranks, key=lambda s: s.peak), predict(whole, plan)
+    top, unpiped = max(ranks(lo, policy), key=lambda s: s.peak), predict(whole, plan)
     seconds = pipeline_step_time(unpiped.step_time, layout.pp, layout.schedule, layout.microbatches)
     # The largest rank's bytes; the whole step's FLOPs, which the stages share
     prediction = dataclasses.replace(unpiped, peak=top.peak, where=f"pipeline rank {top.rank}", params=top.params,
                                      optimizer=top.optimizer, grads=top.grads, activations=top.activations,
                                      temporaries=0, activations_end_of_forward=0, step_time=seconds)
     model = scaled(base, lo, tp)
-    return Largest(name, w.train.optim, model, param_count(OwnModel(model)), plan, prediction, plans[0] + 1,
+    return Largest(name, w.train.optim, model, param_count(OwnModel(model)), plan, prediction, len(peaks) + 1,
                    tokens=w.train.batch_size * w.context, precision=w.train.precision,
                    settings=tuple(layout.settings().items()))
