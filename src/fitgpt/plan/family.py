@@ -113,19 +113,21 @@ def largest_model(w: Workload, budget: int, ladder: tuple[tuple[str, dict], ...]
     ``workers`` processes (default: one per CPU core, at most one per setting)."""
     # Several ranks offload with --fsdp-offload, not the one card's host optimizer.
     rungs = ladder or LADDER + ((ON_THE_HOST,) if w.target.cuda and w.world_size == 1 else ())
-    jobs = [(_with_model(w, changes), budget, name,
-             dataclasses.replace(w.train.optim, **{k: v for k, v in changes.items() if k not in MODEL_SETTINGS}), host_budget)
-            for name, changes in rungs]
+    jobs = []
+    for name, changes in rungs:
+        model, optim = rung_settings(w, changes)
+        jobs.append((w.vary(model=model) if model != w.train.model else w, budget, name, optim, host_budget))
     # The slowest searches first (low-bit steps, then steps in the backward), so that no core idles at the end.
     order = sorted(range(len(jobs)), key=lambda i: (jobs[i][3].name != "adamw", jobs[i][3].in_backward), reverse=True)
     done = dict(zip(order, in_processes(_rung, [jobs[i] for i in order], workers)))
     return [done[i] for i in range(len(jobs))]
 
 
-def _with_model(w: Workload, changes: dict) -> Workload:
-    """``w`` with a rung's model settings (pure bf16 weights) applied."""
-    model = {k: v for k, v in changes.items() if k in MODEL_SETTINGS}
-    return w.vary(model=dataclasses.replace(w.train.model, **model)) if model else w
+def rung_settings(w: Workload, changes: dict) -> tuple[ModelConfig, OptimConfig]:
+    """``w``'s model and optimizer with a rung's changes applied (its model settings: pure bf16 weights)."""
+    model = dataclasses.replace(w.train.model, **{k: v for k, v in changes.items() if k in MODEL_SETTINGS})
+    optim = dataclasses.replace(w.train.optim, **{k: v for k, v in changes.items() if k not in MODEL_SETTINGS})
+    return model, optim
 
 
 def _rung(w: Workload, budget: int, name: str, optim: OptimConfig, host_budget: int | None) -> Largest:

@@ -21,7 +21,7 @@ from fitgpt.estimate.source import OwnModel, param_count
 from fitgpt.estimate.workload import Workload
 from fitgpt.parallel.pipeline import pipeline_refusal
 from fitgpt.plan import family
-from fitgpt.plan.family import MODEL_SETTINGS, Largest, first_guess, scaled, walk_depths
+from fitgpt.plan.family import Largest, first_guess, rung_settings, scaled, walk_depths
 from fitgpt.plan.fastest import Layout
 from fitgpt.plan.solver import Plan, predict
 from fitgpt.utils import in_processes
@@ -59,12 +59,10 @@ def largest_pipelined(w: Workload, budget: int, ladder: tuple[tuple[str, dict], 
     jobs = []
     for layout in least_held_layouts(w):
         for name, changes in ladder or family.LADDER:
-            optim = dataclasses.replace(w.train.optim, **{k: v for k, v in changes.items() if k not in MODEL_SETTINGS})
-            model = dataclasses.replace(w.train.model, **{k: v for k, v in changes.items() if k in MODEL_SETTINGS})
-            train = dataclasses.replace(w.train, model=model, optim=optim, grad_accum=1, **layout.settings())
-            if launch_refusal(train, w.world_size, w.target.device, None, planned=True) is None:
-                jobs.append((w.vary(model=model, optim=optim, grad_accum=1, **layout.settings()), budget,
-                             f"{name}; {layout_name(layout, w.world_size)}", layout))
+            model, optim = rung_settings(w, changes)
+            staged = w.vary(model=model, optim=optim, grad_accum=1, **layout.settings())
+            if launch_refusal(staged.train, w.world_size, w.target.device, None, planned=True) is None:
+                jobs.append((staged, budget, f"{name}; {layout_name(layout, w.world_size)}", layout))
     return in_processes(_largest_layout, jobs, workers)
 
 
@@ -93,8 +91,8 @@ def _largest_layout(w: Workload, budget: int, name: str, layout: Layout) -> Larg
     if lo < stages:
         return Largest(name, w.train.optim, None, profiles=len(peaks), note="not even a block a stage fits")
     policy = next(p for p in BLOCK_OPTIONS if fits(lo, p))  # the least recomputing that fits every rank
-    wn = w.vary(model=scaled(base, lo, tp))
-    whole = wn.unpipelined().profile()  # its time: the step of one rank holding every block
+    model = scaled(base, lo, tp)
+    whole = w.vary(model=model).unpipelined().profile()  # its time: the step of one rank holding every block
     plan = Plan.profiled(policy, whole)[0]
     top, unpiped = max(ranks(lo, policy), key=lambda s: s.peak), predict(whole, plan)
     seconds = pipeline_step_time(unpiped.step_time, layout.pp, layout.schedule, layout.microbatches)
@@ -102,7 +100,6 @@ def _largest_layout(w: Workload, budget: int, name: str, layout: Layout) -> Larg
     prediction = dataclasses.replace(unpiped, peak=top.peak, where=f"pipeline rank {top.rank}", params=top.params,
                                      optimizer=top.optimizer, grads=top.grads, activations=top.activations,
                                      temporaries=0, activations_end_of_forward=0, step_time=seconds)
-    model = scaled(base, lo, tp)
     return Largest(name, w.train.optim, model, param_count(OwnModel(model)), plan, prediction, len(peaks) + 1,
                    tokens=w.train.batch_size * w.context, precision=w.train.precision,
                    settings=tuple(layout.settings().items()))
