@@ -81,6 +81,11 @@ def refits(name: str, law: Law) -> None:
     print(f"{name} Kaplan's form: {misses(kaplan(pts))}")
     inside = fit_law([p for p in pts if p["how"] != "end"], law.data, {}, resamples=0)
     ends = [p for p in pts if p["how"] == "end"]
+    long2 = {"depth": 2, "n_params": MEASURED_20[0][1], "tokens": MEASURED_20[0][2], "val_loss": MEASURED_20[0][3],
+             "how": "the 12-minute run"}
+    with_long = fit_law([p for p in pts if p["depth"] > 1] + [long2], law.data, {}, resamples=0)
+    print(f"{name} without depth 1, with depth 2's 12-minute run as a point (depths 3, 4 out of sample): "
+          + law_misses(with_long).split(", ", 1)[1])
     print(f"{name} inside the ladder, fitted without the depths' ends: the ends "
           + ", ".join(f"{100 * (inside.predict(p['n_params'], p['tokens'])[0] / p['val_loss'] - 1):+.1f}%" for p in ends))
 
