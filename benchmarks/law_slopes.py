@@ -42,12 +42,13 @@ def slopes(name: str, law: Law) -> None:
         print(line)
 
 
-def misses(predict) -> str:
-    return ", ".join(f"{100 * (predict(n, t) / v - 1):+.1f}%" for _, n, t, v in MEASURED_20)
+def misses(predict, rows: list[tuple] = MEASURED_20) -> str:
+    """``predict(n, tokens)`` against each of ``rows`` (depth, n, tokens, loss), as a percentage."""
+    return ", ".join(f"{100 * (predict(n, t) / v - 1):+.1f}%" for _, n, t, v in rows)
 
 
-def law_misses(law: Law) -> str:
-    return misses(lambda n, t: law.predict(n, t)[0])
+def law_misses(law: Law, rows: list[tuple] = MEASURED_20) -> str:
+    return misses(lambda n, t: law.predict(n, t)[0], rows)
 
 
 def kaplan(points: list[dict]):
@@ -79,15 +80,14 @@ def refits(name: str, law: Law) -> None:
         if len(chosen) >= 6:
             print(f"{name} {label} ({len(chosen)} points): {law_misses(fit_law(chosen, law.data, {}, resamples=0))}")
     print(f"{name} Kaplan's form: {misses(kaplan(pts))}")
-    inside = fit_law([p for p in pts if p["how"] != "end"], law.data, {}, resamples=0)
-    ends = [p for p in pts if p["how"] == "end"]
-    long2 = {"depth": 2, "n_params": MEASURED_20[0][1], "tokens": MEASURED_20[0][2], "val_loss": MEASURED_20[0][3],
-             "how": "the 12-minute run"}
+    depth, n, tokens, loss = MEASURED_20[0]
+    long2 = {"depth": depth, "n_params": n, "tokens": tokens, "val_loss": loss, "how": "the 12-minute run"}
     with_long = fit_law([p for p in pts if p["depth"] > 1] + [long2], law.data, {}, resamples=0)
     print(f"{name} without depth 1, with depth 2's 12-minute run as a point (depths 3, 4 out of sample): "
-          + law_misses(with_long).split(", ", 1)[1])
-    print(f"{name} inside the ladder, fitted without the depths' ends: the ends "
-          + ", ".join(f"{100 * (inside.predict(p['n_params'], p['tokens'])[0] / p['val_loss'] - 1):+.1f}%" for p in ends))
+          + law_misses(with_long, MEASURED_20[1:]))
+    inside = fit_law([p for p in pts if p["how"] != "end"], law.data, {}, resamples=0)
+    ends = [(p["depth"], p["n_params"], p["tokens"], p["val_loss"]) for p in pts if p["how"] == "end"]
+    print(f"{name} inside the ladder, fitted without the depths' ends: the ends {law_misses(inside, ends)}")
 
 
 def main() -> None:
