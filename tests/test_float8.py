@@ -150,6 +150,13 @@ def test_each_tensor_parallel_rank_of_float8_linears_is_planned_to_the_byte(worl
         assert peaks[::2] == planned and set(peaks[1::2]) == {gathered}
 
 
+F8_RTOL = 3e-4
+"""Tensor parallelism's pair against one process, measured on six sessions' data: 5.6e-5 to 1.31e-4 (two of four
+over the 1e-4 this once was). Each session's test corpus sits in another temporary folder, and `fitgpt prepare`
+draws a document's side of the split from its absolute path, so each session trains other windows (RESULTS, issue 68,
+"A test's data drawn from its folder's name")."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", [["--parallel", "fsdp"], ["--pipeline-parallel", "2", "--pipeline-microbatches", "2"],
@@ -159,8 +166,8 @@ def test_float8_trains_over_ranks_as_one_process_of_the_same_micro_batches(layou
     stepping the same micro-batches: FSDP's two ranks with one process accumulating two of 4 (scaled alike, weights
     gathered in float8), the pipeline's two micro-batches of 4 with one process accumulating two of 2; tensor
     parallelism's pair with one process, the batch whole (each weight's scale taken over its shards). The losses
-    agree to fp32 rounding carried through float8 (1e-4; the pipeline's measured equal to the digit, FSDP's 5e-5 at
-    step 5); the run resumes bitwise on its layout, and its checkpoint trains on in one process."""
+    agree to fp32 rounding carried through float8 (F8_RTOL; the pipeline's measured equal to the digit, FSDP's 5e-5
+    at step 5); the run resumes bitwise on its layout, and its checkpoint trains on in one process."""
     from test_tensor_parallel_runs import _flags, _losses
 
     from fitgpt.cli import main
@@ -172,9 +179,9 @@ def test_float8_trains_over_ranks_as_one_process_of_the_same_micro_batches(layou
     ranks(2).cli(_flags(data_dir, corpus_dir, run, "--float8", "tensorwise", *layout))
     (ref, ref_val), (got, got_val) = _losses(tmp_path / "one"), _losses(run)
     assert len(got) == 6
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=0)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=F8_RTOL, atol=0)
     if "--pipeline-parallel" not in layout:  # evaluated on the same batches (one process's of 2: other windows)
-        torch.testing.assert_close(torch.tensor(got_val), torch.tensor(ref_val), rtol=1e-4, atol=0)
+        torch.testing.assert_close(torch.tensor(got_val), torch.tensor(ref_val), rtol=F8_RTOL, atol=0)
     ranks(2).cli(_flags(data_dir, corpus_dir, run, "--float8", "tensorwise", *layout, "--resume",
                         str(run / "checkpoints" / "step_00000003")))
     assert _losses(run)[0][-3:] == got[-3:]
