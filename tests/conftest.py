@@ -19,6 +19,15 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 CORPUS_FILES = ["textwrap.py", "bisect.py", "heapq.py", "fnmatch.py", "colorsys.py", "string.py", "keyword.py", "glob.py"]
 
 
+WORKERS_THREADS = 1
+"""Under pytest-xdist (`-n 2`, the README's test command) each worker and what it launches computes with one intra-op
+thread: two workers of two OpenMP threads each on 2 cores spin against each other. Measured on the quick loop (806
+tests, this 2-core CPU): serial 218 s, `-n 2` 283 s with two threads a worker, 133 s with one."""
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = str(WORKERS_THREADS)  # the processes a test starts (CLI runs, torchrun) inherit it
+    torch.set_num_threads(WORKERS_THREADS)
+
+
 TINY_MODEL = dict(vocab_size=128, context_length=32, n_embed=32, n_head=4, n_blocks=4, dropout=0.0)
 
 
