@@ -63,6 +63,23 @@ def test_prepare_is_deterministic(corpus_dir, tmp_path, data_dir):
     assert _files(tmp_path / "again") == _files(data_dir)
 
 
+def test_the_same_corpus_in_another_folder_splits_and_prepares_alike(tmp_path):
+    """Each document's side of the split is drawn from its text, not its path: the same 200 files in two folders
+    (another machine, a copy, each test session's temporary folder) prepare to the same shards, about 5% held out.
+    Drawn from the path, each folder held out others (and each pytest session trained other windows)."""
+    texts = [f"def f{i}(x):\n    return x * {i} + {i * i % 17}  # {'ab' * (i % 7)}\n" for i in range(200)]
+    outs = []
+    for folder in ("one", "another/place"):
+        corpus = tmp_path / folder / "corpus"
+        corpus.mkdir(parents=True)
+        for i, text in enumerate(texts):
+            (corpus / f"{i:03d}.py").write_text(text)
+        outs.append(tmp_path / folder / "data")
+        meta = prepare(DataConfig(dir=str(outs[-1]), inputs=(str(corpus),), vocab_size=300), progress=False)
+        assert meta["split"] == "documents" and 0 < meta["val_documents"] < 30
+    assert _files(outs[0]) == _files(outs[1])
+
+
 def test_binary_and_non_utf8_files_are_skipped_and_counted(tmp_path):
     (tmp_path / "ok.txt").write_text("hello world, this is text. " * 50)
     (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02" * 100)

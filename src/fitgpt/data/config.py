@@ -50,8 +50,8 @@ class DataConfig:
     """bpe: train on at most this much text, each document kept with probability sample/corpus by a seeded draw
     (spread evenly across all inputs), so that training the tokenizer does not grow with the corpus."""
     val_fraction: float = 0.05
-    """Share of the documents held out for validation, each drawn by a seeded hash of its name (a corpus of too
-    few documents to draw any holds out this share of its last tokens instead)."""
+    """Share of the documents held out for validation, each drawn by a seeded hash of its text, not its path (a
+    corpus of too few documents to draw any holds out this share of its last tokens instead)."""
     seed: int = 1337
     """Seed of the train/val draw and of the tokenizer sample."""
     shard_tokens: int = 100_000_000

@@ -45,10 +45,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def _draw(seed: int, purpose: str, source: str) -> float:
-    """A uniform number in [0, 1) fixed by the seed, the purpose and the document's name."""
-    digest = hashlib.sha256(f"{seed}:{purpose}:{source}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") / 2**64
+def _draw(seed: int, purpose: str, text: str) -> float:
+    """A uniform number in [0, 1) fixed by the seed, the purpose and the document's text: not its path, so the same
+    corpus in another folder (another machine, a copy, a test's temporary folder) splits and samples alike, and a
+    document repeated anywhere falls on one side of the split."""
+    h = hashlib.sha256(f"{seed}:{purpose}:".encode())
+    h.update(text.encode("utf-8", "surrogatepass"))  # a JSON record's text may hold a lone surrogate
+    return int.from_bytes(h.digest()[:8], "little") / 2**64
 
 
 def ensure_prepared(cfg: DataConfig, progress: bool = True) -> tuple[DataConfig, dict]:
@@ -146,7 +149,7 @@ class _Sample:
         first = None
         for doc in read_documents(self.items, self.stats, self.cfg.text_field):
             first = first or doc
-            if self.keep < 1 and _draw(self.cfg.seed, "tokenizer-sample", doc.source) >= self.keep:
+            if self.keep < 1 and _draw(self.cfg.seed, "tokenizer-sample", doc.text) >= self.keep:
                 continue
             n = doc.text_bytes
             if self.documents and self.bytes + n > self.limit:
@@ -213,7 +216,7 @@ def _stream(cfg: DataConfig, tok: Tokenizer, items: list, part: Path, state: dic
         docs = read_documents(items, stats, cfg.text_field, tuple(state["position"]))
         for batch, encoded in _encoded(tok, _batches(tok, docs)):
             for doc, pieces in batch:
-                split = "val" if _draw(cfg.seed, "val", doc.source) < cfg.val_fraction else "train"
+                split = "val" if _draw(cfg.seed, "val", doc.text) < cfg.val_fraction else "train"
                 closed = _write_document(writers[split], [next(encoded) for _ in pieces], eot)
                 n = doc.text_bytes
                 state["documents"] += 1

@@ -33,11 +33,16 @@ def complete(cfg: DataConfig, out: Path) -> dict:
     return meta
 
 
+SPLIT_DRAWN_BY = "document text"
+"""What each document's side of the split is drawn from (`prepare._draw`); before it, the document's absolute path,
+which split the same corpus otherwise in another folder: a preparation interrupted then is not continued now."""
+
+
 def identity(cfg: DataConfig, items: list) -> dict:
     """What must be as it was for a preparation to be resumed."""
     return {"inputs": [str(i) for i in items], "tokenizer": cfg.tokenizer, "vocab_size": cfg.vocab_size,
             "tokenizer_sample": cfg.tokenizer_sample, "text_field": cfg.text_field, "val_fraction": cfg.val_fraction,
-            "seed": cfg.seed, "shard_tokens": cfg.shard_tokens}
+            "seed": cfg.seed, "shard_tokens": cfg.shard_tokens, "split_drawn_by": SPLIT_DRAWN_BY}
 
 
 def resumable(cfg: DataConfig, part: Path, items: list, strict: bool) -> dict | None:
