@@ -123,13 +123,13 @@ def test_a_cooldown_branch_trains_past_its_checkpoint_however_short_the_ladders_
 @pytest.fixture
 def law_of(data_dir, tmp_path):
     """A law file of TRUE's coefficients for the tests' data (or another tokenizer's, ``sha``)."""
-    def make(sha=None, recipe=None):
+    def make(sha=None, recipe=None, unique=None):
         data = TokenData(data_dir)
         meta = data.meta
         points = [{"n_params": n, "tokens": d, "val_loss": float(TRUE.loss(n, d))} for n in (5e4, 4e5, 1.3e6, 3e6)
                   for d in (2e5, 5e5, 1.2e6)]
         law = fit_law(points, {"tokenizer_sha256": sha or data.tokenizer_sha256, "vocab_size": data.vocab_size,
-                               "unique_tokens": int(meta["train_tokens"]), "dir": str(data_dir)},
+                               "unique_tokens": int(unique or meta["train_tokens"]), "dir": str(data_dir)},
                       {"precision": "fp32", **(recipe or {})}, resamples=10)
         law.write(tmp_path / "law.json")
         return str(tmp_path / "law.json")
@@ -176,6 +176,19 @@ def test_fit_time_budget_prints_a_row_per_depth_the_pick_the_least_loss_and_comm
         parts += [f"{5e4 / r['params']:.1f}x below their parameters"] if r["params"] < 5e4 else []
         assert beyond == (", ".join(parts) or "inside"), line
     assert "below their parameters" in table[0]  # depth 1 at 32 a block: 12,768
+
+
+def test_a_law_of_this_tokenizer_prepared_otherwise_says_its_losses_are_of_other_windows(law_of, data_dir):
+    """The same tokenizer, another split (the built-in corpus as an older fitgpt split it, by the files' paths): the
+    rows' header says the law's points were evaluated on other windows, with both counts."""
+    from fitgpt.cli.fit_budget import fitted_on
+    from fitgpt.scaling.law import read_law
+
+    meta = TokenData(data_dir).meta
+    assert fitted_on(read_law(law_of()), meta) == "fitted on this data"
+    other = fitted_on(read_law(law_of(unique=meta["train_tokens"] + 1000)), meta)
+    assert other.startswith("fitted on this tokenizer's data prepared otherwise")
+    assert f"{meta['train_tokens'] + 1000:,} training tokens against these {meta['train_tokens']:,}" in other
 
 
 def test_fit_refuses_a_law_of_another_tokenizer(law_of, data_dir, capsys):

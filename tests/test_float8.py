@@ -151,10 +151,9 @@ def test_each_tensor_parallel_rank_of_float8_linears_is_planned_to_the_byte(worl
 
 
 F8_RTOL = 3e-4
-"""Tensor parallelism's pair against one process, measured on six sessions' data: 5.6e-5 to 1.31e-4 (two of four
-over the 1e-4 this once was). Each session's test corpus sits in another temporary folder, and `fitgpt prepare`
-draws a document's side of the split from its absolute path, so each session trains other windows (RESULTS, issue 68,
-"A test's data drawn from its folder's name")."""
+"""Tensor parallelism's pair against one process, measured on six draws of the test data: 5.6e-5 to 1.31e-4 (two of
+four over the 1e-4 this once was). Until prepare drew the split from each document's text, each session's temporary
+folder drew other windows (RESULTS, issue 68, "A test's data drawn from its folder's name")."""
 
 
 @pytest.mark.slow

@@ -31,6 +31,16 @@ def _data(cfg):
     return data_cfg, data, law
 
 
+def fitted_on(law, meta: dict) -> str:
+    """Whether ``law``'s points were measured on this data's split (its training tokens), or on this tokenizer's data
+    prepared otherwise: other inputs, or the split an older fitgpt drew from the files' paths, whose validation
+    windows are not these (the built-in corpus: 3,663,509 training tokens then, 3,817,401 now)."""
+    if int(law.data["unique_tokens"]) == int(meta["train_tokens"]):
+        return "fitted on this data"
+    return (f"fitted on this tokenizer's data prepared otherwise, {int(law.data['unique_tokens']):,} training tokens "
+            f"against these {int(meta['train_tokens']):,}: its losses are of other validation windows")
+
+
 def _laws_recipe(law, train):
     """``train`` with the learning rates the law's points trained with (under muP, depth 1's: every depth's by
     transfer) and their evaluation's batches, for the rows' commands: the law speaks of runs of its own recipe, and
@@ -75,8 +85,8 @@ def time_budget(cfg) -> int:
                         f"{w.train.batch_size} x {w.context}, or trains not one step in --time-budget "
                         f"{cfg.time_budget}: lower --batch-size or --context, or give it more time")
 
-    whose = (f"law {cfg.law} (fitted on this data: {len(law.points)} points, rms log residual {law.rms_residual:.3f}; "
-             "interval: its bootstrap's 5th to 95th percentile)" if law else
+    whose = (f"law {cfg.law} ({fitted_on(law, data.meta)}: {len(law.points)} points, rms log residual "
+             f"{law.rms_residual:.3f}; interval: its bootstrap's 5th to 95th percentile)" if law else
              f"PUBLISHED coefficients (Hoffmann et al. 2022: E={PUBLISHED.E}, A={PUBLISHED.A}, alpha={PUBLISHED.alpha}, "
              f"B={PUBLISHED.B}, beta={PUBLISHED.beta}), fitted on another corpus and tokenizer: their losses rank the "
              "rows and mean nothing on their own; fit yours with fitgpt ladder")
