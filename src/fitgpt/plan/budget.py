@@ -73,8 +73,8 @@ def usable_seconds(seconds: float, train: TrainConfig) -> float:
 
 
 def predicted(law: Law | None, n: float, tokens: float, unique: float) -> tuple[float, float, float]:
-    if law is not None:
-        return law.predict(n, tokens)
+    if law is not None:  # on the data the rows train on (--unique-tokens, or --data.dir's), not the law's own
+        return law.predict(n, tokens, unique)
     loss = float(PUBLISHED.loss(n, effective_tokens(tokens, unique)))
     return loss, loss, loss
 

@@ -128,10 +128,10 @@ class Law:
         flops = [p.get("flops") or 6.0 * p["n_params"] * p["tokens"] for p in self.points]
         return min(flops), max(flops)
 
-    def predict(self, n: float, tokens: float) -> tuple[float, float, float]:
-        """(loss, low, high): the law's loss for ``n`` parameters trained on ``tokens`` of this data (repeats counted),
-        and the 5th and 95th percentiles of the bootstrap laws'."""
-        d = effective_tokens(tokens, self.data["unique_tokens"])
+    def predict(self, n: float, tokens: float, unique: float | None = None) -> tuple[float, float, float]:
+        """(loss, low, high): the law's loss for ``n`` parameters trained on ``tokens`` of data of ``unique`` tokens
+        (default: the law's own data), repeats counted, and the 5th and 95th percentiles of the bootstrap laws'."""
+        d = effective_tokens(tokens, self.data["unique_tokens"] if unique is None else unique)
         spread = [float(c.loss(n, d)) for c in self.bootstrap] or [float(self.coefficients.loss(n, d))]
         return float(self.coefficients.loss(n, d)), float(np.percentile(spread, 5)), float(np.percentile(spread, 95))
 
