@@ -197,8 +197,9 @@ def test_a_budgets_rows_count_repeats_of_the_data_they_train_on_not_the_laws():
     """`fit --time-budget --law --unique-tokens 1e12`: a row past the law's own data (10M unique tokens) is predicted
     as fresh tokens, as its epochs column says (2.61 here); it once repeated the law's 10M tokens 2,000 times (3.65)."""
     from fitgpt.plan.budget import predicted
+    from fitgpt.scaling.law import Law
 
-    law, n, tokens = _exact_law(), 1e6, 2e10
+    law, n, tokens = Law(TRUE, [], [], [], DATA), 1e6, 2e10
     c = law.coefficients
     assert predicted(law, n, tokens, 1e12)[0] == pytest.approx(float(c.loss(n, tokens)), rel=1e-12)
     assert predicted(law, n, tokens, 1e7)[0] == pytest.approx(float(c.loss(n, effective_tokens(tokens, 1e7))), rel=1e-12)
