@@ -10,7 +10,7 @@ import torch.distributed as dist
 STEPS = 8
 BASE = {"model": {"vocab_size": 256, "context_length": 32, "dropout": 0.0}, "batch_size": 8,
         "optim": {"lr": 1e-3, "warmup_steps": 0}, "activation_checkpointing": "none"}
-SETTINGS = {"muon": {"optim": {"name": "muon"}}, "adafactor": {"optim": {"name": "adafactor"}},
+SETTINGS = {"adamw": {"optim": {}}, "muon": {"optim": {"name": "muon"}}, "adafactor": {"optim": {"name": "adafactor"}},
             "adamw8bit": {"optim": {"name": "adamw8bit"}},
             "bf16-adamw": {"model": {"weights_dtype": "bf16"}, "optim": {}}}
 # One process's losses to fp32's rounding of the gradients' reduction, 8 steps on (measured: Adafactor 2.6e-7, 8-bit
@@ -23,7 +23,8 @@ def _config(name: str, layout: dict | None = None):
     from fitgpt.config import load_config
 
     setting = SETTINGS[name]
-    overrides = {**BASE, **(layout or {}), "model": {**BASE["model"], **setting.get("model", {})},
+    layout = layout or {}
+    overrides = {**BASE, **layout, "model": {**BASE["model"], **layout.get("model", {}), **setting.get("model", {})},
                  "optim": {**BASE["optim"], **setting["optim"]}}
     return load_config("llama-tiny", overrides=overrides)
 
@@ -35,12 +36,13 @@ def _batch(cfg, step: int, rows: int = 8):
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
 
-def one_process(name: str) -> list[float]:
+def one_process(name: str, model: dict | None = None) -> list[float]:
+    """``name``'s losses in one process (``model``: the layout's own model settings)."""
     from fitgpt.optim import build_optimizer
     from fitgpt.step import train_step
     from fitgpt.train.setup import build_model
 
-    cfg = _config(name)
+    cfg = _config(name, {"model": model or {}})
     model = build_model(cfg, cfg.model.vocab_size, torch.device("cpu"))
     optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"), seed=cfg.seed)
     return [train_step(model, optimizer, [_batch(cfg, step)], grad_clip=cfg.optim.grad_clip).loss.item()
@@ -83,6 +85,9 @@ def pipelined(rank: int, world: int, names: list[str], layout: dict) -> dict:
 @pytest.mark.parametrize("layout, names", [
     ({"pipeline_parallel": 2, "parallel": "fsdp", "batch_size": 4}, ["muon", "adafactor", "adamw8bit", "bf16-adamw"]),
     ({"pipeline_parallel": 2, "tensor_parallel": 2}, ["muon"]),
+    # A zero-bubble schedule over FSDP, each block's weights kept gathered to its backward (as it must be there).
+    ({"pipeline_parallel": 2, "parallel": "fsdp", "batch_size": 4, "pipeline_schedule": "zbv",
+      "fsdp_reshard_after_forward": "torchtitan", "model": {"tie_embeddings": False}}, ["adamw"]),
 ])
 def test_every_optimizer_over_stages_trains_as_one_process(layout, names, ranks):
     """Each loss of 8 steps within 1e-5 of one process's (2e-4 over bf16 weights): Muon's matrices stepped whole by
@@ -90,7 +95,7 @@ def test_every_optimizer_over_stages_trains_as_one_process(layout, names, ranks)
     model, as one process does."""
     got = ranks(4).run(pipelined, names, layout)
     for name in names:
-        expected = one_process(name)
+        expected = one_process(name, layout.get("model"))
         for rank in got:
             torch.testing.assert_close(torch.tensor(rank[name]), torch.tensor(expected), rtol=RTOL.get(name, 1e-5), atol=0,
                                        msg=f"{name}: {rank[name]} against {expected}")

@@ -63,9 +63,12 @@ def measured_stage_peak(rank: int, world: int, overrides: dict) -> int:
          "model": {**PLANNED["model"], "tie_embeddings": False}}),
     (2, {"pipeline_schedule": "dualpipev", "activation_checkpointing": "block",
          "model": {**PLANNED["model"], "tie_embeddings": False}}),
-    # torchtitan's FSDP under PP (issue 69): each block's weights kept gathered from its forward to its backward
+    # torchtitan's FSDP under PP (issue 69): each block's weights kept gathered from its forward to its backward; so
+    # too under ZBV's split backward, which needs them kept
     (4, {"pipeline_schedule": "1f1b", "parallel": "fsdp", "fsdp_reshard_after_forward": "torchtitan",
          "activation_checkpointing": "none"}),
+    (4, {"pipeline_schedule": "zbv", "parallel": "fsdp", "fsdp_reshard_after_forward": "torchtitan",
+         "activation_checkpointing": "block", "model": {**PLANNED["model"], "tie_embeddings": False}}),
     # every optimizer over stages (issue 69): Muon's matrices, and each stage's whole matrices stepped on their owner
     (2, {"pipeline_schedule": "1f1b", "activation_checkpointing": "none", "optim": {"name": "muon"}}),
     (4, {"pipeline_schedule": "1f1b", "parallel": "fsdp", "activation_checkpointing": "none", "optim": {"name": "adafactor"}}),

@@ -82,7 +82,8 @@ def test_what_a_pipeline_cannot_take_is_refused_in_one_line(extra, needle, data_
     (["--pipeline-parallel", "4", "--pipeline-schedule", "interleaved-1f1b"], 4, "more than its 4 blocks"),
     (["--pipeline-parallel", "2", "--pipeline-microbatches", "3"], 2, "does not divide --batch-size 4"),
     (["--pipeline-parallel", "2", "--optim.offload"], 2, "drop --optim.offload"),
-    (["--pipeline-parallel", "2", "--pipeline-schedule", "zbv", "--parallel", "fsdp"], 4, "use --pipeline-schedule 1f1b"),
+    (["--pipeline-parallel", "2", "--pipeline-schedule", "zbv", "--parallel", "fsdp"], 4,
+     "add --fsdp-reshard-after-forward torchtitan"),
     (["--pipeline-parallel", "2", "--pipeline-schedule", "interleaved-zero-bubble", "--compile"], 2, "drop --compile"),
     (["--pipeline-parallel", "2", "--pipeline-schedule", "zbv", "--model.tie-embeddings", "True"], 2,
      "use --model.tie-embeddings False"),
@@ -104,6 +105,20 @@ def test_a_launch_a_pipeline_cannot_take_is_refused_before_any_rank_works(extra,
     cfg = parse(_flags(data_dir, corpus_dir, tmp_path / "run", *extra)[1:])
     why = launch_refusal(cfg, world, "cpu", None)
     assert why is not None and needle in why and "\n" not in why
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved-zero-bubble", "dualpipev"])
+def test_a_zero_bubble_schedule_trains_over_fsdp_with_each_blocks_weights_kept_gathered(schedule, data_dir, corpus_dir,
+                                                                                        tmp_path):
+    """Once refused whatever the setting (issue 69): the split backward misses only a resharded block's weights."""
+    from fitgpt.cli.train import parse
+    from fitgpt.refusals import launch_refusal
+
+    flags = ["--pipeline-parallel", "2", "--pipeline-schedule", schedule, "--parallel", "fsdp", "--pipeline-microbatches",
+             "4", "--model.tie-embeddings", "False"]
+    for keep in ("torchtitan", "never"):
+        cfg = parse(_flags(data_dir, corpus_dir, tmp_path / "run", *flags, "--fsdp-reshard-after-forward", keep)[1:])
+        assert launch_refusal(cfg, 4, "cpu", None) is None, keep
 
 
 @pytest.mark.slow

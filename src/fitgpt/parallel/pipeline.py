@@ -81,10 +81,12 @@ def launch_refusal(cfg: TrainConfig, world: int) -> str | None:
     if cfg.compile and cfg.pipeline_schedule in ZERO_BUBBLE:
         return (f"--pipeline-schedule {cfg.pipeline_schedule} splits each backward in two, which PyTorch 2.13 cannot do "
                 "through compiled code: drop --compile, or use --pipeline-schedule 1f1b or interleaved-1f1b")
-    if cfg.pipeline_schedule in ZERO_BUBBLE and cfg.parallel == "fsdp":
-        return (f"--pipeline-schedule {cfg.pipeline_schedule} with --parallel fsdp gives FSDP's stages wrong weight "
-                "gradients in PyTorch 2.13 (measured: the loss leaves one process's at the second step): use "
-                "--pipeline-schedule 1f1b or interleaved-1f1b with FSDP")
+    if cfg.pipeline_schedule in ZERO_BUBBLE and cfg.parallel == "fsdp" and cfg.reshards_after_forward:
+        # PyTorch 2.13's split backward lists the stage's parameters as it starts, before FSDP's hook gathers a
+        # resharded block again: the weights' pass then finds none of that block's (no gradient, or part of one).
+        return (f"--pipeline-schedule {cfg.pipeline_schedule} with --parallel fsdp needs each block's weights kept "
+                "gathered from its forward to its backward (PyTorch 2.13's split backward misses a resharded block's "
+                "weight gradients): add --fsdp-reshard-after-forward torchtitan (or never)")
     if cfg.pipeline_schedule in V_SCHEDULES and cfg.model.tied:
         return (f"--pipeline-schedule {cfg.pipeline_schedule} puts the first and the last stage on one process, which "
                 "would hold the tied embedding and head twice: use --model.tie-embeddings False, or another "
