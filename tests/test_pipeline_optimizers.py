@@ -36,13 +36,13 @@ def _batch(cfg, step: int, rows: int = 8):
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
 
-def one_process(name: str, model: dict | None = None) -> list[float]:
-    """``name``'s losses in one process (``model``: the layout's own model settings)."""
+def one_process(name: str, model_settings: dict | None = None) -> list[float]:
+    """``name``'s losses in one process (``model_settings``: the layout's own, as its "model" entry)."""
     from fitgpt.optim import build_optimizer
     from fitgpt.step import train_step
     from fitgpt.train.setup import build_model
 
-    cfg = _config(name, {"model": model or {}})
+    cfg = _config(name, {"model": model_settings or {}})
     model = build_model(cfg, cfg.model.vocab_size, torch.device("cpu"))
     optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"), seed=cfg.seed)
     return [train_step(model, optimizer, [_batch(cfg, step)], grad_clip=cfg.optim.grad_clip).loss.item()
